@@ -1,0 +1,46 @@
+# Two entry points: `make demo` and `make test`. Each installs what it needs, idempotently.
+SHELL := /bin/bash
+VENV ?= .venv
+PY := $(VENV)/bin/python
+APT_PACKAGES := crun runc busybox-static catatonit mmdebstrap ca-certificates
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test lint unit integration install system-deps clean bench
+
+install: system-deps $(STAMP)
+
+system-deps:
+	@missing=""; for p in $(APT_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
+	if [ -n "$$missing" ]; then \
+	  echo "installing Debian packages:$$missing"; \
+	  apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q $$missing; \
+	fi
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+demo: install
+	$(VENV)/bin/dsec demo
+
+lint: install
+	$(VENV)/bin/ruff format --check src tests
+	$(VENV)/bin/ruff check src tests
+	$(VENV)/bin/mypy
+
+unit: install
+	$(VENV)/bin/pytest -q tests/unit
+
+integration: install
+	$(VENV)/bin/pytest -q tests/integration
+
+test: lint
+	$(VENV)/bin/pytest -q -ra tests
+
+bench: install
+	$(VENV)/bin/dsec bench lifecycle --n 100 --json bench-lifecycle.json
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,240 @@
+"""``dsec``: serve, run, ps, exec, rm, images, version, demo, bench."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from .. import __version__
+from ..errors import DsecError
+
+app = typer.Typer(help="dsec: elastic sandboxes for training and evaluating AI agents.", no_args_is_help=True)
+bench_app = typer.Typer(help="Benchmarks that write JSON, with peers measured side by side.", no_args_is_help=True)
+app.add_typer(bench_app, name="bench")
+console = Console()
+err = Console(stderr=True)
+
+UrlOpt = Annotated[str | None, typer.Option("--url", envvar="DSEC_URL", help="Daemon URL (unix:///… or http://…).")]
+TokenOpt = Annotated[str | None, typer.Option("--token", envvar="DSEC_TOKEN", help="Bearer token.")]
+
+
+def _fail(e: DsecError) -> None:
+    err.print(f"[red]error[/red] ({e.code}): {e.message}")
+    raise typer.Exit(2)
+
+
+def _client(url: str | None, token: str | None):  # type: ignore[no-untyped-def]
+    from ..sdk.sync import Client
+
+    return Client(url=url, token=token)
+
+
+@app.command()
+def version() -> None:
+    """Print the dsec version."""
+    console.print(f"dsec {__version__}")
+
+
+@app.command()
+def serve(
+    state_dir: Annotated[Path, typer.Option(help="Where state, images and sandboxes live.")] = Path("/var/lib/dsec"),
+    listen: Annotated[
+        str | None, typer.Option(help="unix:///path or http://127.0.0.1:PORT (default: STATE_DIR/dsec.sock).")
+    ] = None,
+    images_dir: Annotated[Path | None, typer.Option(help="Image cache (default: STATE_DIR/images).")] = None,
+    log_level: Annotated[str, typer.Option(help="debug, info, warning, error.")] = "info",
+) -> None:
+    """Run the node daemon."""
+    from ..server.app import serve as run_server
+
+    try:
+        run_server(state_dir, listen, images_dir, log_level)
+    except DsecError as e:
+        _fail(e)
+
+
+@app.command()
+def run(
+    command: Annotated[list[str], typer.Argument(help="Command; one argument runs under /bin/sh -c.")],
+    image: Annotated[str, typer.Option(help="Image name.")] = "dsec/debian:12",
+    kind: Annotated[str, typer.Option(help="Sandbox kind.")] = "container",
+    timeout: Annotated[float, typer.Option(help="Exec timeout in seconds.")] = 60.0,
+    memory: Annotated[str | None, typer.Option(help="Memory limit, e.g. 512Mi.")] = None,
+    url: UrlOpt = None,
+    token: TokenOpt = None,
+) -> None:
+    """One shot: create a sandbox, run COMMAND, print its output, destroy the sandbox."""
+    from ..sdk.sync import Sandbox
+
+    try:
+        client = _client(url, token)
+        with Sandbox.create(image=image, kind=kind, memory=memory, client=client, timeout=timeout + 60) as sb:
+            cmd: str | list[str] = command[0] if len(command) == 1 else command
+            res = sb.exec(cmd, timeout=timeout)
+    except DsecError as e:
+        _fail(e)
+        return
+    sys.stdout.write(res.stdout)
+    sys.stderr.write(res.stderr)
+    if res.timed_out:
+        err.print(f"[yellow]timed out after {timeout}s[/yellow]")
+    raise typer.Exit(res.exit_code if res.exit_code is not None else 1)
+
+
+@app.command()
+def ps(
+    label: Annotated[list[str], typer.Option("--label", "-l", help="key=value filter; repeatable.")] = [],  # noqa: B006
+    all: Annotated[bool, typer.Option("--all", "-a", help="Include stopped, failed and lost sandboxes.")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+    url: UrlOpt = None,
+    token: TokenOpt = None,
+) -> None:
+    """List sandboxes."""
+    labels = {}
+    for item in label:
+        k, sep, v = item.partition("=")
+        if not sep:
+            err.print(f"[red]error[/red]: --label {item!r} must look like key=value")
+            raise typer.Exit(2)
+        labels[k] = v
+    try:
+        items = _client(url, token).list(labels, include_finished=all)
+    except DsecError as e:
+        _fail(e)
+        return
+    if as_json:
+        console.print_json(json.dumps([i.model_dump(mode="json") for i in items]))
+        return
+    table = Table("ID", "KIND", "IMAGE", "STATE", "CREATED", "EXPIRES", "LABELS", "REASON")
+    for i in items:
+        table.add_row(
+            i.id,
+            i.kind,
+            i.image,
+            i.state.value,
+            i.created_at.strftime("%H:%M:%S"),
+            i.expires_at.strftime("%H:%M:%S"),
+            ",".join(f"{k}={v}" for k, v in i.labels.items()),
+            i.reason or "",
+        )
+    console.print(table)
+
+
+@app.command("exec")
+def exec_(
+    sandbox_id: Annotated[str, typer.Argument(help="Sandbox id.")],
+    command: Annotated[list[str], typer.Argument(help="Command; one argument runs under /bin/sh -c.")],
+    timeout: Annotated[float, typer.Option(help="Timeout in seconds.")] = 60.0,
+    url: UrlOpt = None,
+    token: TokenOpt = None,
+) -> None:
+    """Run a command in a running sandbox, streaming its output."""
+    from ..sdk.sync import Sandbox
+
+    code = 1
+    try:
+        sb = Sandbox.connect(sandbox_id, client=_client(url, token))
+        cmd: str | list[str] = command[0] if len(command) == 1 else command
+        for event in sb.exec_stream(cmd, timeout=timeout):
+            if event.type == "stdout" and event.data:
+                sys.stdout.write(event.data)
+                sys.stdout.flush()
+            elif event.type == "stderr" and event.data:
+                sys.stderr.write(event.data)
+                sys.stderr.flush()
+            elif event.type == "result" and event.result is not None:
+                code = event.result.exit_code if event.result.exit_code is not None else 1
+                if event.result.timed_out:
+                    err.print(f"[yellow]timed out after {timeout}s[/yellow]")
+    except DsecError as e:
+        _fail(e)
+    raise typer.Exit(code)
+
+
+@app.command()
+def rm(
+    sandbox_ids: Annotated[list[str], typer.Argument(help="Sandbox ids.")],
+    url: UrlOpt = None,
+    token: TokenOpt = None,
+) -> None:
+    """Kill sandboxes."""
+    from ..sdk.sync import Sandbox
+
+    client = _client(url, token)
+    failed = False
+    for sid in sandbox_ids:
+        try:
+            Sandbox.connect(sid, client=client).kill()
+            console.print(sid)
+        except DsecError as e:
+            err.print(f"[red]error[/red] {sid} ({e.code}): {e.message}")
+            failed = True
+    raise typer.Exit(2 if failed else 0)
+
+
+@app.command()
+def images(
+    build: Annotated[str | None, typer.Option(help="Build this built-in image now.")] = None,
+    url: UrlOpt = None,
+    token: TokenOpt = None,
+) -> None:
+    """List images (and build a built-in one with --build)."""
+    from ..units import format_size
+
+    try:
+        client = _client(url, token)
+        if build:
+            with console.status(f"building {build} (first build of dsec/debian:12 takes about a minute)…"):
+                client.build_image(build)
+        items = client.images()
+    except DsecError as e:
+        _fail(e)
+        return
+    table = Table("NAME", "READY", "SIZE", "DESCRIPTION")
+    for i in items:
+        table.add_row(i.name, "yes" if i.ready else "no (built on first use)", format_size(i.size), i.description)
+    console.print(table)
+
+
+@app.command()
+def demo(
+    n: Annotated[int, typer.Option("--n", help="Sandboxes in the rollout burst.", min=1, max=4096)] = 64,
+    concurrency: Annotated[int, typer.Option(help="Sandboxes in flight at once.", min=1, max=1024)] = 64,
+    state_dir: Annotated[Path, typer.Option(help="State dir of the daemon started if none runs.")] = Path(
+        "/var/lib/dsec"
+    ),
+    url: UrlOpt = None,
+    token: TokenOpt = None,
+) -> None:
+    """The main job: a burst of agent-style rollouts (apply a patch, run tests, reward) on the local daemon."""
+    from ..demo.rollouts import main as demo_main
+
+    raise typer.Exit(demo_main(n=n, concurrency=concurrency, state_dir=state_dir, url=url, token=token))
+
+
+@bench_app.command("lifecycle")
+def bench_lifecycle(
+    n: Annotated[int, typer.Option("--n", help="Sequential iterations per system.", min=5)] = 100,
+    burst: Annotated[int, typer.Option(help="Sandboxes in the concurrent burst.", min=1)] = 100,
+    json_out: Annotated[Path, typer.Option("--json", help="Where to write the JSON results.")] = Path(
+        "bench-lifecycle.json"
+    ),
+    state_dir: Annotated[Path, typer.Option(help="State dir of the daemon the bench starts.")] = Path(
+        "/var/lib/dsec-bench"
+    ),
+    skip_podman: Annotated[bool, typer.Option(help="Do not measure podman.")] = False,
+) -> None:
+    """create → exec `true` → destroy for dsec, bare crun and podman; exec round trip vs crun exec."""
+    from ..bench.lifecycle import main as bench_main
+
+    raise typer.Exit(bench_main(n=n, burst=burst, json_out=json_out, state_dir=state_dir, skip_podman=skip_podman))
+
+
+def main() -> None:
+    app()

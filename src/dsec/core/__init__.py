@@ -1,0 +1,1 @@
+"""The sandbox lifecycle core: state machine, TTL reaper, dispatch to kinds."""

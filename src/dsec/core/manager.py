@@ -1,0 +1,252 @@
+"""The lifecycle core. It owns the state machine and the records; kinds do the work.
+
+States: creating → running → stopping → stopped, and failed / lost with a reason. Each action says
+which states allow it and rejects the rest with ``InvalidState`` (or ``SandboxGone`` once terminal).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import secrets
+import time
+from collections.abc import Awaitable
+from pathlib import Path
+from typing import TypeVar
+
+from ..errors import BackendError, DsecError, InvalidRequest, InvalidState, SandboxGone, SandboxNotFound
+from ..images.store import ImageStore
+from ..kinds import registry
+from ..kinds.base import Backend, BackendContext, OutputCallback
+from ..models import TERMINAL_STATES, CreateSandbox, ExecRequest, ExecResult, FileEntry, SandboxInfo, State
+from ..store.records import SandboxRecord
+from ..store.sqlite import SandboxStore
+
+log = logging.getLogger("dsec.core")
+T = TypeVar("T")
+
+REAP_INTERVAL = 1.0
+KEEP_FINISHED_S = 24 * 3600.0
+MAX_CONCURRENT_CREATES = 32
+LIVE_STATES = {State.creating, State.running, State.paused, State.stopping}
+
+
+def _host_memory() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+class SandboxManager:
+    def __init__(self, state_dir: Path, images_dir: Path | None = None) -> None:
+        self.state_dir = state_dir
+        state_dir.mkdir(parents=True, exist_ok=True)
+        self.store = SandboxStore(state_dir / "state.db")
+        self.images = ImageStore(images_dir or state_dir / "images")
+        self.ctx = BackendContext(state_dir=state_dir)
+        self.backends: dict[str, Backend] = {}
+        self._locks: dict[str, asyncio.Lock] = {}
+        self._create_slots = asyncio.Semaphore(MAX_CONCURRENT_CREATES)
+        self._reaper: asyncio.Task[None] | None = None
+        self.notes: list[str] = []
+
+    # ---- daemon lifecycle --------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        for kind in registry.available():
+            backend = registry.load(kind, self.ctx)
+            self.notes += await backend.start()
+            self.backends[kind] = backend
+        await self.readopt()
+        self._reaper = asyncio.create_task(self._reap_forever())
+
+    async def close(self) -> None:
+        if self._reaper is not None:
+            self._reaper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._reaper
+        self.store.close()
+
+    async def readopt(self) -> None:
+        """After a restart: keep what still runs, mark the rest lost with a reason, free what they held."""
+        for rec in self.store.all(LIVE_STATES):
+            backend = self.backends.get(rec.kind)
+            alive = False
+            if backend is not None and rec.state == State.running:
+                try:
+                    alive = await backend.alive(rec)
+                except DsecError:
+                    alive = False
+            if alive:
+                log.info("re-adopted sandbox %s", rec.id)
+                continue
+            reason = {
+                State.creating: "the daemon stopped while the sandbox was being created",
+                State.stopping: "the daemon stopped while the sandbox was being stopped",
+            }.get(rec.state, "the sandbox was not running when the daemon restarted")
+            if backend is None:
+                reason = f"kind {rec.kind!r} is not available in this daemon"
+            self._set_state(rec, State.lost, reason)
+            if backend is not None:
+                with contextlib.suppress(Exception):
+                    await backend.destroy(rec)
+            log.warning("sandbox %s lost: %s", rec.id, reason)
+
+    async def _reap_forever(self) -> None:
+        while True:
+            await asyncio.sleep(REAP_INTERVAL)
+            try:
+                await self.reap_once()
+            except Exception:  # the reaper must survive anything one sandbox does
+                log.exception("reaper pass failed")
+
+    async def reap_once(self) -> None:
+        now = time.time()
+        for rec in self.store.all({State.running, State.paused}):
+            if rec.expires_at <= now:
+                log.info("sandbox %s reached its time to live", rec.id)
+                with contextlib.suppress(DsecError):
+                    await self._stop(rec.id, "time to live expired")
+        self.store.delete_older_than(now - KEEP_FINISHED_S, set(TERMINAL_STATES))
+
+    # ---- records and states ------------------------------------------------------------------------
+
+    def _lock(self, sandbox_id: str) -> asyncio.Lock:
+        return self._locks.setdefault(sandbox_id, asyncio.Lock())
+
+    def _set_state(self, rec: SandboxRecord, state: State, reason: str | None = None) -> None:
+        rec.state = state
+        rec.reason = reason
+        self.store.put(rec)
+
+    def _get(self, sandbox_id: str) -> SandboxRecord:
+        if not isinstance(sandbox_id, str) or not sandbox_id or len(sandbox_id) > 64:
+            raise SandboxNotFound(f"no sandbox {sandbox_id!r}")
+        rec = self.store.get(sandbox_id)
+        if rec is None:
+            raise SandboxNotFound(f"no sandbox {sandbox_id!r}")
+        return rec
+
+    def _running(self, sandbox_id: str) -> tuple[SandboxRecord, Backend]:
+        rec = self._get(sandbox_id)
+        if rec.state in TERMINAL_STATES:
+            why = f": {rec.reason}" if rec.reason else ""
+            raise SandboxGone(f"sandbox {rec.id} is {rec.state.value}{why}", detail={"state": rec.state.value})
+        if rec.state != State.running:
+            raise InvalidState(
+                f"sandbox {rec.id} is {rec.state.value}; this needs a running sandbox",
+                detail={"state": rec.state.value},
+            )
+        if rec.expires_at <= time.time():
+            raise SandboxGone(f"sandbox {rec.id} reached its time to live")
+        return rec, self.backends[rec.kind]
+
+    # ---- actions -----------------------------------------------------------------------------------
+
+    async def create(self, req: CreateSandbox) -> SandboxInfo:
+        if req.kind not in self.backends:
+            registry.load(req.kind, self.ctx)  # raises the precise "not available" / "unknown" error
+        if req.limits.memory > _host_memory():
+            raise InvalidRequest(f"memory limit {req.limits.memory} exceeds this node's {_host_memory()} bytes")
+        image = await self.images.resolve(req.image)
+        backend = self.backends[req.kind]
+        now = time.time()
+        rec = SandboxRecord(
+            id="sb-" + secrets.token_hex(6),
+            kind=req.kind,
+            image=image.name,
+            state=State.creating,
+            created_at=now,
+            expires_at=now + req.timeout,
+            limits=req.limits,
+            env=dict(req.env),
+            labels=dict(req.labels),
+        )
+        self.store.put(rec)
+        async with self._create_slots, self._lock(rec.id):
+            try:
+                await backend.create(rec, image)
+            except BaseException as e:
+                reason = str(e) if isinstance(e, DsecError) else f"{type(e).__name__}: {e}"
+                self._set_state(rec, State.failed, f"creation failed: {reason}")
+                with contextlib.suppress(Exception):
+                    await backend.destroy(rec)
+                if isinstance(e, DsecError) or not isinstance(e, Exception):
+                    raise
+                raise BackendError(f"creating sandbox failed: {reason}") from e
+            self._set_state(rec, State.running)
+        return rec.info()
+
+    def info(self, sandbox_id: str) -> SandboxInfo:
+        return self._get(sandbox_id).info()
+
+    def list(self, labels: dict[str, str] | None = None, include_finished: bool = False) -> list[SandboxInfo]:
+        recs = self.store.all(None if include_finished else LIVE_STATES)
+        wanted = labels or {}
+        return [r.info() for r in recs if all(r.labels.get(k) == v for k, v in wanted.items())]
+
+    async def kill(self, sandbox_id: str) -> SandboxInfo:
+        rec = self._get(sandbox_id)
+        if rec.state in TERMINAL_STATES:
+            return rec.info()  # killing twice is not an error
+        return await self._stop(sandbox_id, "killed by request")
+
+    async def _stop(self, sandbox_id: str, reason: str) -> SandboxInfo:
+        async with self._lock(sandbox_id):
+            rec = self._get(sandbox_id)
+            if rec.state in TERMINAL_STATES:
+                return rec.info()
+            self._set_state(rec, State.stopping, reason)
+            try:
+                await self.backends[rec.kind].destroy(rec)
+            except DsecError as e:
+                self._set_state(rec, State.failed, f"{reason}; cleanup failed: {e}")
+                raise
+            self._set_state(rec, State.stopped, reason)
+        self._locks.pop(sandbox_id, None)
+        return rec.info()
+
+    async def exec(self, sandbox_id: str, req: ExecRequest, on_output: OutputCallback | None = None) -> ExecResult:
+        rec, backend = self._running(sandbox_id)
+        env = {**rec.env, **req.env}
+        req = req.model_copy(update={"env": env})
+        return await self._checked(rec, backend.exec(rec, req, on_output))
+
+    async def _checked(self, rec: SandboxRecord, op: Awaitable[T]) -> T:
+        """Run an operation; if the sandbox died under it, report that rather than a runtime error."""
+        try:
+            return await op
+        except SandboxGone as e:
+            current = self.store.get(rec.id)
+            if current is not None and current.state == State.running:
+                self._set_state(current, State.failed, str(e))
+            raise
+
+    async def read_file(self, sandbox_id: str, path: str) -> bytes:
+        rec, backend = self._running(sandbox_id)
+        return await backend.read_file(rec, path)
+
+    async def write_file(self, sandbox_id: str, path: str, data: bytes, mode: int = 0o644) -> None:
+        rec, backend = self._running(sandbox_id)
+        await backend.write_file(rec, path, data, mode)
+
+    async def list_dir(self, sandbox_id: str, path: str) -> list[FileEntry]:
+        rec, backend = self._running(sandbox_id)
+        return await backend.list_dir(rec, path)
+
+    async def remove(self, sandbox_id: str, path: str, recursive: bool = False) -> None:
+        rec, backend = self._running(sandbox_id)
+        await backend.remove(rec, path, recursive)
+
+    async def mkdir(self, sandbox_id: str, path: str) -> None:
+        rec, backend = self._running(sandbox_id)
+        await backend.mkdir(rec, path)
+
+    async def upload_tar(self, sandbox_id: str, path: str, data: bytes) -> None:
+        rec, backend = self._running(sandbox_id)
+        await self._checked(rec, backend.upload_tar(rec, path, data))
+
+    async def download_tar(self, sandbox_id: str, path: str) -> bytes:
+        rec, backend = self._running(sandbox_id)
+        return await self._checked(rec, backend.download_tar(rec, path))
+

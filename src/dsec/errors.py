@@ -1,0 +1,141 @@
+"""The error hierarchy shared by the SDK and the daemon.
+
+Every error has a stable machine-readable ``code``; the wire carries the code and the message, and
+both sides map codes to classes through :data:`ERRORS_BY_CODE`, so a client re-raises the same class
+the core raised. Subclasses also inherit the builtin that fits, so ``except TimeoutError`` works.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+
+class DsecError(Exception):
+    """Root of every error dsec raises."""
+
+    code: ClassVar[str] = "internal"
+    http_status: ClassVar[int] = 500
+
+    def __init__(self, message: str, *, detail: dict[str, object] | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.detail = detail or {}
+
+    def __str__(self) -> str:
+        return self.message
+
+
+class InvalidRequest(DsecError, ValueError):
+    """The request is malformed or asks for something impossible."""
+
+    code = "invalid_request"
+    http_status = 400
+
+
+class Unauthorized(DsecError, PermissionError):
+    """Missing or wrong bearer token."""
+
+    code = "unauthorized"
+    http_status = 401
+
+
+class NotFound(DsecError, LookupError):
+    """Generic: the named thing does not exist."""
+
+    code = "not_found"
+    http_status = 404
+
+
+class SandboxNotFound(NotFound):
+    """No sandbox with this id."""
+
+    code = "sandbox_not_found"
+
+
+class ImageNotFound(NotFound):
+    """No image with this name."""
+
+    code = "image_not_found"
+
+
+class FileNotFoundInSandbox(NotFound, FileNotFoundError):
+    """The path does not exist inside the sandbox."""
+
+    code = "file_not_found"
+
+
+class InvalidState(DsecError):
+    """The sandbox's lifecycle state does not allow this action."""
+
+    code = "invalid_state"
+    http_status = 409
+
+
+class SandboxGone(InvalidState):
+    """The sandbox stopped, failed or was lost; it can no longer be used."""
+
+    code = "sandbox_gone"
+    http_status = 410
+
+
+class QuotaExceeded(DsecError):
+    """A limit on the number or size of sandboxes was reached."""
+
+    code = "quota_exceeded"
+    http_status = 429
+
+
+class LimitExceeded(DsecError, OSError):
+    """A sandbox limit (disk, output, request size) stopped the operation."""
+
+    code = "limit_exceeded"
+    http_status = 413
+
+
+class SandboxTimeout(DsecError, TimeoutError):
+    """An operation did not finish within its deadline."""
+
+    code = "timeout"
+    http_status = 504
+
+
+class DaemonUnreachable(DsecError, ConnectionError):
+    """The SDK could not reach the daemon."""
+
+    code = "daemon_unreachable"
+    http_status = 503
+
+
+class BackendError(DsecError, RuntimeError):
+    """The runtime under a sandbox kind failed (crun, QEMU, ...)."""
+
+    code = "backend_error"
+    http_status = 500
+
+
+ERRORS_BY_CODE: dict[str, type[DsecError]] = {
+    cls.code: cls
+    for cls in (
+        DsecError,
+        InvalidRequest,
+        Unauthorized,
+        NotFound,
+        SandboxNotFound,
+        ImageNotFound,
+        FileNotFoundInSandbox,
+        InvalidState,
+        SandboxGone,
+        QuotaExceeded,
+        LimitExceeded,
+        SandboxTimeout,
+        DaemonUnreachable,
+        BackendError,
+    )
+}
+
+
+def error_from_wire(code: str, message: str, detail: dict[str, object] | None = None) -> DsecError:
+    """Rebuild the error a server reported; unknown codes become the root class."""
+    cls = ERRORS_BY_CODE.get(code, DsecError)
+    err = cls(message, detail=detail)
+    return err

@@ -1,0 +1,1 @@
+"""Images: named root filesystems made of read-only layers."""

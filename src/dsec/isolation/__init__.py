@@ -1,0 +1,1 @@
+"""Host-side isolation primitives: mounts, cgroups, seccomp, safe path resolution."""

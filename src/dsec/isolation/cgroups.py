@@ -1,0 +1,182 @@
+"""cgroup discovery and the few direct cgroup operations dsec needs beyond what the OCI runtime does.
+
+crun creates each sandbox's cgroups and applies its limits. dsec adds what an OCI runtime does not
+offer: a child cgroup per exec in the unified (v2) hierarchy, so a timeout kills the exec's whole
+tree with ``cgroup.kill`` (double-forked and setsid'ed processes included) without touching other
+execs; and OOM-kill counters. On a hybrid host (v1 controllers plus a v2 tree without controllers)
+the v2 tree is used for grouping and killing only, and limits live in v1.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..errors import BackendError
+
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+
+
+@dataclass(frozen=True)
+class CgroupLayout:
+    mode: str  # "v2" or "hybrid" (v1 controllers)
+    unified: Path  # root of the v2 hierarchy
+    memory_v1: Path | None
+
+    def unified_dir(self, cg_path: str) -> Path:
+        return self.unified / cg_path.strip("/")
+
+    def oom_kills(self, cg_path: str) -> int:
+        """OOM kills so far in this sandbox's memory cgroup."""
+        if self.mode == "v2":
+            f = self.unified_dir(cg_path) / "memory.events"
+            key = "oom_kill"
+        else:
+            assert self.memory_v1 is not None
+            f = self.memory_v1 / cg_path.strip("/") / "memory.oom_control"
+            key = "oom_kill"
+        try:
+            for line in f.read_text().splitlines():
+                k, _, v = line.partition(" ")
+                if k == key:
+                    return int(v)
+        except OSError:
+            pass
+        return 0
+
+    def memory_usage(self, cg_path: str) -> int:
+        if self.mode == "v2":
+            f = self.unified_dir(cg_path) / "memory.current"
+        else:
+            assert self.memory_v1 is not None
+            f = self.memory_v1 / cg_path.strip("/") / "memory.usage_in_bytes"
+        try:
+            return int(f.read_text())
+        except (OSError, ValueError):
+            return 0
+
+
+def _fs_type(path: Path) -> str | None:
+    target = str(path)
+    with open("/proc/self/mountinfo", encoding="utf-8") as f:
+        for line in f:
+            left, _, right = line.partition(" - ")
+            if left.split()[4] == target:
+                return right.split()[0]
+    return None
+
+
+def detect() -> CgroupLayout:
+    root_type = _fs_type(CGROUP_ROOT)
+    if root_type == "cgroup2":
+        return CgroupLayout("v2", CGROUP_ROOT, None)
+    unified = CGROUP_ROOT / "unified"
+    if _fs_type(unified) != "cgroup2":
+        raise BackendError(
+            "dsec needs the cgroup v2 hierarchy (pure v2 at /sys/fs/cgroup, or hybrid with /sys/fs/cgroup/unified)"
+        )
+    return CgroupLayout("hybrid", unified, CGROUP_ROOT / "memory")
+
+
+def prepare_host(layout: CgroupLayout) -> list[str]:
+    """Make the host usable by crun; returns what was changed, for the log.
+
+    crun refuses hybrid hosts where a controller sits on the v2 tree. Any controller unused by v1
+    shows up there (hugetlb, typically); mounting a v1 hierarchy for it takes it off the v2 tree.
+    """
+    changes: list[str] = []
+    if layout.mode != "hybrid":
+        return changes
+    controllers = (layout.unified / "cgroup.controllers").read_text().split()
+    for ctrl in controllers:
+        target = CGROUP_ROOT / ctrl
+        from .mounts import mount
+
+        target.mkdir(exist_ok=True)
+        try:
+            mount("cgroup", target, "cgroup", 0, ctrl)
+        except OSError as e:
+            raise BackendError(f"cannot mount a v1 {ctrl} hierarchy for crun: {e}") from e
+        changes.append(f"mounted v1 {ctrl} hierarchy at {target}")
+    return changes
+
+
+def make_exec_group(layout: CgroupLayout, cg_path: str, name: str) -> Path:
+    d = layout.unified_dir(cg_path) / name
+    d.mkdir()
+    return d
+
+
+def move_pid(group: Path, pid: int) -> None:
+    (group / "cgroup.procs").write_text(str(pid))
+
+
+def kill_group(group: Path) -> None:
+    """Kill every process in the group and its descendants (cgroup.kill, kernel ≥ 5.14)."""
+    kill_file = group / "cgroup.kill"
+    if kill_file.exists():
+        with contextlib.suppress(FileNotFoundError):
+            kill_file.write_text("1")
+        return
+    # Older kernels: freeze-free best effort, repeated until the group is empty.
+    for _ in range(50):
+        pids = group_pids(group)
+        if not pids:
+            return
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, 9)
+        time.sleep(0.01)
+
+
+def group_pids(group: Path) -> list[int]:
+    pids: list[int] = []
+    try:
+        for p in group.rglob("cgroup.procs"):
+            pids.extend(int(x) for x in p.read_text().split())
+    except (FileNotFoundError, ValueError):
+        pass
+    return pids
+
+
+def remove_group(group: Path) -> bool:
+    """rmdir a group and its children, deepest first; False if something still lives in it."""
+    if not group.exists():
+        return True
+    ok = True
+    for child in sorted(
+        (p for p in group.rglob("*") if p.is_dir()), key=lambda p: len(p.parts), reverse=True
+    ):
+        try:
+            child.rmdir()
+        except OSError:
+            ok = False
+    try:
+        group.rmdir()
+    except FileNotFoundError:
+        pass
+    except OSError:
+        ok = False
+    return ok
+
+
+def host_pid_for_nspid(group: Path, ns_pid: int) -> int | None:
+    """The host pid of the process in ``group`` whose innermost pid-namespace pid is ``ns_pid``."""
+    try:
+        candidates = [int(x) for x in (group / "cgroup.procs").read_text().split()]
+    except (OSError, ValueError):
+        return None
+    for pid in candidates:
+        try:
+            with open(f"/proc/{pid}/status", encoding="utf-8") as f:
+                for line in f:
+                    if line.startswith("NSpid:"):
+                        if int(line.split()[-1]) == ns_pid:
+                            return pid
+                        break
+        except (OSError, ValueError):
+            continue
+    return None

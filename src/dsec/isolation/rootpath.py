@@ -1,0 +1,222 @@
+"""File access confined to a sandbox's root directory, from the host side.
+
+Every path is resolved with openat2(RESOLVE_IN_ROOT | RESOLVE_NO_MAGICLINKS | RESOLVE_NO_XDEV): the
+kernel treats the sandbox root as "/" for ``..`` and absolute symlinks, refuses /proc magic links and
+never crosses into another mount, so no path or symlink planted by the workload reaches host files,
+and there is no check-then-use race.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import os
+import posixpath
+import shutil
+import stat
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from ..errors import FileNotFoundInSandbox, InvalidRequest, LimitExceeded
+from ..models import FileEntry
+
+_SYS_OPENAT2 = 437
+RESOLVE_NO_XDEV = 0x01
+RESOLVE_NO_MAGICLINKS = 0x02
+RESOLVE_IN_ROOT = 0x10
+_RESOLVE = RESOLVE_IN_ROOT | RESOLVE_NO_MAGICLINKS | RESOLVE_NO_XDEV
+MAX_PATH = 4096
+
+
+class _OpenHow(ctypes.Structure):
+    _fields_ = [("flags", ctypes.c_uint64), ("mode", ctypes.c_uint64), ("resolve", ctypes.c_uint64)]
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.syscall.restype = ctypes.c_long
+
+
+def openat2(dirfd: int, path: str, flags: int, mode: int = 0, resolve: int = _RESOLVE) -> int:
+    how = _OpenHow(flags | os.O_CLOEXEC, mode, resolve)
+    while True:
+        fd = _libc.syscall(
+            _SYS_OPENAT2, dirfd, path.encode(), ctypes.byref(how), ctypes.c_size_t(ctypes.sizeof(how))
+        )
+        if fd >= 0:
+            return int(fd)
+        err = ctypes.get_errno()
+        if err in (errno.EAGAIN, errno.EINTR):  # EAGAIN: a concurrent rename raced the lookup; retry
+            continue
+        raise OSError(err, os.strerror(err), path)
+
+
+def clean_path(path: str) -> str:
+    """Validate an API path: absolute, no NUL, bounded; returns it normalised (relative to the root)."""
+    if not isinstance(path, str) or not path:
+        raise InvalidRequest("path is empty")
+    if "\0" in path:
+        raise InvalidRequest("path contains a NUL byte")
+    if len(path) > MAX_PATH:
+        raise InvalidRequest("path is too long")
+    if not path.startswith("/"):
+        raise InvalidRequest(f"path must be absolute: {path!r}")
+    norm = posixpath.normpath(path).lstrip("/")
+    return norm or "."
+
+
+def _translate(e: OSError, path: str) -> Exception:
+    if e.errno == errno.ENOENT:
+        return FileNotFoundInSandbox(f"no such file or directory in the sandbox: {path}")
+    if e.errno in (errno.ENOSPC, errno.EDQUOT):
+        return LimitExceeded(f"the sandbox's disk is full while writing {path}")
+    if e.errno == errno.EFBIG:
+        return LimitExceeded(f"file too large: {path}")
+    if e.errno == errno.EISDIR:
+        return InvalidRequest(f"is a directory: {path}")
+    if e.errno == errno.ENOTDIR:
+        return InvalidRequest(f"not a directory: {path}")
+    if e.errno == errno.ENOTEMPTY:
+        return InvalidRequest(f"directory not empty (remove it with recursive=True): {path}")
+    if e.errno == errno.EXDEV:
+        return InvalidRequest(f"path crosses a mount point the file API does not follow: {path}")
+    if e.errno == errno.ELOOP:
+        return InvalidRequest(f"too many levels of symbolic links: {path}")
+    return InvalidRequest(f"{path}: {e.strerror}")
+
+
+@contextmanager
+def _fd(fd: int) -> Iterator[int]:
+    try:
+        yield fd
+    finally:
+        os.close(fd)
+
+
+class RootFS:
+    """The file API over one sandbox's root directory on the host."""
+
+    def __init__(self, root: str) -> None:
+        self.root = root
+
+    @contextmanager
+    def _rootfd(self) -> Iterator[int]:
+        with _fd(os.open(self.root, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)) as fd:
+            yield fd
+
+    def read(self, path: str, max_bytes: int) -> bytes:
+        rel = clean_path(path)
+        try:
+            with self._rootfd() as root, _fd(openat2(root, rel, os.O_RDONLY | os.O_NONBLOCK)) as fd:
+                st = os.fstat(fd)
+                if stat.S_ISDIR(st.st_mode):
+                    raise InvalidRequest(f"is a directory: {path}")
+                if not stat.S_ISREG(st.st_mode):
+                    raise InvalidRequest(f"not a regular file: {path}")
+                if st.st_size > max_bytes:
+                    raise LimitExceeded(f"{path} is {st.st_size} bytes, over the read limit of {max_bytes}")
+                chunks = []
+                total = 0
+                while chunk := os.read(fd, 1 << 20):
+                    total += len(chunk)
+                    if total > max_bytes:
+                        raise LimitExceeded(f"{path} grew over the read limit of {max_bytes} bytes")
+                    chunks.append(chunk)
+                return b"".join(chunks)
+        except OSError as e:
+            raise _translate(e, path) from None
+
+    def write(self, path: str, data: bytes, mode: int = 0o644) -> None:
+        rel = clean_path(path)
+        if rel == ".":
+            raise InvalidRequest("cannot write to /")
+        try:
+            with self._rootfd() as root:
+                self._make_parents(root, posixpath.dirname(rel))
+                flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NONBLOCK
+                with _fd(openat2(root, rel, flags, mode & 0o7777)) as fd:
+                    if not stat.S_ISREG(os.fstat(fd).st_mode):
+                        raise InvalidRequest(f"not a regular file: {path}")
+                    view = memoryview(data)
+                    while view:
+                        view = view[os.write(fd, view) :]
+        except OSError as e:
+            raise _translate(e, path) from None
+
+    def mkdir(self, path: str) -> None:
+        rel = clean_path(path)
+        try:
+            with self._rootfd() as root:
+                self._make_parents(root, rel)
+        except OSError as e:
+            raise _translate(e, path) from None
+
+    def _make_parents(self, root: int, rel: str) -> None:
+        if rel in ("", "."):
+            return
+        parts = rel.split("/")
+        for i in range(len(parts)):
+            sub = "/".join(parts[: i + 1])
+            try:
+                os.close(openat2(root, sub, os.O_PATH | os.O_DIRECTORY))
+                continue
+            except OSError as e:
+                if e.errno != errno.ENOENT:
+                    raise
+            parent = "/".join(parts[:i]) or "."
+            with _fd(openat2(root, parent, os.O_PATH | os.O_DIRECTORY)) as pfd:
+                try:
+                    os.mkdir(parts[i], 0o755, dir_fd=pfd)
+                except FileExistsError:
+                    pass
+
+    def list(self, path: str) -> list[FileEntry]:
+        rel = clean_path(path)
+        base = "/" + rel if rel != "." else "/"
+        entries: list[FileEntry] = []
+        try:
+            with self._rootfd() as root, _fd(openat2(root, rel, os.O_RDONLY | os.O_DIRECTORY)) as fd:
+                with os.scandir(fd) as it:
+                    for ent in it:
+                        st = ent.stat(follow_symlinks=False)
+                        if stat.S_ISDIR(st.st_mode):
+                            kind = "dir"
+                        elif stat.S_ISREG(st.st_mode):
+                            kind = "file"
+                        elif stat.S_ISLNK(st.st_mode):
+                            kind = "symlink"
+                        else:
+                            kind = "other"
+                        entries.append(
+                            FileEntry(
+                                name=ent.name,
+                                path=posixpath.join(base, ent.name),
+                                type=kind,  # type: ignore[arg-type]
+                                size=st.st_size,
+                                mode=stat.S_IMODE(st.st_mode),
+                                mtime=st.st_mtime,
+                            )
+                        )
+        except OSError as e:
+            raise _translate(e, path) from None
+        return sorted(entries, key=lambda e: e.name)
+
+    def remove(self, path: str, recursive: bool = False) -> None:
+        rel = clean_path(path)
+        if rel == ".":
+            raise InvalidRequest("refusing to remove /")
+        parent, name = posixpath.split(rel)
+        try:
+            with (
+                self._rootfd() as root,
+                _fd(openat2(root, parent or ".", os.O_RDONLY | os.O_DIRECTORY)) as pfd,
+            ):
+                st = os.stat(name, dir_fd=pfd, follow_symlinks=False)
+                if stat.S_ISDIR(st.st_mode):
+                    if recursive:
+                        shutil.rmtree(name, dir_fd=pfd)
+                    else:
+                        os.rmdir(name, dir_fd=pfd)
+                else:
+                    os.unlink(name, dir_fd=pfd)
+        except OSError as e:
+            raise _translate(e, path) from None

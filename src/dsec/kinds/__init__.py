@@ -1,0 +1,1 @@
+"""Sandbox kinds: one Backend implementation per ``kind=``."""

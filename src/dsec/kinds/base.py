@@ -1,0 +1,82 @@
+"""The contract every sandbox kind implements. The core talks to kinds only through this ABC."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import ClassVar
+
+from ..images.store import ImageRef
+from ..models import ExecRequest, ExecResult, FileEntry
+from ..store.records import SandboxRecord
+
+# Called with ("stdout" | "stderr", chunk) as output arrives, for streaming execs.
+OutputCallback = Callable[[str, bytes], None]
+
+MAX_FILE_READ = 256 << 20
+MAX_ARCHIVE = 512 << 20
+
+
+@dataclass(frozen=True)
+class BackendContext:
+    state_dir: Path
+
+
+class Backend(ABC):
+    """Lifecycle and operations of one sandbox kind.
+
+    Lifecycle methods are called by the core, which owns the state machine and has already checked
+    that the sandbox is in a state that allows the call. Every method raises ``DsecError`` subclasses.
+    """
+
+    kind: ClassVar[str]
+
+    def __init__(self, ctx: BackendContext) -> None:
+        self.ctx = ctx
+
+    async def start(self) -> list[str]:
+        """Check and prepare the host once at daemon start; returns notes for the log."""
+        return []
+
+    @abstractmethod
+    async def create(self, rec: SandboxRecord, image: ImageRef) -> None:
+        """Make the sandbox run; may fill ``rec.runtime`` with what later calls need (persisted)."""
+
+    @abstractmethod
+    async def destroy(self, rec: SandboxRecord) -> None:
+        """Stop the sandbox and free everything it held; idempotent, also for half-created sandboxes."""
+
+    @abstractmethod
+    async def alive(self, rec: SandboxRecord) -> bool:
+        """Whether the sandbox still runs (used to re-adopt sandboxes after a daemon restart)."""
+
+    @abstractmethod
+    async def exec(
+        self, rec: SandboxRecord, req: ExecRequest, on_output: OutputCallback | None = None
+    ) -> ExecResult:
+        """Run a command; the exit status is observed on the host side."""
+
+    @abstractmethod
+    async def read_file(self, rec: SandboxRecord, path: str) -> bytes: ...
+
+    @abstractmethod
+    async def write_file(self, rec: SandboxRecord, path: str, data: bytes, mode: int = 0o644) -> None: ...
+
+    @abstractmethod
+    async def list_dir(self, rec: SandboxRecord, path: str) -> list[FileEntry]: ...
+
+    @abstractmethod
+    async def remove(self, rec: SandboxRecord, path: str, recursive: bool = False) -> None: ...
+
+    @abstractmethod
+    async def mkdir(self, rec: SandboxRecord, path: str) -> None: ...
+
+    @abstractmethod
+    async def upload_tar(self, rec: SandboxRecord, path: str, data: bytes) -> None:
+        """Unpack a tar archive into directory ``path`` (created if missing)."""
+
+    @abstractmethod
+    async def download_tar(self, rec: SandboxRecord, path: str) -> bytes:
+        """A tar archive of directory ``path``."""

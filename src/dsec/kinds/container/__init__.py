@@ -1,0 +1,1 @@
+"""The ``container`` kind: an OCI runtime (crun, runc as fallback) over overlayfs."""

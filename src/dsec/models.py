@@ -1,0 +1,233 @@
+"""Wire models: the JSON contract between the SDK and the daemon (the OpenAPI spec is generated from these)."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from enum import StrEnum
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator
+
+from .units import parse_size
+
+Kind = Literal["container", "function", "microvm", "vm"]
+KINDS: tuple[str, ...] = ("container", "function", "microvm", "vm")
+
+MAX_TTL_S = 7 * 24 * 3600.0
+MAX_EXEC_TIMEOUT_S = 24 * 3600.0
+DEFAULT_OUTPUT_CAP = 1 << 20
+MAX_OUTPUT_CAP = 64 << 20
+MAX_STDIN = 16 << 20
+
+
+def _size(value: object) -> object:
+    if value is None or isinstance(value, int | str):
+        return None if value is None else parse_size(value)
+    return value
+
+
+Size = Annotated[int, BeforeValidator(_size), Field(ge=0)]
+
+
+class State(StrEnum):
+    creating = "creating"
+    running = "running"
+    paused = "paused"
+    stopping = "stopping"
+    stopped = "stopped"
+    failed = "failed"
+    lost = "lost"
+
+
+TERMINAL_STATES = frozenset({State.stopped, State.failed, State.lost})
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class Limits(_Strict):
+    """Resources of one sandbox. ``cpu`` is the request (it sets the cpu weight); ``cpu_limit`` an optional ceiling."""
+
+    cpu: float = Field(1.0, gt=0, le=256, description="CPU request in cores; sets the cpu weight.")
+    cpu_limit: float | None = Field(
+        None, gt=0, le=256, description="Hard CPU ceiling in cores (none: no ceiling)."
+    )
+    memory: Size = Field(512 << 20, description="Hard memory limit in bytes (or '512Mi').")
+    disk: Size = Field(1 << 30, description="Size limit of the writable layer in bytes (or '1Gi').")
+    pids: int = Field(1024, ge=8, le=1 << 20, description="Maximum number of processes and threads.")
+
+    @field_validator("memory")
+    @classmethod
+    def _memory_floor(cls, v: int) -> int:
+        if v < (8 << 20):
+            raise ValueError("memory must be at least 8Mi")
+        if v > (1 << 40):
+            raise ValueError("memory must be at most 1Ti")
+        return v
+
+    @field_validator("disk")
+    @classmethod
+    def _disk_floor(cls, v: int) -> int:
+        if v < (1 << 20):
+            raise ValueError("disk must be at least 1Mi")
+        if v > (16 << 40):
+            raise ValueError("disk must be at most 16Ti")
+        return v
+
+
+class CreateSandbox(_Strict):
+    image: str = Field("dsec/debian:12", min_length=1, max_length=256, description="Image name, repo:tag.")
+    kind: Kind = Field("container", description="Sandbox kind.")
+    limits: Limits = Field(default_factory=lambda: Limits())
+    timeout: float = Field(600.0, gt=0, le=MAX_TTL_S, description="Time to live in seconds; reaped after.")
+    env: dict[str, str] = Field(default_factory=dict, description="Environment of every exec.")
+    labels: dict[str, str] = Field(default_factory=dict, description="Free-form labels to filter lists by.")
+
+    @field_validator("env")
+    @classmethod
+    def _env_names(cls, v: dict[str, str]) -> dict[str, str]:
+        for name, value in v.items():
+            if not name or "=" in name or "\0" in name or "\0" in value:
+                raise ValueError(f"invalid environment variable name or value: {name!r}")
+        return v
+
+    @field_validator("labels")
+    @classmethod
+    def _labels(cls, v: dict[str, str]) -> dict[str, str]:
+        if len(v) > 64:
+            raise ValueError("at most 64 labels")
+        for k, val in v.items():
+            if not k or len(k) > 128 or len(val) > 512:
+                raise ValueError(f"label {k!r} is empty or too long")
+        return v
+
+
+class SandboxInfo(BaseModel):
+    id: str
+    kind: Kind
+    image: str
+    state: State
+    reason: str | None = None
+    created_at: datetime
+    expires_at: datetime
+    limits: Limits
+    labels: dict[str, str] = Field(default_factory=dict)
+    env: dict[str, str] = Field(default_factory=dict)
+
+
+class SandboxList(BaseModel):
+    sandboxes: list[SandboxInfo]
+
+
+class ExecRequest(_Strict):
+    cmd: str | list[str] = Field(..., description="A string is run by /bin/sh -c; a list is the argv.")
+    timeout: float = Field(
+        60.0, gt=0, le=MAX_EXEC_TIMEOUT_S, description="Seconds before the whole tree is killed."
+    )
+    cwd: str | None = Field(None, max_length=4096, description="Working directory (absolute).")
+    env: dict[str, str] = Field(default_factory=dict)
+    stdin: str | None = Field(None, max_length=MAX_STDIN, description="Text fed to standard input.")
+    output_limit: int = Field(
+        DEFAULT_OUTPUT_CAP, ge=1024, le=MAX_OUTPUT_CAP, description="Bytes kept per stream (head and tail)."
+    )
+
+    @field_validator("cmd")
+    @classmethod
+    def _cmd(cls, v: str | list[str]) -> str | list[str]:
+        if isinstance(v, str):
+            if not v.strip():
+                raise ValueError("cmd is empty")
+            if "\0" in v:
+                raise ValueError("cmd contains a NUL byte")
+        else:
+            if not v or not v[0]:
+                raise ValueError("cmd argv is empty")
+            if any("\0" in a for a in v):
+                raise ValueError("cmd contains a NUL byte")
+        return v
+
+    @field_validator("cwd")
+    @classmethod
+    def _cwd(cls, v: str | None) -> str | None:
+        if v is not None and (not v.startswith("/") or "\0" in v):
+            raise ValueError("cwd must be an absolute path")
+        return v
+
+    @field_validator("env")
+    @classmethod
+    def _env(cls, v: dict[str, str]) -> dict[str, str]:
+        return CreateSandbox._env_names(v)  # type: ignore[operator]
+
+    def argv(self) -> list[str]:
+        return ["/bin/sh", "-c", self.cmd] if isinstance(self.cmd, str) else list(self.cmd)
+
+
+class ExecResult(BaseModel):
+    exit_code: int | None = Field(None, description="Exit status, or None when a signal ended the process.")
+    signal: int | None = Field(None, description="Terminating signal number, if any.")
+    stdout: str = ""
+    stderr: str = ""
+    truncated: bool = Field(False, description="True if either stream exceeded output_limit.")
+    stdout_bytes: int = Field(0, description="Total bytes the process wrote to stdout.")
+    stderr_bytes: int = Field(0, description="Total bytes the process wrote to stderr.")
+    timed_out: bool = False
+    oom_killed: bool = False
+    duration: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return self.exit_code == 0
+
+
+class ExecEvent(BaseModel):
+    """One line of a streamed exec: output as it comes, then the result."""
+
+    type: Literal["stdout", "stderr", "result", "error"]
+    data: str | None = None
+    result: ExecResult | None = None
+    error: ErrorBody | None = None
+
+
+class FileEntry(BaseModel):
+    name: str
+    path: str
+    type: Literal["file", "dir", "symlink", "other"]
+    size: int
+    mode: int
+    mtime: float
+
+
+class FileList(BaseModel):
+    entries: list[FileEntry]
+
+
+class ImageInfo(BaseModel):
+    name: str
+    size: int
+    created_at: datetime | None = None
+    ready: bool
+    description: str = ""
+
+
+class ImageList(BaseModel):
+    images: list[ImageInfo]
+
+
+class ErrorBody(BaseModel):
+    code: str
+    message: str
+    detail: dict[str, object] = Field(default_factory=dict)
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorBody
+
+
+class Health(BaseModel):
+    ok: bool
+    version: str
+    kinds: list[str]
+
+
+ExecEvent.model_rebuild()

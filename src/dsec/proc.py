@@ -1,0 +1,148 @@
+"""Child processes without asyncio's child watcher: posix_spawn (vfork speed, exact fd placement) plus pidfd waits.
+
+crun's ``--preserve-fds`` passes descriptors by number (3, 4, ...), which ``subprocess`` cannot place;
+``posix_spawn`` file actions can. Waiting on a pidfd keeps one event-loop reader per child instead of
+a thread per child.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+from collections.abc import Callable, Mapping, Sequence
+
+
+def spawn(argv: Sequence[str], fds: Mapping[int, int], env: Mapping[str, str] | None = None) -> int:
+    """Start ``argv`` with child fd N = our fd ``fds[N]``; every other fd is closed (all ours are CLOEXEC)."""
+    actions: list[tuple[int, int, int]] = [(os.POSIX_SPAWN_DUP2, src, dst) for dst, src in fds.items()]
+    return os.posix_spawn(
+        argv[0], list(argv), dict(env if env is not None else os.environ), file_actions=actions
+    )
+
+
+async def wait(pid: int) -> int:
+    """Wait for a child; returns its status the way ``subprocess`` does (-N for signal N)."""
+    loop = asyncio.get_running_loop()
+    try:
+        pidfd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        pidfd = -1
+    if pidfd >= 0:
+        fut: asyncio.Future[None] = loop.create_future()
+
+        def ready() -> None:
+            if not fut.done():
+                fut.set_result(None)
+
+        loop.add_reader(pidfd, ready)
+        try:
+            await fut
+        finally:
+            loop.remove_reader(pidfd)
+            os.close(pidfd)
+    _, status = os.waitpid(pid, 0)
+    return os.waitstatus_to_exitcode(status)
+
+
+async def read_fd(fd: int, on_data: Callable[[bytes], None], chunk: int = 1 << 16) -> None:
+    """Read a non-blocking fd until EOF, handing each chunk to ``on_data``; closes the fd."""
+    loop = asyncio.get_running_loop()
+    os.set_blocking(fd, False)
+    readable = asyncio.Event()
+    loop.add_reader(fd, readable.set)
+    try:
+        while True:
+            try:
+                data = os.read(fd, chunk)
+            except BlockingIOError:
+                readable.clear()
+                await readable.wait()
+                continue
+            if not data:
+                return
+            on_data(data)
+    finally:
+        loop.remove_reader(fd)
+        os.close(fd)
+
+
+async def write_all(fd: int, data: bytes) -> None:
+    """Write all of ``data`` to a non-blocking fd, then close it; a reader that went away is not an error."""
+    loop = asyncio.get_running_loop()
+    os.set_blocking(fd, False)
+    view = memoryview(data)
+    writable = asyncio.Event()
+    loop.add_writer(fd, writable.set)
+    try:
+        while view:
+            try:
+                n = os.write(fd, view[: 1 << 16])
+                view = view[n:]
+            except BlockingIOError:
+                writable.clear()
+                await writable.wait()
+            except (BrokenPipeError, ConnectionResetError):
+                return
+    finally:
+        loop.remove_writer(fd)
+        with contextlib.suppress(OSError):
+            os.close(fd)
+
+
+async def run(
+    argv: Sequence[str], *, timeout: float = 60.0, log_file: str | None = None
+) -> tuple[int, bytes]:
+    """Run a host helper to completion; returns (status, stdout+stderr). Kills it on timeout.
+
+    Output goes through a file, not a pipe: an OCI runtime hands its own stdio to the container it
+    starts, and a pipe would then stay open for the container's whole life.
+    """
+    import tempfile
+
+    with contextlib.ExitStack() as stack:
+        if log_file is None:
+            out = stack.enter_context(tempfile.TemporaryFile())
+            out_fd = out.fileno()
+        else:
+            out_fd = os.open(log_file, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+            stack.callback(os.close, out_fd)
+        null = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            pid = spawn(argv, {0: null, 1: out_fd, 2: out_fd})
+        finally:
+            os.close(null)
+        try:
+            status = await asyncio.wait_for(wait(pid), timeout)
+        except TimeoutError:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, 9)
+            status = await wait(pid)
+        os.lseek(out_fd, 0, os.SEEK_SET)
+        chunks = []
+        while chunk := os.read(out_fd, 1 << 16):
+            chunks.append(chunk)
+        return status, b"".join(chunks)
+
+
+async def read_line(fd: int, limit: int = 64) -> bytes:
+    """Read up to a newline (or EOF, or ``limit`` bytes) from a non-blocking fd; does not close it."""
+    loop = asyncio.get_running_loop()
+    os.set_blocking(fd, False)
+    buf = bytearray()
+    readable = asyncio.Event()
+    loop.add_reader(fd, readable.set)
+    try:
+        while b"\n" not in buf and len(buf) < limit:
+            try:
+                data = os.read(fd, limit - len(buf))
+            except BlockingIOError:
+                readable.clear()
+                await readable.wait()
+                continue
+            if not data:
+                break
+            buf += data
+    finally:
+        loop.remove_reader(fd)
+    return bytes(buf)

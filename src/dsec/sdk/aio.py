@@ -1,0 +1,293 @@
+"""The async SDK. ``dsec.Sandbox`` (sync) is generated from these classes; nothing here is written twice."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import tarfile
+import weakref
+from collections.abc import AsyncIterator
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+from ..models import (
+    CreateSandbox,
+    ExecEvent,
+    ExecRequest,
+    ExecResult,
+    FileEntry,
+    FileList,
+    Health,
+    ImageInfo,
+    ImageList,
+    Limits,
+    SandboxInfo,
+    SandboxList,
+)
+from ..errors import error_from_wire
+from .transport import Transport
+
+CREATE_TIMEOUT = 1800.0  # the first use of a built-in image builds it
+
+
+class AsyncClient:
+    """A connection to a dsec daemon (``DSEC_URL`` / ``DSEC_TOKEN``, or the local daemon's defaults)."""
+
+    def __init__(self, url: str | None = None, token: str | None = None) -> None:
+        self._transport = Transport(url, token)
+
+    @property
+    def url(self) -> str:
+        return self._transport.url
+
+    async def health(self) -> Health:
+        reply = await self._transport.request("GET", "/v1/health", timeout=10)
+        return Health.model_validate_json(reply.content)
+
+    async def images(self) -> list[ImageInfo]:
+        reply = await self._transport.request("GET", "/v1/images")
+        return ImageList.model_validate_json(reply.content).images
+
+    async def build_image(self, name: str) -> ImageInfo:
+        reply = await self._transport.request("POST", "/v1/images/build", params={"name": name}, timeout=CREATE_TIMEOUT)
+        return ImageInfo.model_validate_json(reply.content)
+
+    async def list(self, labels: dict[str, str] | None = None, include_finished: bool = False) -> list[SandboxInfo]:
+        params: list[tuple[str, str]] = [("label", f"{k}={v}") for k, v in (labels or {}).items()]
+        if include_finished:
+            params.append(("all", "true"))
+        reply = await self._transport.request("GET", "/v1/sandboxes", params=params)
+        return SandboxList.model_validate_json(reply.content).sandboxes
+
+    async def create(self, **kwargs: Any) -> AsyncSandbox:
+        return await AsyncSandbox.create(client=self, **kwargs)
+
+    async def aclose(self) -> None:
+        await self._transport.aclose()
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+
+_default_clients: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, AsyncClient] = weakref.WeakKeyDictionary()
+
+
+def default_client() -> AsyncClient:
+    """One shared client per event loop (an httpx client belongs to the loop it was made on)."""
+    loop = asyncio.get_running_loop()
+    client = _default_clients.get(loop)
+    if client is None:
+        client = _default_clients[loop] = AsyncClient()
+    return client
+
+
+class AsyncFiles:
+    """File operations on one sandbox: ``sb.files``."""
+
+    def __init__(self, sandbox: AsyncSandbox) -> None:
+        self._sb = sandbox
+
+    def _url(self, suffix: str = "") -> str:
+        return f"/v1/sandboxes/{self._sb.id}/files{suffix}"
+
+    async def read(self, path: str) -> bytes:
+        reply = await self._sb._t.request("GET", self._url(), params={"path": path})
+        return reply.content
+
+    async def read_text(self, path: str, encoding: str = "utf-8") -> str:
+        return (await self.read(path)).decode(encoding)
+
+    async def write(self, path: str, data: bytes | str, mode: int = 0o644) -> None:
+        content = data.encode() if isinstance(data, str) else bytes(data)
+        await self._sb._t.request("PUT", self._url(), params={"path": path, "mode": mode}, content=content)
+
+    async def list(self, path: str = "/") -> list[FileEntry]:
+        reply = await self._sb._t.request("GET", self._url("/list"), params={"path": path})
+        return FileList.model_validate_json(reply.content).entries
+
+    async def remove(self, path: str, recursive: bool = False) -> None:
+        params: dict[str, str] = {"path": path, "recursive": "true" if recursive else "false"}
+        await self._sb._t.request("DELETE", self._url(), params=params)
+
+    async def mkdir(self, path: str) -> None:
+        await self._sb._t.request("POST", self._url("/mkdir"), params={"path": path})
+
+    async def upload_tar(self, path: str, data: bytes) -> None:
+        """Unpack a tar archive (bytes) into directory ``path`` inside the sandbox."""
+        url = f"/v1/sandboxes/{self._sb.id}/archive"
+        await self._sb._t.request("PUT", url, params={"path": path}, content=data, timeout=900)
+
+    async def download_tar(self, path: str) -> bytes:
+        """A tar archive of directory ``path`` inside the sandbox."""
+        url = f"/v1/sandboxes/{self._sb.id}/archive"
+        reply = await self._sb._t.request("GET", url, params={"path": path}, timeout=900)
+        return reply.content
+
+    async def upload_dir(self, local_dir: str | Path, path: str) -> None:
+        """Copy a local directory's contents into ``path`` inside the sandbox."""
+        buf = io.BytesIO()
+        with tarfile.open(fileobj=buf, mode="w") as tar:
+            tar.add(str(local_dir), arcname=".")
+        await self.upload_tar(path, buf.getvalue())
+
+    async def download_dir(self, path: str, local_dir: str | Path) -> None:
+        """Copy directory ``path`` from the sandbox into a local directory (links and devices are refused)."""
+        data = await self.download_tar(path)
+        Path(local_dir).mkdir(parents=True, exist_ok=True)
+        with tarfile.open(fileobj=io.BytesIO(data)) as tar:
+            tar.extractall(str(local_dir), filter="data")
+
+
+class AsyncSandbox:
+    """One sandbox. Create with ``await AsyncSandbox.create(...)``; ``async with`` kills it on exit."""
+
+    def __init__(self, info: SandboxInfo, client: AsyncClient) -> None:
+        self._info = info
+        self._client = client
+        self.files = AsyncFiles(self)
+
+    @property
+    def _t(self) -> Transport:
+        return self._client._transport
+
+    @property
+    def id(self) -> str:
+        return self._info.id
+
+    @property
+    def kind(self) -> str:
+        return self._info.kind
+
+    def __repr__(self) -> str:
+        return f"<Sandbox {self.id} {self._info.kind} {self._info.image}>"
+
+    @classmethod
+    async def create(
+        cls,
+        image: str = "dsec/debian:12",
+        kind: str = "container",
+        *,
+        cpu: float | None = None,
+        cpu_limit: float | None = None,
+        memory: int | str | None = None,
+        disk: int | str | None = None,
+        pids: int | None = None,
+        timeout: float = 600.0,
+        env: dict[str, str] | None = None,
+        labels: dict[str, str] | None = None,
+        client: AsyncClient | None = None,
+    ) -> AsyncSandbox:
+        """Create a sandbox and wait until it runs. ``timeout`` is its time to live in seconds."""
+        client = client or default_client()
+        limits: dict[str, Any] = {
+            k: v
+            for k, v in {"cpu": cpu, "cpu_limit": cpu_limit, "memory": memory, "disk": disk, "pids": pids}.items()
+            if v is not None
+        }
+        body = {"image": image, "kind": kind, "timeout": timeout, "env": env or {}, "labels": labels or {}}
+        if limits:
+            body["limits"] = limits
+        # Validate locally for a clear error before the round trip; the daemon validates again.
+        try:
+            CreateSandbox.model_validate({**body, "limits": Limits.model_validate(limits)})
+        except ValueError as e:
+            from ..errors import InvalidRequest
+
+            raise InvalidRequest(str(e)) from None
+        reply = await client._transport.request("POST", "/v1/sandboxes", json=body, timeout=CREATE_TIMEOUT)
+        return cls(SandboxInfo.model_validate_json(reply.content), client)
+
+    @classmethod
+    async def connect(cls, sandbox_id: str, client: AsyncClient | None = None) -> AsyncSandbox:
+        """Attach to an existing sandbox by id."""
+        client = client or default_client()
+        reply = await client._transport.request("GET", f"/v1/sandboxes/{sandbox_id}")
+        return cls(SandboxInfo.model_validate_json(reply.content), client)
+
+    @classmethod
+    async def list(cls, labels: dict[str, str] | None = None, client: AsyncClient | None = None) -> list[SandboxInfo]:
+        """Live sandboxes, optionally only those carrying all the given labels."""
+        return await (client or default_client()).list(labels)
+
+    async def info(self) -> SandboxInfo:
+        reply = await self._t.request("GET", f"/v1/sandboxes/{self.id}")
+        self._info = SandboxInfo.model_validate_json(reply.content)
+        return self._info
+
+    def _exec_body(
+        self,
+        cmd: str | list[str],
+        timeout: float,
+        cwd: str | None,
+        env: dict[str, str] | None,
+        stdin: str | None,
+        output_limit: int | None,
+    ) -> dict[str, Any]:
+        body: dict[str, Any] = {"cmd": cmd, "timeout": timeout, "cwd": cwd, "env": env or {}, "stdin": stdin}
+        if output_limit is not None:
+            body["output_limit"] = output_limit
+        try:
+            ExecRequest.model_validate(body)
+        except ValueError as e:
+            from ..errors import InvalidRequest
+
+            raise InvalidRequest(str(e)) from None
+        return body
+
+    async def exec(
+        self,
+        cmd: str | list[str],
+        *,
+        timeout: float = 60.0,
+        cwd: str | None = None,
+        env: dict[str, str] | None = None,
+        stdin: str | None = None,
+        output_limit: int | None = None,
+    ) -> ExecResult:
+        """Run ``cmd`` (a string runs under ``/bin/sh -c``; a list is the argv) and return its result.
+
+        A command still running after ``timeout`` seconds is killed with its whole process tree and
+        the result has ``timed_out=True``.
+        """
+        body = self._exec_body(cmd, timeout, cwd, env, stdin, output_limit)
+        reply = await self._t.request("POST", f"/v1/sandboxes/{self.id}/exec", json=body, timeout=timeout + 60)
+        return ExecResult.model_validate_json(reply.content)
+
+    async def exec_stream(
+        self,
+        cmd: str | list[str],
+        *,
+        timeout: float = 60.0,
+        cwd: str | None = None,
+        env: dict[str, str] | None = None,
+        stdin: str | None = None,
+        output_limit: int | None = None,
+    ) -> AsyncIterator[ExecEvent]:
+        """Like ``exec``, yielding ``stdout``/``stderr`` events as output arrives, then one ``result`` event."""
+        body = self._exec_body(cmd, timeout, cwd, env, stdin, output_limit)
+        url = f"/v1/sandboxes/{self.id}/exec/stream"
+        async with self._t.stream("POST", url, json=body, timeout=timeout + 60) as reply:
+            async for line in reply.aiter_lines():
+                if not line:
+                    continue
+                event = ExecEvent.model_validate_json(line)
+                if event.type == "error" and event.error is not None:
+                    raise error_from_wire(event.error.code, event.error.message, event.error.detail)
+                yield event
+
+    async def kill(self) -> None:
+        """Stop the sandbox and free everything it holds. Killing a stopped sandbox is not an error."""
+        reply = await self._t.request("DELETE", f"/v1/sandboxes/{self.id}")
+        self._info = SandboxInfo.model_validate_json(reply.content)
+
+    async def __aenter__(self) -> AsyncSandbox:
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.kill()

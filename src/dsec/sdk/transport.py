@@ -1,0 +1,100 @@
+"""HTTP plumbing of the SDK: where the daemon is, the token, and turning error replies into exceptions."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+
+import httpx
+
+from ..errors import DaemonUnreachable, DsecError, InvalidRequest, error_from_wire
+
+DEFAULT_STATE_DIR = Path("/var/lib/dsec")
+DEFAULT_URL = f"unix://{DEFAULT_STATE_DIR / 'dsec.sock'}"
+
+
+def resolve_target(url: str | None, token: str | None) -> tuple[str, str | None]:
+    """URL and token from arguments, then DSEC_URL / DSEC_TOKEN, then the local daemon's defaults."""
+    url = url or os.environ.get("DSEC_URL") or DEFAULT_URL
+    token = token or os.environ.get("DSEC_TOKEN")
+    if token is None:
+        parsed = urlparse(url)
+        candidates = [DEFAULT_STATE_DIR / "token"]
+        if parsed.scheme == "unix" and parsed.path:
+            candidates.insert(0, Path(parsed.path).parent / "token")
+        for candidate in candidates:
+            try:
+                token = candidate.read_text().strip()
+                break
+            except OSError:
+                continue
+    return url, token
+
+
+def make_http(url: str, token: str | None) -> httpx.AsyncClient:
+    parsed = urlparse(url)
+    headers = {"authorization": f"Bearer {token}"} if token else {}
+    limits = httpx.Limits(max_connections=512, max_keepalive_connections=128)
+    if parsed.scheme == "unix":
+        transport = httpx.AsyncHTTPTransport(uds=parsed.path, limits=limits)
+        return httpx.AsyncClient(transport=transport, base_url="http://dsec", headers=headers, timeout=None)
+    if parsed.scheme in ("http", "https"):
+        return httpx.AsyncClient(base_url=url.rstrip("/"), headers=headers, timeout=None, limits=limits)
+    raise InvalidRequest(f"unsupported daemon URL {url!r}: use unix:///path or http(s)://host:port")
+
+
+def raise_for_reply(status: int, body: bytes) -> None:
+    if status < 400:
+        return
+    try:
+        err = json.loads(body)["error"]
+        raise error_from_wire(str(err["code"]), str(err["message"]), err.get("detail") or {})
+    except (ValueError, KeyError, TypeError):
+        raise DsecError(f"daemon answered HTTP {status}: {body[:500].decode(errors='replace')}") from None
+
+
+class Transport:
+    def __init__(self, url: str | None = None, token: str | None = None) -> None:
+        self.url, self.token = resolve_target(url, token)
+        self.http = make_http(self.url, self.token)
+
+    async def request(
+        self,
+        method: str,
+        path: str,
+        *,
+        timeout: float | None = 120.0,
+        **kwargs: Any,
+    ) -> httpx.Response:
+        try:
+            reply = await self.http.request(method, path, timeout=timeout, **kwargs)
+        except (httpx.ConnectError, httpx.RemoteProtocolError, FileNotFoundError, ConnectionError) as e:
+            raise DaemonUnreachable(
+                f"cannot reach the dsec daemon at {self.url}: {e} (is `dsec serve` running?)"
+            ) from e
+        except httpx.TimeoutException as e:
+            from ..errors import SandboxTimeout
+
+            raise SandboxTimeout(f"the daemon did not answer {method} {path} within {timeout}s") from e
+        raise_for_reply(reply.status_code, reply.content)
+        return reply
+
+    @asynccontextmanager
+    async def stream(
+        self, method: str, path: str, *, timeout: float | None = None, **kwargs: Any
+    ) -> AsyncIterator[httpx.Response]:
+        try:
+            async with self.http.stream(method, path, timeout=timeout, **kwargs) as reply:
+                if reply.status_code >= 400:
+                    raise_for_reply(reply.status_code, await reply.aread())
+                yield reply
+        except (httpx.ConnectError, FileNotFoundError, ConnectionError) as e:
+            raise DaemonUnreachable(f"cannot reach the dsec daemon at {self.url}: {e}") from e
+
+    async def aclose(self) -> None:
+        await self.http.aclose()

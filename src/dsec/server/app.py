@@ -1,0 +1,95 @@
+"""Application factory and the ``serve`` entry point."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import secrets
+from collections.abc import AsyncIterator
+from pathlib import Path
+from urllib.parse import urlparse
+
+from fastapi import FastAPI
+
+from .. import __version__
+from ..core.manager import SandboxManager
+from ..errors import InvalidRequest
+from . import errors, routes
+
+log = logging.getLogger("dsec.server")
+
+DEFAULT_STATE_DIR = Path("/var/lib/dsec")
+
+
+def default_listen(state_dir: Path) -> str:
+    return f"unix://{state_dir / 'dsec.sock'}"
+
+
+def ensure_token(state_dir: Path) -> str:
+    """The bearer token, created with mode 0600 at first start."""
+    path = state_dir / "token"
+    try:
+        return path.read_text().strip()
+    except FileNotFoundError:
+        pass
+    token = secrets.token_urlsafe(32)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(token + "\n")
+    return token
+
+
+def create_app(manager: SandboxManager, token: str) -> FastAPI:
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        await manager.start()
+        for note in manager.notes:
+            log.info("%s", note)
+        try:
+            yield
+        finally:
+            await manager.close()
+
+    app = FastAPI(title="dsec", version=__version__, lifespan=lifespan)
+    app.state.manager = manager
+    app.state.token = token
+    errors.install(app)
+    app.include_router(routes.router)
+    return app
+
+
+def parse_listen(listen: str) -> dict[str, object]:
+    """uvicorn arguments for ``unix:///path`` or ``http://HOST:PORT``."""
+    url = urlparse(listen)
+    if url.scheme == "unix":
+        if not url.path:
+            raise InvalidRequest(f"--listen {listen!r}: expected unix:///absolute/path")
+        return {"uds": url.path}
+    if url.scheme == "http":
+        if not url.hostname or url.port is None:
+            raise InvalidRequest(f"--listen {listen!r}: expected http://HOST:PORT")
+        return {"host": url.hostname, "port": url.port}
+    raise InvalidRequest(f"--listen {listen!r}: use unix:///path or http://HOST:PORT")
+
+
+def serve(state_dir: Path, listen: str | None, images_dir: Path | None = None, log_level: str = "info") -> None:
+    import uvicorn
+
+    state_dir = state_dir.resolve()
+    state_dir.mkdir(parents=True, exist_ok=True)
+    os.chmod(state_dir, 0o700)
+    listen = listen or default_listen(state_dir)
+    where = parse_listen(listen)
+    uds = where.get("uds")
+    if isinstance(uds, str) and os.path.exists(uds):
+        os.unlink(uds)  # a stale socket from a killed daemon
+    token = ensure_token(state_dir)
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    manager = SandboxManager(state_dir, images_dir)
+    app = create_app(manager, token)
+    config = uvicorn.Config(app, log_level=log_level, access_log=False, timeout_graceful_shutdown=5, **where)
+    server = uvicorn.Server(config)
+    log.info("dsec %s listening on %s (state in %s)", __version__, listen, state_dir)
+    asyncio.run(server.serve())

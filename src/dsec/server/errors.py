@@ -1,0 +1,50 @@
+"""The one place where errors become HTTP responses."""
+
+from __future__ import annotations
+
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from ..errors import DsecError
+from ..models import ErrorBody, ErrorResponse
+
+log = logging.getLogger("dsec.server")
+
+
+def error_response(status: int, code: str, message: str, detail: dict[str, object] | None = None) -> JSONResponse:
+    body = ErrorResponse(error=ErrorBody(code=code, message=message, detail=detail or {}))
+    return JSONResponse(status_code=status, content=body.model_dump(mode="json"))
+
+
+def _validation_message(exc: RequestValidationError) -> str:
+    parts = []
+    for err in exc.errors()[:5]:
+        loc = ".".join(str(x) for x in err.get("loc", ()) if x not in ("body", "query", "path"))
+        parts.append(f"{loc or 'request'}: {err.get('msg', 'invalid')}")
+    return "; ".join(parts) or "invalid request"
+
+
+def install(app: FastAPI) -> None:
+    @app.exception_handler(DsecError)
+    async def _dsec(_: Request, exc: DsecError) -> JSONResponse:
+        if exc.http_status >= 500:
+            log.error("%s: %s", exc.code, exc.message)
+        return error_response(exc.http_status, exc.code, exc.message, exc.detail)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+        return error_response(400, "invalid_request", _validation_message(exc))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        code = {401: "unauthorized", 404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
+        return error_response(exc.status_code, code, str(exc.detail))
+
+    @app.exception_handler(Exception)
+    async def _internal(_: Request, exc: Exception) -> JSONResponse:
+        log.exception("internal error")
+        return error_response(500, "internal", f"internal error: {type(exc).__name__}: {exc}")

@@ -1,0 +1,207 @@
+"""HTTP routes: parse into wire models, call the core, serialise the answer."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import secrets
+from collections.abc import AsyncIterator
+from typing import Annotated
+
+from fastapi import APIRouter, Depends, Query, Request, Response
+from fastapi.responses import StreamingResponse
+
+from .. import __version__
+from ..core.manager import SandboxManager
+from ..errors import DsecError, InvalidRequest, LimitExceeded, Unauthorized
+from ..kinds import registry
+from ..models import (
+    CreateSandbox,
+    ErrorBody,
+    ExecEvent,
+    ExecRequest,
+    ExecResult,
+    FileList,
+    Health,
+    ImageInfo,
+    ImageList,
+    SandboxInfo,
+    SandboxList,
+)
+
+MAX_UPLOAD = 256 << 20
+
+
+def manager(request: Request) -> SandboxManager:
+    mgr: SandboxManager = request.app.state.manager
+    return mgr
+
+
+def authorize(request: Request) -> None:
+    header = request.headers.get("authorization", "")
+    scheme, _, value = header.partition(" ")
+    if scheme.lower() != "bearer" or not secrets.compare_digest(value.strip(), request.app.state.token):
+        raise Unauthorized("missing or wrong bearer token (see DSEC_TOKEN and the daemon's STATE_DIR/token)")
+
+
+Mgr = Annotated[SandboxManager, Depends(manager)]
+router = APIRouter(prefix="/v1")
+api = APIRouter(dependencies=[Depends(authorize)])
+
+
+@router.get("/health", response_model=Health)
+async def health() -> Health:
+    return Health(ok=True, version=__version__, kinds=registry.available())
+
+
+@api.post("/sandboxes", response_model=SandboxInfo, status_code=201)
+async def create_sandbox(body: CreateSandbox, mgr: Mgr) -> SandboxInfo:
+    return await mgr.create(body)
+
+
+@api.get("/sandboxes", response_model=SandboxList)
+async def list_sandboxes(
+    mgr: Mgr,
+    label: Annotated[list[str], Query(description="key=value; repeat to require several")] = [],  # noqa: B006
+    all: bool = False,
+) -> SandboxList:
+    labels: dict[str, str] = {}
+    for item in label:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise InvalidRequest(f"label filter {item!r} must look like key=value")
+        labels[key] = value
+    return SandboxList(sandboxes=mgr.list(labels, include_finished=all))
+
+
+@api.get("/sandboxes/{sandbox_id}", response_model=SandboxInfo)
+async def get_sandbox(sandbox_id: str, mgr: Mgr) -> SandboxInfo:
+    return mgr.info(sandbox_id)
+
+
+@api.delete("/sandboxes/{sandbox_id}", response_model=SandboxInfo)
+async def kill_sandbox(sandbox_id: str, mgr: Mgr) -> SandboxInfo:
+    return await mgr.kill(sandbox_id)
+
+
+@api.post("/sandboxes/{sandbox_id}/exec", response_model=ExecResult)
+async def exec_command(sandbox_id: str, body: ExecRequest, mgr: Mgr) -> ExecResult:
+    return await mgr.exec(sandbox_id, body)
+
+
+@api.post("/sandboxes/{sandbox_id}/exec/stream", response_class=StreamingResponse)
+async def exec_stream(sandbox_id: str, body: ExecRequest, mgr: Mgr) -> StreamingResponse:
+    """Newline-delimited ExecEvent JSON: output chunks as they come, then one ``result`` (or ``error``)."""
+    mgr.info(sandbox_id)  # a 404 before the stream starts, not inside it
+    queue: asyncio.Queue[ExecEvent | None] = asyncio.Queue()
+    budget = {"stdout": body.output_limit, "stderr": body.output_limit}
+    from ..core.output import StreamForwarder
+
+    forwarders = {s: StreamForwarder(n) for s, n in budget.items()}
+
+    def on_output(stream: str, data: bytes) -> None:
+        text = forwarders[stream].take(data)
+        if text:
+            queue.put_nowait(ExecEvent(type=stream, data=text))  # type: ignore[arg-type]
+
+    async def run() -> None:
+        try:
+            result = await mgr.exec(sandbox_id, body, on_output)
+            queue.put_nowait(ExecEvent(type="result", result=result))
+        except DsecError as e:
+            queue.put_nowait(ExecEvent(type="error", error=ErrorBody(code=e.code, message=e.message)))
+        finally:
+            queue.put_nowait(None)
+
+    async def events() -> AsyncIterator[bytes]:
+        task = asyncio.create_task(run())
+        try:
+            while (event := await queue.get()) is not None:
+                yield event.model_dump_json(exclude_none=True).encode() + b"\n"
+        finally:
+            if not task.done():
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await task
+
+    return StreamingResponse(events(), media_type="application/x-ndjson")
+
+
+async def _body(request: Request, limit: int = MAX_UPLOAD) -> bytes:
+    declared = request.headers.get("content-length")
+    if declared and declared.isdigit() and int(declared) > limit:
+        raise LimitExceeded(f"request body of {declared} bytes exceeds the {limit}-byte limit")
+    chunks = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise LimitExceeded(f"request body exceeds the {limit}-byte limit")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+PathQ = Annotated[str, Query(min_length=1, max_length=4096, description="Absolute path inside the sandbox")]
+
+
+@api.get("/sandboxes/{sandbox_id}/files")
+async def read_file(sandbox_id: str, path: PathQ, mgr: Mgr) -> Response:
+    data = await mgr.read_file(sandbox_id, path)
+    return Response(content=data, media_type="application/octet-stream")
+
+
+@api.put("/sandboxes/{sandbox_id}/files", status_code=204)
+async def write_file(
+    sandbox_id: str,
+    path: PathQ,
+    request: Request,
+    mgr: Mgr,
+    mode: Annotated[int, Query(ge=0, le=0o7777)] = 0o644,
+) -> Response:
+    mgr.info(sandbox_id)
+    await mgr.write_file(sandbox_id, path, await _body(request), mode)
+    return Response(status_code=204)
+
+
+@api.get("/sandboxes/{sandbox_id}/files/list", response_model=FileList)
+async def list_files(sandbox_id: str, path: PathQ, mgr: Mgr) -> FileList:
+    return FileList(entries=await mgr.list_dir(sandbox_id, path))
+
+
+@api.post("/sandboxes/{sandbox_id}/files/mkdir", status_code=204)
+async def make_dir(sandbox_id: str, path: PathQ, mgr: Mgr) -> Response:
+    await mgr.mkdir(sandbox_id, path)
+    return Response(status_code=204)
+
+
+@api.delete("/sandboxes/{sandbox_id}/files", status_code=204)
+async def remove_file(sandbox_id: str, path: PathQ, mgr: Mgr, recursive: bool = False) -> Response:
+    await mgr.remove(sandbox_id, path, recursive)
+    return Response(status_code=204)
+
+
+@api.put("/sandboxes/{sandbox_id}/archive", status_code=204)
+async def upload_archive(sandbox_id: str, path: PathQ, request: Request, mgr: Mgr) -> Response:
+    mgr.info(sandbox_id)
+    await mgr.upload_tar(sandbox_id, path, await _body(request))
+    return Response(status_code=204)
+
+
+@api.get("/sandboxes/{sandbox_id}/archive")
+async def download_archive(sandbox_id: str, path: PathQ, mgr: Mgr) -> Response:
+    data = await mgr.download_tar(sandbox_id, path)
+    return Response(content=data, media_type="application/x-tar")
+
+
+@api.get("/images", response_model=ImageList)
+async def list_images(mgr: Mgr) -> ImageList:
+    return ImageList(images=mgr.images.list())
+
+
+@api.post("/images/build", response_model=ImageInfo)
+async def build_image(mgr: Mgr, name: Annotated[str, Query(min_length=1, max_length=256)]) -> ImageInfo:
+    """Build a built-in image if it is not built yet (minutes for dsec/debian:12 on first use)."""
+    return await mgr.images.ensure(name)
+
+
+router.include_router(api)

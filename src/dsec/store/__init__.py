@@ -1,0 +1,1 @@
+"""Durable daemon state (SQLite in the state dir by default)."""

@@ -1,0 +1,38 @@
+"""The core's record of one sandbox."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+from ..models import Limits, SandboxInfo, State
+
+
+@dataclass
+class SandboxRecord:
+    id: str
+    kind: str
+    image: str
+    state: State
+    created_at: float
+    expires_at: float
+    limits: Limits
+    env: dict[str, str] = field(default_factory=dict)
+    labels: dict[str, str] = field(default_factory=dict)
+    reason: str | None = None
+    runtime: dict[str, Any] = field(default_factory=dict)  # backend-owned (bundle path, cgroup path, ...)
+
+    def info(self) -> SandboxInfo:
+        return SandboxInfo(
+            id=self.id,
+            kind=self.kind,  # type: ignore[arg-type]
+            image=self.image,
+            state=self.state,
+            reason=self.reason,
+            created_at=datetime.fromtimestamp(self.created_at, UTC),
+            expires_at=datetime.fromtimestamp(self.expires_at, UTC),
+            limits=self.limits,
+            labels=dict(self.labels),
+            env=dict(self.env),
+        )

@@ -1,0 +1,98 @@
+"""Sandbox records in SQLite (WAL). Writes are small and few per sandbox, so they run inline."""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import threading
+from pathlib import Path
+
+from ..models import Limits, State
+from .records import SandboxRecord
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS sandboxes (
+    id TEXT PRIMARY KEY,
+    kind TEXT NOT NULL,
+    image TEXT NOT NULL,
+    state TEXT NOT NULL,
+    reason TEXT,
+    created_at REAL NOT NULL,
+    expires_at REAL NOT NULL,
+    limits TEXT NOT NULL,
+    env TEXT NOT NULL,
+    labels TEXT NOT NULL,
+    runtime TEXT NOT NULL
+);
+CREATE INDEX IF NOT EXISTS sandboxes_state ON sandboxes(state);
+"""
+
+
+class SandboxStore:
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._lock = threading.Lock()
+        self._db = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None)
+        self._db.execute("PRAGMA journal_mode=WAL")
+        # NORMAL in WAL mode: a committed transaction survives a daemon crash; a power loss may drop the last ones.
+        self._db.execute("PRAGMA synchronous=NORMAL")
+        self._db.executescript(SCHEMA)
+
+    def close(self) -> None:
+        self._db.close()
+
+    def put(self, rec: SandboxRecord) -> None:
+        with self._lock:
+            self._db.execute(
+                "INSERT OR REPLACE INTO sandboxes VALUES (?,?,?,?,?,?,?,?,?,?,?)",
+                (
+                    rec.id,
+                    rec.kind,
+                    rec.image,
+                    rec.state.value,
+                    rec.reason,
+                    rec.created_at,
+                    rec.expires_at,
+                    rec.limits.model_dump_json(),
+                    json.dumps(rec.env),
+                    json.dumps(rec.labels),
+                    json.dumps(rec.runtime),
+                ),
+            )
+
+    def get(self, sandbox_id: str) -> SandboxRecord | None:
+        with self._lock:
+            row = self._db.execute("SELECT * FROM sandboxes WHERE id = ?", (sandbox_id,)).fetchone()
+        return _row(row) if row else None
+
+    def all(self, states: set[State] | None = None) -> list[SandboxRecord]:
+        with self._lock:
+            rows = self._db.execute("SELECT * FROM sandboxes ORDER BY created_at").fetchall()
+        recs = [_row(r) for r in rows]
+        return [r for r in recs if states is None or r.state in states]
+
+    def delete_older_than(self, ts: float, states: set[State]) -> int:
+        marks = ",".join("?" * len(states))
+        with self._lock:
+            cur = self._db.execute(
+                f"DELETE FROM sandboxes WHERE expires_at < ? AND state IN ({marks})",
+                (ts, *(s.value for s in states)),
+            )
+        return cur.rowcount
+
+
+def _row(row: tuple[object, ...]) -> SandboxRecord:
+    (sid, kind, image, state, reason, created, expires, limits, env, labels, runtime) = row
+    return SandboxRecord(
+        id=str(sid),
+        kind=str(kind),
+        image=str(image),
+        state=State(str(state)),
+        reason=None if reason is None else str(reason),
+        created_at=float(created),  # type: ignore[arg-type]
+        expires_at=float(expires),  # type: ignore[arg-type]
+        limits=Limits.model_validate_json(str(limits)),
+        env=json.loads(str(env)),
+        labels=json.loads(str(labels)),
+        runtime=json.loads(str(runtime)),
+    )
