@@ -134,6 +134,18 @@ ERRORS_BY_CODE: dict[str, type[DsecError]] = {
 }
 
 
+def validation_message(exc: Exception) -> str:
+    """A one-line summary of a pydantic ValidationError (field: problem; ...)."""
+    errors = getattr(exc, "errors", None)
+    if not callable(errors):
+        return str(exc)
+    parts = []
+    for err in errors()[:5]:
+        loc = ".".join(str(x) for x in err.get("loc", ()) if x not in ("body", "query", "path"))
+        parts.append(f"{loc or 'request'}: {err.get('msg', 'invalid')}")
+    return "; ".join(parts) or "invalid request"
+
+
 def error_from_wire(code: str, message: str, detail: dict[str, object] | None = None) -> DsecError:
     """Rebuild the error a server reported; unknown codes become the root class."""
     cls = ERRORS_BY_CODE.get(code, DsecError)

@@ -25,7 +25,7 @@ from ..models import (
     SandboxInfo,
     SandboxList,
 )
-from ..errors import error_from_wire
+from ..errors import InvalidRequest, error_from_wire, validation_message
 from .transport import Transport
 
 CREATE_TIMEOUT = 1800.0  # the first use of a built-in image builds it
@@ -50,10 +50,14 @@ class AsyncClient:
         return ImageList.model_validate_json(reply.content).images
 
     async def build_image(self, name: str) -> ImageInfo:
-        reply = await self._transport.request("POST", "/v1/images/build", params={"name": name}, timeout=CREATE_TIMEOUT)
+        reply = await self._transport.request(
+            "POST", "/v1/images/build", params={"name": name}, timeout=CREATE_TIMEOUT
+        )
         return ImageInfo.model_validate_json(reply.content)
 
-    async def list(self, labels: dict[str, str] | None = None, include_finished: bool = False) -> list[SandboxInfo]:
+    async def list(
+        self, labels: dict[str, str] | None = None, include_finished: bool = False
+    ) -> list[SandboxInfo]:
         params: list[tuple[str, str]] = [("label", f"{k}={v}") for k, v in (labels or {}).items()]
         if include_finished:
             params.append(("all", "true"))
@@ -73,7 +77,9 @@ class AsyncClient:
         await self.aclose()
 
 
-_default_clients: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, AsyncClient] = weakref.WeakKeyDictionary()
+_default_clients: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, AsyncClient] = (
+    weakref.WeakKeyDictionary()
+)
 
 
 def default_client() -> AsyncClient:
@@ -185,7 +191,13 @@ class AsyncSandbox:
         client = client or default_client()
         limits: dict[str, Any] = {
             k: v
-            for k, v in {"cpu": cpu, "cpu_limit": cpu_limit, "memory": memory, "disk": disk, "pids": pids}.items()
+            for k, v in {
+                "cpu": cpu,
+                "cpu_limit": cpu_limit,
+                "memory": memory,
+                "disk": disk,
+                "pids": pids,
+            }.items()
             if v is not None
         }
         body = {"image": image, "kind": kind, "timeout": timeout, "env": env or {}, "labels": labels or {}}
@@ -195,9 +207,7 @@ class AsyncSandbox:
         try:
             CreateSandbox.model_validate({**body, "limits": Limits.model_validate(limits)})
         except ValueError as e:
-            from ..errors import InvalidRequest
-
-            raise InvalidRequest(str(e)) from None
+            raise InvalidRequest(validation_message(e)) from None
         reply = await client._transport.request("POST", "/v1/sandboxes", json=body, timeout=CREATE_TIMEOUT)
         return cls(SandboxInfo.model_validate_json(reply.content), client)
 
@@ -209,7 +219,9 @@ class AsyncSandbox:
         return cls(SandboxInfo.model_validate_json(reply.content), client)
 
     @classmethod
-    async def list(cls, labels: dict[str, str] | None = None, client: AsyncClient | None = None) -> list[SandboxInfo]:
+    async def list(
+        cls, labels: dict[str, str] | None = None, client: AsyncClient | None = None
+    ) -> list[SandboxInfo]:
         """Live sandboxes, optionally only those carrying all the given labels."""
         return await (client or default_client()).list(labels)
 
@@ -233,9 +245,7 @@ class AsyncSandbox:
         try:
             ExecRequest.model_validate(body)
         except ValueError as e:
-            from ..errors import InvalidRequest
-
-            raise InvalidRequest(str(e)) from None
+            raise InvalidRequest(validation_message(e)) from None
         return body
 
     async def exec(
@@ -254,7 +264,9 @@ class AsyncSandbox:
         the result has ``timed_out=True``.
         """
         body = self._exec_body(cmd, timeout, cwd, env, stdin, output_limit)
-        reply = await self._t.request("POST", f"/v1/sandboxes/{self.id}/exec", json=body, timeout=timeout + 60)
+        reply = await self._t.request(
+            "POST", f"/v1/sandboxes/{self.id}/exec", json=body, timeout=timeout + 60
+        )
         return ExecResult.model_validate_json(reply.content)
 
     async def exec_stream(

@@ -53,9 +53,10 @@ def raise_for_reply(status: int, body: bytes) -> None:
         return
     try:
         err = json.loads(body)["error"]
-        raise error_from_wire(str(err["code"]), str(err["message"]), err.get("detail") or {})
+        code, message, detail = str(err["code"]), str(err["message"]), err.get("detail") or {}
     except (ValueError, KeyError, TypeError):
         raise DsecError(f"daemon answered HTTP {status}: {body[:500].decode(errors='replace')}") from None
+    raise error_from_wire(code, message, detail)
 
 
 class Transport:

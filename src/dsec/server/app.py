@@ -74,7 +74,9 @@ def parse_listen(listen: str) -> dict[str, object]:
     raise InvalidRequest(f"--listen {listen!r}: use unix:///path or http://HOST:PORT")
 
 
-def serve(state_dir: Path, listen: str | None, images_dir: Path | None = None, log_level: str = "info") -> None:
+def serve(
+    state_dir: Path, listen: str | None, images_dir: Path | None = None, log_level: str = "info"
+) -> None:
     import uvicorn
 
     state_dir = state_dir.resolve()
@@ -92,4 +94,4 @@ def serve(state_dir: Path, listen: str | None, images_dir: Path | None = None, l
     config = uvicorn.Config(app, log_level=log_level, access_log=False, timeout_graceful_shutdown=5, **where)
     server = uvicorn.Server(config)
     log.info("dsec %s listening on %s (state in %s)", __version__, listen, state_dir)
-    asyncio.run(server.serve())
+    server.run()

@@ -9,23 +9,17 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..errors import DsecError
+from ..errors import DsecError, validation_message
 from ..models import ErrorBody, ErrorResponse
 
 log = logging.getLogger("dsec.server")
 
 
-def error_response(status: int, code: str, message: str, detail: dict[str, object] | None = None) -> JSONResponse:
+def error_response(
+    status: int, code: str, message: str, detail: dict[str, object] | None = None
+) -> JSONResponse:
     body = ErrorResponse(error=ErrorBody(code=code, message=message, detail=detail or {}))
     return JSONResponse(status_code=status, content=body.model_dump(mode="json"))
-
-
-def _validation_message(exc: RequestValidationError) -> str:
-    parts = []
-    for err in exc.errors()[:5]:
-        loc = ".".join(str(x) for x in err.get("loc", ()) if x not in ("body", "query", "path"))
-        parts.append(f"{loc or 'request'}: {err.get('msg', 'invalid')}")
-    return "; ".join(parts) or "invalid request"
 
 
 def install(app: FastAPI) -> None:
@@ -37,11 +31,13 @@ def install(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
-        return error_response(400, "invalid_request", _validation_message(exc))
+        return error_response(400, "invalid_request", validation_message(exc))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        code = {401: "unauthorized", 404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
+        code = {401: "unauthorized", 404: "not_found", 405: "method_not_allowed"}.get(
+            exc.status_code, "http_error"
+        )
         return error_response(exc.status_code, code, str(exc.detail))
 
     @app.exception_handler(Exception)
