@@ -1,0 +1,1 @@
+"""Benchmarks: JSON out, peers measured side by side in the same run."""
