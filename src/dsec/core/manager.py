@@ -54,6 +54,8 @@ class SandboxManager:
 
     async def start(self) -> None:
         for kind in registry.available():
+            if kind in self.backends:  # injected (tests, embedding)
+                continue
             backend = registry.load(kind, self.ctx)
             self.notes += await backend.start()
             self.backends[kind] = backend

@@ -1,0 +1,1 @@
+"""``make demo``: a burst of agent-style rollouts on the embedded default."""
