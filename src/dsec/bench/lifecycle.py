@@ -21,7 +21,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -39,13 +39,17 @@ IMAGE = "dsec/busybox"
 IMAGES_DIR = Path("/var/tmp/dsec-images")
 ROOTFS = IMAGES_DIR / "dsec_busybox@latest" / "rootfs"
 PODMAN_IMAGE = "localhost/dsec-bench-busybox:latest"
-# This host has no systemd: podman's default cgroup manager (systemd) and events backend (journald)
-# both fail without it, so cgroups are driven directly and events go to a file.
+# Without systemd (as here) podman 4.3 falls back to these by itself; naming them keeps the measured
+# path the same on a host with systemd, where systemd-run scopes and journald would add to each run.
 PODMAN_FLAGS = ["--cgroup-manager=cgroupfs", "--events-backend=file"]
-PODMAN_MAX = 20  # a podman run costs several hundred ms; more iterations add time, not precision
+# Podman asks crun for 1048576 open files and processes by default. Here root lacks CAP_SYS_RESOURCE,
+# so crun cannot raise a hard limit and every run fails with EPERM; lowering a limit is always allowed
+# (podman itself ends up with an NPROC hard limit of 32768 on this host, below the shell's).
+PODMAN_RUN_FLAGS = ["--network=none", "--ulimit", "nofile=1024:1024", "--ulimit", "nproc=1024:1024"]
+PODMAN_MAX = 20  # a podman run costs hundreds of ms; more iterations add minutes, not precision
 BURST_CONCURRENCY = 64
-WARMUP = 2  # untimed first iterations: connection setup, page cache and podman's storage init
-LABEL = {"dsec-bench": "lifecycle"}
+WARMUP = 2  # untimed first iterations: connection setup, cold page cache, podman's storage init
+LABEL = ("dsec-bench", "lifecycle")  # marks everything the bench creates, to find leftovers
 DAEMON_START_TIMEOUT = 60.0
 
 
@@ -62,19 +66,14 @@ def percentile(values: Sequence[float], q: float) -> float:
 
 def summarize(seconds: Sequence[float]) -> Json:
     ms = [s * 1000.0 for s in seconds]
-    return {
-        "n": len(ms),
-        "p50_ms": round(percentile(ms, 50), 3),
-        "p99_ms": round(percentile(ms, 99), 3),
-        "mean_ms": round(statistics.fmean(ms), 3),
-        "min_ms": round(min(ms), 3),
-        "max_ms": round(max(ms), 3),
-    }
+    stats = {"p50": percentile(ms, 50), "p99": percentile(ms, 99), "mean": statistics.fmean(ms)}
+    stats |= {"min": min(ms), "max": max(ms)}
+    return {"n": len(ms)} | {f"{k}_ms": round(v, 3) for k, v in stats.items()}
 
 
 @contextlib.contextmanager
 def phase(console: Console, label: str, total: int) -> Iterator[Callable[[], None]]:
-    """Yields a tick(); a live bar on a terminal, a few plain lines in a log."""
+    """Yields a tick(): a live bar on a terminal, a line per quarter in a log."""
     started = time.perf_counter()
     if console.is_terminal:
         columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
@@ -83,12 +82,11 @@ def phase(console: Console, label: str, total: int) -> Iterator[Callable[[], Non
             yield lambda: bar.advance(task)
     else:
         done = 0
-        step = max(1, total // 4)
 
         def tick() -> None:
             nonlocal done
             done += 1
-            if done % step == 0 and done < total:
+            if done % max(1, total // 4) == 0 and done < total:
                 console.print(f"  {label}: {done}/{total}")
 
         yield tick
@@ -107,23 +105,12 @@ def _tail(path: Path, limit: int = 800) -> str:
 
 def start_daemon(state_dir: Path) -> subprocess.Popen[bytes]:
     state_dir.mkdir(parents=True, exist_ok=True)
-    argv = [
-        sys.executable,
-        "-m",
-        "dsec",
-        "serve",
-        "--state-dir",
-        str(state_dir),
-        "--listen",
-        f"unix://{state_dir}/dsec.sock",
-        "--images-dir",
-        str(IMAGES_DIR),
-        "--log-level",
-        "warning",
-    ]
+    argv = [sys.executable, "-m", "dsec", "serve", "--state-dir", str(state_dir)]
+    argv += ["--listen", f"unix://{state_dir}/dsec.sock", "--images-dir", str(IMAGES_DIR)]
+    argv += ["--log-level", "warning"]
     with (state_dir / "daemon.log").open("ab") as log:
-        # A session of its own: Ctrl-C must reach the bench, which still needs the daemon to kill
-        # its sandboxes, and not the daemon directly.
+        # A session of its own, so that Ctrl-C stops the bench but not the daemon, which is still
+        # needed to kill the bench's sandboxes before it is stopped.
         return subprocess.Popen(
             argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True
         )
@@ -140,87 +127,87 @@ def stop_daemon(proc: subprocess.Popen[bytes]) -> None:
         proc.wait()
 
 
-def wait_for_token(proc: subprocess.Popen[bytes], state_dir: Path) -> str:
+async def connect(proc: subprocess.Popen[bytes], state_dir: Path) -> AsyncClient:
+    """A client of the daemon once it answers."""
     deadline = time.monotonic() + DAEMON_START_TIMEOUT
-    token_file = state_dir / "token"
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the daemon exited ({proc.returncode}): {_tail(state_dir / 'daemon.log')}")
-        with contextlib.suppress(OSError):
-            token = token_file.read_text().strip()
-            if token:
-                return token
-        time.sleep(0.05)
-    raise RuntimeError(f"the daemon wrote no token within {DAEMON_START_TIMEOUT:.0f}s")
-
-
-async def wait_healthy(client: AsyncClient, proc: subprocess.Popen[bytes]) -> None:
-    deadline = time.monotonic() + DAEMON_START_TIMEOUT
-    while True:
-        try:
-            await client.health()
-            return
-        except DsecError:
-            # The token is written before the socket listens, so refusals are expected for a moment.
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise
+    client: AsyncClient | None = None
+    while time.monotonic() < deadline and proc.poll() is None:
+        with contextlib.suppress(OSError):  # the daemon writes its token at its first start
+            if client is None and (token := (state_dir / "token").read_text().strip()):
+                client = AsyncClient(url=f"unix://{state_dir}/dsec.sock", token=token)
+        if client is not None:
+            # The token is written before the socket listens: refusals are expected for a moment.
+            with contextlib.suppress(DsecError):
+                await client.health()
+                return client
         await asyncio.sleep(0.05)
+    if client is not None:
+        await client.aclose()
+    if proc.poll() is not None:
+        raise RuntimeError(f"the daemon exited ({proc.returncode}): {_tail(state_dir / 'daemon.log')}")
+    raise RuntimeError(f"the daemon did not answer within {DAEMON_START_TIMEOUT:.0f}s")
 
 
 # ---- dsec ------------------------------------------------------------------------------------------
 
 
-async def bench_dsec(
-    console: Console, client: AsyncClient, proc: subprocess.Popen[bytes], n: int, burst: int
-) -> Json:
+async def sample(
+    console: Console, label: str, count: int, step: Callable[[], Awaitable[tuple[float, ...]]]
+) -> list[tuple[float, ...]]:
+    samples: list[tuple[float, ...]] = []
+    with phase(console, label, count) as tick:
+        for i in range(WARMUP + count):
+            measured = await step()
+            if i >= WARMUP:
+                samples.append(measured)
+                tick()
+    return samples
+
+
+async def run_true(sb: AsyncSandbox) -> None:
+    res = await sb.exec(["true"])
+    if res.exit_code != 0:
+        raise RuntimeError(f"`true` exited {res.exit_code} in {sb.id}: {res.stderr[-300:]}")
+
+
+async def bench_dsec(console: Console, client: AsyncClient, n: int, burst: int) -> Json:
+    labels = dict([LABEL])
     try:
-        await wait_healthy(client, proc)
+        version = (await client.health()).version
         console.print(f"daemon healthy; ensuring image {IMAGE} is built")
         await client.build_image(IMAGE)
 
-        totals: list[float] = []
-        to_first_exec: list[float] = []
-        with phase(console, "dsec create → exec true → kill", n) as tick:
-            for i in range(WARMUP + n):
-                t0 = time.perf_counter()
-                sb = await client.create(image=IMAGE, labels=LABEL)
-                res = await sb.exec(["true"])
-                t1 = time.perf_counter()
-                await sb.kill()
-                t2 = time.perf_counter()
-                if res.exit_code != 0:
-                    raise RuntimeError(f"`true` exited {res.exit_code} in {sb.id}: {res.stderr[-300:]}")
-                if i >= WARMUP:
-                    to_first_exec.append(t1 - t0)
-                    totals.append(t2 - t0)
-                    tick()
+        async def lifecycle() -> tuple[float, float]:
+            t0 = time.perf_counter()
+            sb = await client.create(image=IMAGE, labels=labels)
+            await run_true(sb)
+            t1 = time.perf_counter()
+            await sb.kill()
+            return t1 - t0, time.perf_counter() - t0
 
-        round_trips: list[float] = []
-        sb = await client.create(image=IMAGE, labels=LABEL)
-        with phase(console, "dsec exec round trip", n) as tick:
-            for i in range(WARMUP + n):
-                t0 = time.perf_counter()
-                res = await sb.exec(["true"])
-                dt = time.perf_counter() - t0
-                if res.exit_code != 0:
-                    raise RuntimeError(f"`true` exited {res.exit_code} in {sb.id}: {res.stderr[-300:]}")
-                if i >= WARMUP:
-                    round_trips.append(dt)
-                    tick()
+        cycles = await sample(console, "dsec create → exec true → kill", n, lifecycle)
+        sb = await client.create(image=IMAGE, labels=labels)
+
+        async def round_trip() -> tuple[float]:
+            t0 = time.perf_counter()
+            await run_true(sb)
+            return (time.perf_counter() - t0,)
+
+        trips = await sample(console, "dsec exec round trip", n, round_trip)
         await sb.kill()
-
         return {
+            "version": version,
             "image": IMAGE,
-            "create_exec_kill": summarize(totals),
-            "create_to_first_exec": summarize(to_first_exec),
-            "exec_round_trip": summarize(round_trips),
-            "burst": await run_burst(console, client, burst),
+            "create_to_first_exec": summarize([c[0] for c in cycles]),
+            "create_exec_kill": summarize([c[1] for c in cycles]),
+            "exec_round_trip": summarize([t[0] for t in trips]),
+            "burst": await run_burst(console, client, burst, labels),
         }
     finally:
-        await kill_leftovers(console, client)
+        await kill_leftovers(console, client, labels)
 
 
-async def run_burst(console: Console, client: AsyncClient, burst: int) -> Json:
+async def run_burst(console: Console, client: AsyncClient, burst: int, labels: dict[str, str]) -> Json:
     gate = asyncio.Semaphore(BURST_CONCURRENCY)
     latencies: list[float] = []
 
@@ -230,10 +217,10 @@ async def run_burst(console: Console, client: AsyncClient, burst: int) -> Json:
             async with gate:
                 t0 = time.perf_counter()
                 try:
-                    sb = await client.create(image=IMAGE, labels=LABEL)
+                    sb = await client.create(image=IMAGE, labels=labels)
                 except DsecError as e:
                     return e.code
-                except Exception as e:  # a failure of one creation is a result, not a reason to stop
+                except Exception as e:  # one failed creation is a result to count, not a reason to stop
                     return type(e).__name__
                 finally:
                     tick()
@@ -245,7 +232,6 @@ async def run_burst(console: Console, client: AsyncClient, burst: int) -> Json:
         wall = time.perf_counter() - started
 
     created = [r for r in results if isinstance(r, AsyncSandbox)]
-    failures = Counter(r for r in results if isinstance(r, str))
 
     async def kill_one(sb: AsyncSandbox) -> None:
         async with gate:
@@ -253,34 +239,44 @@ async def run_burst(console: Console, client: AsyncClient, burst: int) -> Json:
 
     started = time.perf_counter()
     await asyncio.gather(*(kill_one(sb) for sb in created))
-    kill_wall = time.perf_counter() - started
     return {
         "size": burst,
         "concurrency": BURST_CONCURRENCY,
         "wall_s": round(wall, 3),
         "creations_per_s": round(burst / wall, 2),
         "succeeded": len(created),
-        "failures": dict(failures),
+        "failures": dict(Counter(r for r in results if isinstance(r, str))),
         "create_latency": summarize(latencies) if latencies else None,
-        "kill_all_wall_s": round(kill_wall, 3),
+        "kill_all_wall_s": round(time.perf_counter() - started, 3),
     }
 
 
-async def kill_leftovers(console: Console, client: AsyncClient) -> None:
+async def kill_leftovers(console: Console, client: AsyncClient, labels: dict[str, str]) -> None:
+    # More than one pass: a create cancelled on our side (Ctrl-C) still completes in the daemon and can
+    # appear after the first listing.
+    killed = 0
     try:
-        left = await client.list(labels=LABEL)
-        results = await asyncio.gather(
-            *(AsyncSandbox(info, client).kill() for info in left), return_exceptions=True
-        )
+        for _ in range(3):
+            if not (left := await client.list(labels=labels)):
+                break
+            await asyncio.gather(*(AsyncSandbox(info, client).kill() for info in left))
+            killed += len(left)
+            await asyncio.sleep(0.5)
     except DsecError as e:
-        console.print(f"[red]could not clean up the bench's sandboxes[/red]: {e}")
-        return
-    errors = [r for r in results if isinstance(r, BaseException)]
-    if left:
-        console.print(f"killed {len(left) - len(errors)} leftover sandbox(es); {len(errors)} failed")
+        console.print(f"[red]could not clean up all of the bench's sandboxes[/red]: {e}")
+    if killed:
+        console.print(f"killed {killed} leftover sandbox(es)")
 
 
 # ---- peers -----------------------------------------------------------------------------------------
+
+
+def quiet(argv: list[str], err: Path, timeout: float = 120) -> int:
+    # Never pipes: a container inherits them and can outlive crun, so reading one to EOF can hang.
+    with err.open("wb") as err_file:
+        return subprocess.run(
+            argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err_file, timeout=timeout
+        ).returncode
 
 
 def timed_runs(
@@ -290,39 +286,27 @@ def timed_runs(
     with phase(console, label, count) as tick:
         for i in range(WARMUP + count):
             argv = argv_for(i)
-            # Never pipes: a container inherits them and outlives crun, so reading one to EOF hangs.
-            with err.open("wb") as err_file:
-                t0 = time.perf_counter()
-                status = subprocess.run(
-                    argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err_file, timeout=120
-                ).returncode
-                dt = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            status = quiet(argv, err)
+            elapsed = time.perf_counter() - t0
             if status != 0:
                 raise RuntimeError(f"{shlex.join(argv)} exited {status}: {_tail(err)}")
             if i >= WARMUP:
-                times.append(dt)
+                times.append(elapsed)
                 tick()
     return times
 
 
-def quiet(argv: list[str], err: Path, timeout: float = 60) -> int:
-    with err.open("wb") as err_file:
-        return subprocess.run(
-            argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err_file, timeout=timeout
-        ).returncode
-
-
 def first_line(argv: list[str]) -> str:
     out = subprocess.run(argv, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=30).stdout
-    return out.strip().splitlines()[0] if out.strip() else ""
+    return next(iter(out.strip().splitlines()), "")
 
 
 def make_bundle(crun: str, bundle: Path, args: list[str]) -> Path:
     bundle.mkdir(parents=True)
     subprocess.run([crun, "spec"], cwd=bundle, check=True, stdin=subprocess.DEVNULL, timeout=30)
     cfg = json.loads((bundle / "config.json").read_text())
-    cfg["process"]["terminal"] = False
-    cfg["process"]["args"] = args
+    cfg["process"] |= {"terminal": False, "args": args}
     cfg["root"] = {"path": str(ROOTFS), "readonly": True}
     (bundle / "config.json").write_text(json.dumps(cfg))
     return bundle
@@ -333,27 +317,18 @@ def bench_crun(console: Console, n: int) -> Json:
     if crun is None:
         return {"error": "crun is not on PATH"}
     with tempfile.TemporaryDirectory(prefix="dsec-bench-crun-") as tmp:
-        root = Path(tmp) / "state"
-        root.mkdir()
-        err = Path(tmp) / "stderr.log"
-        base = [crun, "--root", str(root)]
+        err, base = Path(tmp) / "stderr.log", [crun, "--root", f"{tmp}/state"]
         run_bundle = make_bundle(crun, Path(tmp) / "run", ["/bin/true"])
         long_bundle = make_bundle(crun, Path(tmp) / "long", ["/bin/sleep", "100000"])
         try:
-            runs = timed_runs(
-                console,
-                "crun run true",
-                n,
-                lambda i: [*base, "run", "--bundle", str(run_bundle), f"dsec-bench-run-{i}"],
-                err,
-            )
+            run_argv = [*base, "run", "--bundle", str(run_bundle)]
+            runs = timed_runs(console, "crun run true", n, lambda i: [*run_argv, f"dsec-bench-{i}"], err)
             if quiet([*base, "run", "--detach", "--bundle", str(long_bundle), "dsec-bench-long"], err):
                 raise RuntimeError(f"crun run --detach failed: {_tail(err)}")
-            execs = timed_runs(
-                console, "crun exec true", n, lambda _: [*base, "exec", "dsec-bench-long", "/bin/true"], err
-            )
+            exec_argv = [*base, "exec", "dsec-bench-long", "/bin/true"]
+            execs = timed_runs(console, "crun exec true", n, lambda _: exec_argv, err)
         finally:
-            # Everything under our private --root is ours; a failed run may have left a container.
+            # Everything under the private --root is ours, including what a failed run left behind.
             listing = subprocess.run([*base, "list", "-q"], capture_output=True, text=True, timeout=30)
             for cid in listing.stdout.split():
                 quiet([*base, "delete", "--force", cid], err)
@@ -361,69 +336,51 @@ def bench_crun(console: Console, n: int) -> Json:
 
 
 def ensure_podman(console: Console) -> str:
-    found = shutil.which("podman")
-    if found:
+    if found := shutil.which("podman"):
         return found
     console.print("podman is not on PATH: installing it with `apt-get install -y -q podman`")
-    with tempfile.NamedTemporaryFile(prefix="dsec-bench-apt-", suffix=".log") as log:
+    with tempfile.TemporaryDirectory(prefix="dsec-bench-apt-") as tmp:
+        log = Path(tmp) / "apt.log"
         env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-        cmd = ["apt-get", "install", "-y", "-q", "podman"]
-        # A file, not a pipe: a service started by a postinst script could hold a pipe open forever.
-        status = subprocess.run(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=env, timeout=1200)
+        with log.open("wb") as out:
+            # A file, not a pipe: a service that a postinst script starts could hold a pipe open.
+            cmd = ["apt-get", "install", "-y", "-q", "podman"]
+            status = subprocess.run(
+                cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=out, env=env, timeout=1200
+            )
         if status.returncode != 0:
-            raise RuntimeError(f"apt-get install podman failed: {_tail(Path(log.name))}")
-    found = shutil.which("podman")
-    if found is None:
-        raise RuntimeError("podman is still not on PATH after installing it")
-    return found
+            raise RuntimeError(f"apt-get install podman failed: {_tail(log)}")
+    if found := shutil.which("podman"):
+        return found
+    raise RuntimeError("podman is still not on PATH after installing it")
 
 
 def bench_podman(console: Console, n: int) -> Json:
-    base = [ensure_podman(console), *PODMAN_FLAGS]
-    count = min(n, PODMAN_MAX)
+    base, count = [ensure_podman(console), *PODMAN_FLAGS], min(n, PODMAN_MAX)
     with tempfile.TemporaryDirectory(prefix="dsec-bench-podman-") as tmp:
         err = Path(tmp) / "stderr.log"
         if quiet([*base, "image", "exists", PODMAN_IMAGE], err) != 0:
             console.print(f"importing {ROOTFS} into podman as {PODMAN_IMAGE}")
             tar = subprocess.Popen(["tar", "-C", str(ROOTFS), "-c", "."], stdout=subprocess.PIPE)
-            with err.open("wb") as err_file:
+            with err.open("wb") as out:
                 imp = subprocess.Popen(
-                    [*base, "import", "-", PODMAN_IMAGE], stdin=tar.stdout, stdout=err_file, stderr=err_file
+                    [*base, "import", "-", PODMAN_IMAGE], stdin=tar.stdout, stdout=out, stderr=out
                 )
             assert tar.stdout is not None
-            tar.stdout.close()  # so that tar gets SIGPIPE if the import dies
+            tar.stdout.close()  # our copy of the read end would keep tar blocked if the import died
             if imp.wait(timeout=300) != 0 or tar.wait(timeout=60) != 0:
                 raise RuntimeError(f"podman import failed: {_tail(err)}")
-        label = "=".join(next(iter(LABEL.items())))
+        label = "=".join(LABEL)
+        run_argv = [*base, "run", "--rm", *PODMAN_RUN_FLAGS, "--label", label, PODMAN_IMAGE, "/bin/true"]
         try:
-            runs = timed_runs(
-                console,
-                "podman run --rm true",
-                count,
-                lambda _: [
-                    *base,
-                    "run",
-                    "--rm",
-                    "--network=none",
-                    "--label",
-                    label,
-                    PODMAN_IMAGE,
-                    "/bin/true",
-                ],
-                err,
-            )
+            runs = timed_runs(console, "podman run --rm true", count, lambda _: run_argv, err)
         finally:
-            listing = subprocess.run(
-                [*base, "ps", "-aq", "--filter", f"label={label}"], capture_output=True, text=True, timeout=60
-            )
-            if listing.stdout.split():
-                quiet([*base, "rm", "-f", *listing.stdout.split()], err)
-    return {
-        "version": first_line([*base, "--version"]),
-        "global_flags": PODMAN_FLAGS,
-        "count": count,
-        "run": summarize(runs),
-    }
+            # --rm removes a container only when podman gets that far; the label finds the others.
+            ps = [*base, "ps", "-aq", "--filter", f"label={label}"]
+            if left := subprocess.run(ps, capture_output=True, text=True, timeout=60).stdout.split():
+                quiet([*base, "rm", "-f", *left], err)
+    version = first_line([*base, "--version"])
+    return {"version": version, "argv": shlex.join(run_argv), "count": count, "run": summarize(runs)}
 
 
 # ---- report ----------------------------------------------------------------------------------------
@@ -438,39 +395,32 @@ def _ratio(a: float | None, b: float | None) -> float | None:
     return round(a / b, 3) if a is not None and b else None
 
 
+def _check(text: str, value: float | None, ok: Callable[[float], bool]) -> Json:
+    # met is None where a peer was skipped or failed: unknown, which is not the same as missed.
+    return {"target": text, "value": value, "met": None if value is None else ok(value)}
+
+
 def judge(dsec: Json, crun: Json, podman: Json) -> tuple[Json, Json]:
     first_exec, exec_rtt = _p50(dsec, "create_to_first_exec"), _p50(dsec, "exec_round_trip")
+    vs_crun = _ratio(first_exec, _p50(crun, "run"))
+    vs_podman = _ratio(_p50(podman, "run"), first_exec)
     ratios = {
-        "dsec_create_exec_p50_over_crun_run_p50": _ratio(first_exec, _p50(crun, "run")),
-        "podman_run_p50_over_dsec_create_exec_p50": _ratio(_p50(podman, "run"), first_exec),
+        "dsec_create_exec_p50_over_crun_run_p50": vs_crun,
+        "podman_run_p50_over_dsec_create_exec_p50": vs_podman,
         "dsec_exec_p50_over_crun_exec_p50": _ratio(exec_rtt, _p50(crun, "exec")),
     }
-    vs_crun, vs_podman = (
-        ratios["dsec_create_exec_p50_over_crun_run_p50"],
-        ratios["podman_run_p50_over_dsec_create_exec_p50"],
-    )
-    b = dsec["burst"]
+    rate, burst_ok = dsec["burst"]["creations_per_s"], dsec["burst"]["succeeded"] == dsec["burst"]["size"]
     targets = {
-        "create_exec_p50_within_1_5x_crun": {
-            "target": "dsec create→first exec p50 ≤ 1.5 × bare crun run p50",
-            "value": vs_crun,
-            "met": None if vs_crun is None else vs_crun <= 1.5,
-        },
-        "10x_faster_than_podman": {
-            "target": "podman run p50 ≥ 10 × dsec create→first exec p50",
-            "value": vs_podman,
-            "met": None if vs_podman is None else vs_podman >= 10.0,
-        },
-        "exec_round_trip_p50_le_5ms": {
-            "target": "dsec exec round trip p50 ≤ 5 ms",
-            "value": exec_rtt,
-            "met": exec_rtt is not None and exec_rtt <= 5.0,
-        },
-        "burst_100_per_s_all_ok": {
-            "target": "burst ≥ 100 creations/s with 100% success",
-            "value": b["creations_per_s"],
-            "met": b["creations_per_s"] >= 100.0 and b["succeeded"] == b["size"],
-        },
+        "create_exec_p50_le_1_5x_crun_run": _check(
+            "dsec create→first exec p50 ≤ 1.5 × bare crun run p50", vs_crun, lambda v: v <= 1.5
+        ),
+        "podman_run_ge_10x_dsec_create_exec": _check(
+            "podman run p50 ≥ 10 × dsec create→first exec p50", vs_podman, lambda v: v >= 10.0
+        ),
+        "exec_round_trip_p50_le_5ms": _check("dsec exec round trip p50 ≤ 5 ms", exec_rtt, lambda v: v <= 5.0),
+        "burst_ge_100_per_s_all_ok": _check(
+            "burst ≥ 100 creations/s with 100% success", rate, lambda v: v >= 100.0 and burst_ok
+        ),
     }
     return ratios, targets
 
@@ -479,56 +429,46 @@ def print_summary(console: Console, result: Json) -> None:
     table = Table(title="dsec lifecycle bench (ms)")
     for col in ("system", "measurement", "n", "p50", "p99", "mean"):
         table.add_column(col, justify="left" if col in ("system", "measurement") else "right")
-    rows = [
-        ("dsec", "create → exec true", "create_to_first_exec"),
-        ("dsec", "create → exec → kill", "create_exec_kill"),
-        ("dsec", "exec round trip", "exec_round_trip"),
-        ("crun", "run true", "run"),
-        ("crun", "exec true", "exec"),
-        ("podman", "run --rm true", "run"),
-    ]
+    rows = [("dsec", "create → exec true", "create_to_first_exec"), ("crun", "run true", "run")]
+    rows += [("dsec", "create → exec → kill", "create_exec_kill"), ("podman", "run --rm true", "run")]
+    rows += [("dsec", "exec round trip", "exec_round_trip"), ("crun", "exec true", "exec")]
     for system, what, key in rows:
-        stats = result["systems"][system].get(key)
-        if isinstance(stats, dict):
-            table.add_row(
-                system, what, str(stats["n"]), *(f"{stats[k]:.1f}" for k in ("p50_ms", "p99_ms", "mean_ms"))
-            )
+        s = result["systems"][system]
+        if isinstance(stats := s.get(key), dict):
+            cells = (f"{stats[k]:.1f}" for k in ("p50_ms", "p99_ms", "mean_ms"))
+            table.add_row(system, what, str(stats["n"]), *cells)
         else:
-            why = result["systems"][system].get("error") or "skipped"
-            table.add_row(system, what, "-", "-", "-", str(why)[:60])
+            table.add_row(system, what, "-", "-", "-", str(s.get("error") or "skipped")[:60])
     console.print(table)
     b = result["systems"]["dsec"]["burst"]
     console.print(
         f"burst: {b['succeeded']}/{b['size']} created in {b['wall_s']:.2f}s = {b['creations_per_s']:.1f}/s"
         f" (failures: {b['failures'] or 'none'})"
     )
+    marks = {True: "[green]met[/green]", False: "[red]missed[/red]", None: "[yellow]n/a[/yellow]"}
     for t in result["targets"].values():
-        mark = {True: "[green]met[/green]", False: "[red]missed[/red]", None: "[yellow]n/a[/yellow]"}[
-            t["met"]
-        ]
-        console.print(f"{mark}  {t['target']}  (value: {t['value']})")
+        console.print(f"{marks[t['met']]}  {t['target']}  (value: {t['value']})")
 
 
 def main(n: int, burst: int, json_out: Path, state_dir: Path, skip_podman: bool) -> int:
     console = Console()
+    when = datetime.now(UTC).isoformat(timespec="seconds")
     state_dir = state_dir.resolve()
     proc = start_daemon(state_dir)
     try:
-        token = wait_for_token(proc, state_dir)
-        client = AsyncClient(url=f"unix://{state_dir}/dsec.sock", token=token)
 
         async def dsec_phase() -> Json:
+            client = await connect(proc, state_dir)
             try:
-                return await bench_dsec(console, client, proc, n, burst)
+                return await bench_dsec(console, client, n, burst)
             finally:
                 await client.aclose()
 
         dsec = asyncio.run(dsec_phase())
         # The peers run while the daemon is up: it mounts the v1 hugetlb hierarchy crun needs here.
-        peers: dict[str, Json] = {}
+        peers: dict[str, Json] = {"podman": {"skipped": True}}
         for name, bench in (("crun", bench_crun), ("podman", bench_podman)):
             if name == "podman" and skip_podman:
-                peers[name] = {"skipped": True}
                 continue
             try:
                 peers[name] = bench(console, n)
@@ -542,28 +482,18 @@ def main(n: int, burst: int, json_out: Path, state_dir: Path, skip_podman: bool)
         stop_daemon(proc)
 
     ratios, targets = judge(dsec, peers["crun"], peers["podman"])
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    params = {"n": n, "burst": burst, "burst_concurrency": BURST_CONCURRENCY, "warmup": WARMUP}
     result: Json = {
         "bench": "lifecycle",
-        "when": datetime.now(UTC).isoformat(timespec="seconds"),
-        "host": {
-            "cpus": os.cpu_count(),
-            "kernel": platform.release(),
-            "memory_bytes": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"),
-        },
-        "params": {
-            "n": n,
-            "burst": burst,
-            "burst_concurrency": BURST_CONCURRENCY,
-            "warmup": WARMUP,
-            "image": IMAGE,
-            "rootfs": str(ROOTFS),
-            "skip_podman": skip_podman,
-        },
-        "systems": {"dsec": dsec, **peers},
+        "when": when,
+        "host": {"cpus": os.cpu_count(), "kernel": platform.release(), "memory_bytes": memory},
+        "params": params | {"image": IMAGE, "rootfs": str(ROOTFS), "skip_podman": skip_podman},
+        "systems": {"dsec": dsec, "crun": peers["crun"], "podman": peers["podman"]},
         "ratios": ratios,
         "targets": targets,
     }
-    json_out.write_text(json.dumps(result, indent=2) + "\n")
+    json_out.write_text(json.dumps(result, indent=2, ensure_ascii=False) + "\n")
     print_summary(console, result)
     console.print(f"wrote {json_out}")
     return 0

@@ -9,7 +9,7 @@ from typing import Annotated
 
 import typer
 from rich.console import Console
-from rich.table import Table
+from rich.table import Column, Table
 
 from .. import __version__
 from ..errors import DsecError
@@ -119,7 +119,8 @@ def ps(
     if as_json:
         console.print_json(json.dumps([i.model_dump(mode="json") for i in items]))
         return
-    table = Table("ID", "KIND", "IMAGE", "STATE", "CREATED", "EXPIRES", "LABELS", "REASON")
+    table = Table("KIND", "IMAGE", "STATE", "CREATED", "EXPIRES", "LABELS", "REASON")
+    table.columns.insert(0, Column("ID", no_wrap=True, min_width=15))
     for i in items:
         table.add_row(
             i.id,

@@ -15,6 +15,7 @@ import itertools
 import json
 import logging
 import os
+import secrets
 import shutil
 import time
 from pathlib import Path
@@ -52,6 +53,8 @@ class ContainerBackend(Backend):
         self.sandbox_dir = ctx.state_dir / "sandboxes"
         self.layout: cgroups.CgroupLayout | None = None
         self._seq = itertools.count(1)
+        # exec cgroups with background processes outlive a daemon restart: names must not repeat
+        self._boot = secrets.token_hex(3)
 
     # ---- host preparation --------------------------------------------------------------------------
 
@@ -204,10 +207,10 @@ class ContainerBackend(Backend):
         cg_path = self._cg_path(rec)
         sandbox_cg = layout.unified_dir(cg_path)
         try:
-            group = cgroups.make_exec_group(layout, cg_path, f"exec-{next(self._seq)}")
+            group = cgroups.make_exec_group(layout, cg_path, f"exec-{self._boot}-{next(self._seq)}")
         except FileNotFoundError:
             raise SandboxGone(f"sandbox {rec.id} is no longer running") from None
-        cmd = self._runtime_argv("exec", "--preserve-fds=2")
+        cmd = self._runtime_argv("exec", "--preserve-fds=2", "--no-new-privs")
         if cwd:
             cmd += ["--cwd", cwd]
         for k, v in (env or {}).items():

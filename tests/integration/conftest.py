@@ -1,0 +1,152 @@
+"""Integration fixtures: a real daemon in a subprocess, real crun, real cgroups.
+
+The daemon fixture owns cleanup: it kills every sandbox it saw and stops the daemon. On failure the
+daemon's log path is printed so it can be read.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+import dsec
+
+IMAGES_DIR = Path(os.environ.get("DSEC_TEST_IMAGES", "/var/tmp/dsec-test-images"))
+
+
+def _missing() -> str | None:
+    if os.geteuid() != 0:
+        return "integration tests need root (namespaces, cgroups, overlay mounts)"
+    if not (shutil.which("crun") or shutil.which("runc")):
+        return "no OCI runtime (crun or runc) installed"
+    if not Path("/sys/fs/cgroup").exists():
+        return "no cgroup file system"
+    return None
+
+
+SKIP = _missing()
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if "integration" in str(item.fspath):
+            item.add_marker(pytest.mark.integration)
+            if SKIP:
+                item.add_marker(pytest.mark.skip(reason=SKIP))
+
+
+@dataclass
+class Daemon:
+    state_dir: Path
+    url: str
+    token: str
+    proc: subprocess.Popen[bytes]
+    log: Path
+
+    def client(self) -> dsec.Client:
+        return dsec.Client(url=self.url, token=self.token)
+
+    def stop(self, sig: int = signal.SIGTERM) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def start_daemon(state_dir: Path) -> Daemon:
+    state_dir.mkdir(parents=True, exist_ok=True)
+    log = state_dir / "daemon.log"
+    sock = state_dir / "dsec.sock"
+    with open(log, "ab") as f:
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "dsec",
+                "serve",
+                "--state-dir",
+                str(state_dir),
+                "--images-dir",
+                str(IMAGES_DIR),
+                "--log-level",
+                "info",
+            ],
+            stdout=f,
+            stderr=f,
+            stdin=subprocess.DEVNULL,
+        )
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"daemon exited with {proc.returncode}: {log.read_text()[-3000:]}")
+        token_file = state_dir / "token"
+        if sock.exists() and token_file.exists():
+            token = token_file.read_text().strip()
+            try:
+                dsec.Client(url=f"unix://{sock}", token=token).health()
+                return Daemon(state_dir, f"unix://{sock}", token, proc, log)
+            except dsec.DaemonUnreachable:
+                pass
+        time.sleep(0.1)
+    proc.kill()
+    raise RuntimeError(f"daemon did not come up: {log.read_text()[-3000:]}")
+
+
+@pytest.fixture(scope="session")
+def daemon() -> Iterator[Daemon]:
+    state = Path(tempfile.mkdtemp(prefix="dsec-it-"))
+    d = start_daemon(state)
+    try:
+        yield d
+    finally:
+        client = d.client()
+        try:
+            for info in client.list():
+                dsec.Sandbox.connect(info.id, client=client).kill()
+        except dsec.DsecError:
+            pass
+        d.stop()
+        print(f"\n[dsec] integration daemon log: {d.log}")
+
+
+@pytest.fixture(autouse=True)
+def _env(daemon: Daemon, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DSEC_URL", daemon.url)
+    monkeypatch.setenv("DSEC_TOKEN", daemon.token)
+
+
+@pytest.fixture
+def make_sandbox(daemon: Daemon) -> Iterator[Callable[..., dsec.Sandbox]]:
+    made: list[dsec.Sandbox] = []
+    client = daemon.client()
+
+    def make(**kwargs: object) -> dsec.Sandbox:
+        kwargs.setdefault("image", "dsec/busybox")
+        sb = dsec.Sandbox.create(client=client, **kwargs)
+        made.append(sb)
+        return sb
+
+    yield make
+    for sb in made:
+        try:
+            sb.kill()
+        except dsec.DsecError:
+            pass
+
+
+@pytest.fixture
+def sb(make_sandbox: Callable[..., dsec.Sandbox]) -> dsec.Sandbox:
+    return make_sandbox()

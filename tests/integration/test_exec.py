@@ -1,0 +1,90 @@
+from __future__ import annotations
+
+import time
+
+import dsec
+
+
+def test_string_and_argv(sb: dsec.Sandbox) -> None:
+    assert sb.exec("echo $((6*7))").stdout == "42\n"
+    # argv is not interpreted by a shell
+    assert sb.exec(["echo", "$((6*7))", "a b"]).stdout == "$((6*7)) a b\n"
+
+
+def test_exit_codes_and_signals(sb: dsec.Sandbox) -> None:
+    assert sb.exec("exit 0").exit_code == 0
+    assert sb.exec("exit 3").exit_code == 3
+    res = sb.exec("kill -9 $$")
+    assert res.exit_code == 137 and res.signal == 9
+    assert sb.exec(["/no/such/binary"]).exit_code == 127
+
+
+def test_cwd_env_stdin(sb: dsec.Sandbox) -> None:
+    res = sb.exec("pwd; echo $A-$B; cat", cwd="/tmp", env={"A": "1", "B": "two words"}, stdin="from stdin")
+    assert res.stdout == "/tmp\n1-two words\nfrom stdin"
+
+
+def test_stderr_separate(sb: dsec.Sandbox) -> None:
+    res = sb.exec("echo out; echo err >&2")
+    assert res.stdout == "out\n" and res.stderr == "err\n"
+
+
+def test_timeout_kills_whole_tree(sb: dsec.Sandbox) -> None:
+    started = time.monotonic()
+    res = sb.exec(
+        "sleep 1000 & setsid sleep 1001 & (sleep 1002 &) ; echo started; sleep 1003",
+        timeout=1.0,
+    )
+    assert time.monotonic() - started < 10
+    assert res.timed_out
+    assert res.stdout == "started\n"
+    # every process of the step is gone: daemonised (setsid, double fork) ones included
+    ps = sb.exec("ps -o args").stdout
+    assert "sleep 100" not in ps, ps
+
+
+def test_background_process_survives_its_step_without_timeout(sb: dsec.Sandbox) -> None:
+    res = sb.exec("sleep 300 >/dev/null 2>&1 &")
+    assert res.exit_code == 0
+    assert "sleep 300" in sb.exec("ps -o args").stdout
+    # another exec timing out does not kill it
+    sb.exec("sleep 10", timeout=0.5)
+    assert "sleep 300" in sb.exec("ps -o args").stdout
+
+
+def test_output_is_capped_head_and_tail(sb: dsec.Sandbox) -> None:
+    # 1 GB of output: the daemon drains it, keeps head and tail, reports the total
+    res = sb.exec("head -c 1000000000 /dev/zero | tr '\\0' 'a'; echo; echo END", timeout=300, output_limit=65536)
+    assert res.exit_code == 0
+    assert res.truncated
+    assert res.stdout_bytes == 1_000_000_000 + 5
+    assert len(res.stdout) < 70_000
+    assert res.stdout.startswith("aaaa") and res.stdout.endswith("\nEND\n")
+    assert "truncated by dsec" in res.stdout
+    assert sb.exec("echo still fine").stdout == "still fine\n"
+
+
+def test_both_streams_flooded_at_once(sb: dsec.Sandbox) -> None:
+    res = sb.exec("yes out | head -c 20000000 & yes err | head -c 20000000 >&2; wait", output_limit=4096, timeout=120)
+    assert res.truncated
+    assert res.stdout_bytes == 20_000_000 and res.stderr_bytes == 20_000_000
+
+
+def test_streaming_delivers_output_as_it_comes(sb: dsec.Sandbox) -> None:
+    arrivals = []
+    started = time.monotonic()
+    for event in sb.exec_stream("echo first; sleep 1; echo second"):
+        if event.type == "stdout":
+            arrivals.append((event.data, time.monotonic() - started))
+        last = event
+    assert [a[0] for a in arrivals] == ["first\n", "second\n"]
+    assert arrivals[1][1] - arrivals[0][1] > 0.5  # the first line came before the sleep ended
+    assert last.type == "result" and last.result is not None and last.result.exit_code == 0
+
+
+def test_concurrent_execs_in_one_sandbox(sb: dsec.Sandbox) -> None:
+    import concurrent.futures
+
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(lambda i: sb.exec(f"echo {i}"), range(16)))
+    assert [r.stdout for r in results] == [f"{i}\n" for i in range(16)]
