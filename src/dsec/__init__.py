@@ -4,7 +4,7 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
-from .errors import (  # noqa: E402
+from .errors import (
     BackendError,
     DaemonUnreachable,
     DsecError,
@@ -20,9 +20,9 @@ from .errors import (  # noqa: E402
     SandboxTimeout,
     Unauthorized,
 )
-from .models import ExecResult, FileEntry, SandboxInfo, State  # noqa: E402
-from .sdk.aio import AsyncClient, AsyncSandbox  # noqa: E402
-from .sdk.sync import Client, Sandbox  # noqa: E402
+from .models import ExecResult, FileEntry, SandboxInfo, State
+from .sdk.aio import AsyncClient, AsyncSandbox
+from .sdk.sync import Client, Sandbox
 
 __all__ = [
     "AsyncClient",

@@ -50,9 +50,7 @@ class Limits(_Strict):
     """Resources of one sandbox. ``cpu`` is the request (it sets the cpu weight); ``cpu_limit`` an optional ceiling."""
 
     cpu: float = Field(1.0, gt=0, le=256, description="CPU request in cores; sets the cpu weight.")
-    cpu_limit: float | None = Field(
-        None, gt=0, le=256, description="Hard CPU ceiling in cores (none: no ceiling)."
-    )
+    cpu_limit: float | None = Field(None, gt=0, le=256, description="Hard CPU ceiling in cores (none: no ceiling).")
     memory: Size = Field(512 << 20, description="Hard memory limit in bytes (or '512Mi').")
     disk: Size = Field(1 << 30, description="Size limit of the writable layer in bytes (or '1Gi').")
     pids: int = Field(1024, ge=8, le=1 << 20, description="Maximum number of processes and threads.")
@@ -122,9 +120,7 @@ class SandboxList(BaseModel):
 
 class ExecRequest(_Strict):
     cmd: str | list[str] = Field(..., description="A string is run by /bin/sh -c; a list is the argv.")
-    timeout: float = Field(
-        60.0, gt=0, le=MAX_EXEC_TIMEOUT_S, description="Seconds before the whole tree is killed."
-    )
+    timeout: float = Field(60.0, gt=0, le=MAX_EXEC_TIMEOUT_S, description="Seconds before the whole tree is killed.")
     cwd: str | None = Field(None, max_length=4096, description="Working directory (absolute).")
     env: dict[str, str] = Field(default_factory=dict)
     stdin: str | None = Field(None, max_length=MAX_STDIN, description="Text fed to standard input.")
@@ -157,7 +153,7 @@ class ExecRequest(_Strict):
     @field_validator("env")
     @classmethod
     def _env(cls, v: dict[str, str]) -> dict[str, str]:
-        return CreateSandbox._env_names(v)  # type: ignore[operator]
+        return CreateSandbox._env_names(v)
 
     def argv(self) -> list[str]:
         return ["/bin/sh", "-c", self.cmd] if isinstance(self.cmd, str) else list(self.cmd)

@@ -16,9 +16,7 @@ from collections.abc import Callable, Mapping, Sequence
 def spawn(argv: Sequence[str], fds: Mapping[int, int], env: Mapping[str, str] | None = None) -> int:
     """Start ``argv`` with child fd N = our fd ``fds[N]``; every other fd is closed (all ours are CLOEXEC)."""
     actions: list[tuple[int, int, int]] = [(os.POSIX_SPAWN_DUP2, src, dst) for dst, src in fds.items()]
-    return os.posix_spawn(
-        argv[0], list(argv), dict(env if env is not None else os.environ), file_actions=actions
-    )
+    return os.posix_spawn(argv[0], list(argv), dict(env if env is not None else os.environ), file_actions=actions)
 
 
 async def wait(pid: int) -> int:
@@ -41,7 +39,8 @@ async def wait(pid: int) -> int:
         finally:
             loop.remove_reader(pidfd)
             os.close(pidfd)
-    _, status = os.waitpid(pid, 0)
+    # the pidfd said the child exited, so this does not block
+    _, status = os.waitpid(pid, 0)  # noqa: ASYNC222
     return os.waitstatus_to_exitcode(status)
 
 
@@ -90,9 +89,7 @@ async def write_all(fd: int, data: bytes) -> None:
             os.close(fd)
 
 
-async def run(
-    argv: Sequence[str], *, timeout: float = 60.0, log_file: str | None = None
-) -> tuple[int, bytes]:
+async def run(argv: Sequence[str], *, timeout: float = 60.0, log_file: str | None = None) -> tuple[int, bytes]:
     """Run a host helper to completion; returns (status, stdout+stderr). Kills it on timeout.
 
     Output goes through a file, not a pipe: an OCI runtime hands its own stdio to the container it

@@ -9,7 +9,11 @@ import dsec
 
 def dsec_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "dsec", *args], capture_output=True, text=True, timeout=300, env=env or dict(os.environ)
+        [sys.executable, "-m", "dsec", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env or dict(os.environ),
     )
 
 

@@ -45,7 +45,7 @@ def test_bad_paths_are_invalid(sb: dsec.Sandbox, bad: str) -> None:
 def test_traversal_and_symlinks_stay_inside(sb: dsec.Sandbox, tmp_path: Path) -> None:
     marker = f"dsec-escape-{os.getpid()}-{id(tmp_path)}"
     host_target = Path("/tmp") / marker
-    sb.exec(f"ln -s / /tmp/rootlink; ln -s /tmp /tmp/tmplink; ln -s ../../../../../../tmp /work-up")
+    sb.exec("ln -s / /tmp/rootlink; ln -s /tmp /tmp/tmplink; ln -s ../../../../../../tmp /work-up")
     sb.files.write(f"/tmp/rootlink/tmp/{marker}", b"x")
     sb.files.write(f"/../../../../tmp/{marker}-dots", b"x")
     sb.files.write(f"/work-up/{marker}-rel", b"x")

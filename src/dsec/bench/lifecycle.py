@@ -111,9 +111,7 @@ def start_daemon(state_dir: Path) -> subprocess.Popen[bytes]:
     with (state_dir / "daemon.log").open("ab") as log:
         # A session of its own, so that Ctrl-C stops the bench but not the daemon, which is still
         # needed to kill the bench's sandboxes before it is stopped.
-        return subprocess.Popen(
-            argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True
-        )
+        return subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True)
 
 
 def stop_daemon(proc: subprocess.Popen[bytes]) -> None:
@@ -254,18 +252,19 @@ async def run_burst(console: Console, client: AsyncClient, burst: int, labels: d
 async def kill_leftovers(console: Console, client: AsyncClient, labels: dict[str, str]) -> None:
     # More than one pass: a create cancelled on our side (Ctrl-C) still completes in the daemon and can
     # appear after the first listing.
-    killed = 0
+    killed, left = 0, []
     try:
-        for _ in range(3):
-            if not (left := await client.list(labels=labels)):
+        for attempt in range(4):
+            if not (left := await client.list(labels=labels)) or attempt == 3:
                 break
-            await asyncio.gather(*(AsyncSandbox(info, client).kill() for info in left))
-            killed += len(left)
+            kills = (AsyncSandbox(info, client).kill() for info in left)
+            results = await asyncio.gather(*kills, return_exceptions=True)  # one failure stops no other
+            killed += sum(r is None for r in results)
             await asyncio.sleep(0.5)
     except DsecError as e:
         console.print(f"[red]could not clean up all of the bench's sandboxes[/red]: {e}")
-    if killed:
-        console.print(f"killed {killed} leftover sandbox(es)")
+    if killed or left:
+        console.print(f"killed {killed} leftover sandbox(es)" + (f"; {len(left)} remain" if left else ""))
 
 
 # ---- peers -----------------------------------------------------------------------------------------
@@ -345,9 +344,7 @@ def ensure_podman(console: Console) -> str:
         with log.open("wb") as out:
             # A file, not a pipe: a service that a postinst script starts could hold a pipe open.
             cmd = ["apt-get", "install", "-y", "-q", "podman"]
-            status = subprocess.run(
-                cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=out, env=env, timeout=1200
-            )
+            status = subprocess.run(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=out, env=env, timeout=1200)
         if status.returncode != 0:
             raise RuntimeError(f"apt-get install podman failed: {_tail(log)}")
     if found := shutil.which("podman"):
@@ -363,9 +360,7 @@ def bench_podman(console: Console, n: int) -> Json:
             console.print(f"importing {ROOTFS} into podman as {PODMAN_IMAGE}")
             tar = subprocess.Popen(["tar", "-C", str(ROOTFS), "-c", "."], stdout=subprocess.PIPE)
             with err.open("wb") as out:
-                imp = subprocess.Popen(
-                    [*base, "import", "-", PODMAN_IMAGE], stdin=tar.stdout, stdout=out, stderr=out
-                )
+                imp = subprocess.Popen([*base, "import", "-", PODMAN_IMAGE], stdin=tar.stdout, stdout=out, stderr=out)
             assert tar.stdout is not None
             tar.stdout.close()  # our copy of the read end would keep tar blocked if the import died
             if imp.wait(timeout=300) != 0 or tar.wait(timeout=60) != 0:
@@ -454,6 +449,8 @@ def main(n: int, burst: int, json_out: Path, state_dir: Path, skip_podman: bool)
     console = Console()
     when = datetime.now(UTC).isoformat(timespec="seconds")
     state_dir = state_dir.resolve()
+    # The daemon has a session of its own: SIGTERM must unwind like Ctrl-C so its sandboxes get killed.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     proc = start_daemon(state_dir)
     try:
 

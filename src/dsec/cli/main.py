@@ -15,16 +15,12 @@ from .. import __version__
 from ..errors import DsecError
 
 app = typer.Typer(help="dsec: elastic sandboxes for training and evaluating AI agents.", no_args_is_help=True)
-bench_app = typer.Typer(
-    help="Benchmarks that write JSON, with peers measured side by side.", no_args_is_help=True
-)
+bench_app = typer.Typer(help="Benchmarks that write JSON, with peers measured side by side.", no_args_is_help=True)
 app.add_typer(bench_app, name="bench")
 console = Console()
 err = Console(stderr=True)
 
-UrlOpt = Annotated[
-    str | None, typer.Option("--url", envvar="DSEC_URL", help="Daemon URL (unix:///… or http://…).")
-]
+UrlOpt = Annotated[str | None, typer.Option("--url", envvar="DSEC_URL", help="Daemon URL (unix:///… or http://…).")]
 TokenOpt = Annotated[str | None, typer.Option("--token", envvar="DSEC_TOKEN", help="Bearer token.")]
 
 
@@ -47,9 +43,7 @@ def version() -> None:
 
 @app.command()
 def serve(
-    state_dir: Annotated[Path, typer.Option(help="Where state, images and sandboxes live.")] = Path(
-        "/var/lib/dsec"
-    ),
+    state_dir: Annotated[Path, typer.Option(help="Where state, images and sandboxes live.")] = Path("/var/lib/dsec"),
     listen: Annotated[
         str | None, typer.Option(help="unix:///path or http://127.0.0.1:PORT (default: STATE_DIR/dsec.sock).")
     ] = None,
@@ -96,9 +90,7 @@ def run(
 @app.command()
 def ps(
     label: Annotated[list[str], typer.Option("--label", "-l", help="key=value filter; repeatable.")] = [],  # noqa: B006
-    all: Annotated[
-        bool, typer.Option("--all", "-a", help="Include stopped, failed and lost sandboxes.")
-    ] = False,
+    all: Annotated[bool, typer.Option("--all", "-a", help="Include stopped, failed and lost sandboxes.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
     url: UrlOpt = None,
     token: TokenOpt = None,
@@ -207,9 +199,7 @@ def images(
         return
     table = Table("NAME", "READY", "SIZE", "DESCRIPTION")
     for i in items:
-        table.add_row(
-            i.name, "yes" if i.ready else "no (built on first use)", format_size(i.size), i.description
-        )
+        table.add_row(i.name, "yes" if i.ready else "no (built on first use)", format_size(i.size), i.description)
     console.print(table)
 
 
@@ -244,9 +234,7 @@ def bench_lifecycle(
     """create → exec `true` → destroy for dsec, bare crun and podman; exec round trip vs crun exec."""
     from ..bench.lifecycle import main as bench_main
 
-    raise typer.Exit(
-        bench_main(n=n, burst=burst, json_out=json_out, state_dir=state_dir, skip_podman=skip_podman)
-    )
+    raise typer.Exit(bench_main(n=n, burst=burst, json_out=json_out, state_dir=state_dir, skip_podman=skip_podman))
 
 
 def main() -> None:

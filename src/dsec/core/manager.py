@@ -133,9 +133,7 @@ class SandboxManager:
         rec = self._get(sandbox_id)
         if rec.state in TERMINAL_STATES:
             why = f": {rec.reason}" if rec.reason else ""
-            raise SandboxGone(
-                f"sandbox {rec.id} is {rec.state.value}{why}", detail={"state": rec.state.value}
-            )
+            raise SandboxGone(f"sandbox {rec.id} is {rec.state.value}{why}", detail={"state": rec.state.value})
         if rec.state != State.running:
             raise InvalidState(
                 f"sandbox {rec.id} is {rec.state.value}; this needs a running sandbox",
@@ -151,9 +149,7 @@ class SandboxManager:
         if req.kind not in self.backends:
             registry.load(req.kind, self.ctx)  # raises the precise "not available" / "unknown" error
         if req.limits.memory > _host_memory():
-            raise InvalidRequest(
-                f"memory limit {req.limits.memory} exceeds this node's {_host_memory()} bytes"
-            )
+            raise InvalidRequest(f"memory limit {req.limits.memory} exceeds this node's {_host_memory()} bytes")
         image = await self.images.resolve(req.image)
         backend = self.backends[req.kind]
         now = time.time()
@@ -186,11 +182,6 @@ class SandboxManager:
     def info(self, sandbox_id: str) -> SandboxInfo:
         return self._get(sandbox_id).info()
 
-    def list(self, labels: dict[str, str] | None = None, include_finished: bool = False) -> list[SandboxInfo]:
-        recs = self.store.all(None if include_finished else LIVE_STATES)
-        wanted = labels or {}
-        return [r.info() for r in recs if all(r.labels.get(k) == v for k, v in wanted.items())]
-
     async def kill(self, sandbox_id: str) -> SandboxInfo:
         rec = self._get(sandbox_id)
         if rec.state in TERMINAL_STATES:
@@ -212,9 +203,7 @@ class SandboxManager:
         self._locks.pop(sandbox_id, None)
         return rec.info()
 
-    async def exec(
-        self, sandbox_id: str, req: ExecRequest, on_output: OutputCallback | None = None
-    ) -> ExecResult:
+    async def exec(self, sandbox_id: str, req: ExecRequest, on_output: OutputCallback | None = None) -> ExecResult:
         rec, backend = self._running(sandbox_id)
         env = {**rec.env, **req.env}
         req = req.model_copy(update={"env": env})
@@ -257,3 +246,8 @@ class SandboxManager:
     async def download_tar(self, sandbox_id: str, path: str) -> bytes:
         rec, backend = self._running(sandbox_id)
         return await self._checked(rec, backend.download_tar(rec, path))
+
+    def list(self, labels: dict[str, str] | None = None, include_finished: bool = False) -> list[SandboxInfo]:
+        recs = self.store.all(None if include_finished else LIVE_STATES)
+        wanted = labels or {}
+        return [r.info() for r in recs if all(r.labels.get(k) == v for k, v in wanted.items())]

@@ -64,6 +64,18 @@ def pct(values: list[float], q: float) -> float:
     return s[min(len(s) - 1, max(0, round(q / 100 * (len(s) - 1))))]
 
 
+def _spawn_daemon(state_dir: Path, log: Path) -> subprocess.Popen[bytes]:
+    state_dir.mkdir(parents=True, exist_ok=True)
+    with open(log, "ab") as logf:
+        return subprocess.Popen(
+            [sys.executable, "-m", "dsec", "serve", "--state-dir", str(state_dir), "--log-level", "warning"],
+            stdout=logf,
+            stderr=logf,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+
+
 async def _ensure_daemon(url: str | None, token: str | None, state_dir: Path) -> tuple[AsyncClient, Daemon]:
     client = AsyncClient(url=url or f"unix://{state_dir / 'dsec.sock'}", token=token)
     daemon = Daemon()
@@ -74,19 +86,9 @@ async def _ensure_daemon(url: str | None, token: str | None, state_dir: Path) ->
         if url is not None:
             raise
     await client.aclose()
-    state_dir.mkdir(parents=True, exist_ok=True)
     daemon.log = state_dir / "demo-daemon.log"
-    console.print(
-        f"[dim]no daemon running: starting `dsec serve --state-dir {state_dir}` (log: {daemon.log})[/dim]"
-    )
-    with open(daemon.log, "ab") as logf:
-        daemon.proc = subprocess.Popen(
-            [sys.executable, "-m", "dsec", "serve", "--state-dir", str(state_dir), "--log-level", "warning"],
-            stdout=logf,
-            stderr=logf,
-            stdin=subprocess.DEVNULL,
-            start_new_session=True,
-        )
+    console.print(f"[dim]no daemon running: starting `dsec serve --state-dir {state_dir}` (log: {daemon.log})[/dim]")
+    daemon.proc = await asyncio.to_thread(_spawn_daemon, state_dir, daemon.log)
     deadline = time.monotonic() + 30
     while True:
         if daemon.proc.poll() is not None:
@@ -125,9 +127,7 @@ async def _rollout(client: AsyncClient, index: int, run_id: str, project: bytes)
         out.exec_s = time.perf_counter() - t1
         out.reward = 1 if res.exit_code == 0 else 0
         out.detail = (
-            "tests pass"
-            if out.reward
-            else ("patch did not apply" if "PATCH_FAILED" in res.stdout else "tests fail")
+            "tests pass" if out.reward else ("patch did not apply" if "PATCH_FAILED" in res.stdout else "tests fail")
         )
     except DsecError as e:
         out.error = e.code

@@ -85,9 +85,7 @@ def _build_busybox(target: Path) -> None:
         link = target / "bin" / applet
         if applet != "busybox" and not link.exists():
             link.symlink_to("busybox")
-    (target / "etc/passwd").write_text(
-        "root:x:0:0:root:/root:/bin/sh\nnobody:x:65534:65534:nobody:/:/bin/false\n"
-    )
+    (target / "etc/passwd").write_text("root:x:0:0:root:/root:/bin/sh\nnobody:x:65534:65534:nobody:/:/bin/false\n")
     (target / "etc/group").write_text("root:x:0:\nnogroup:x:65534:\n")
     (target / "etc/hostname").write_text("sandbox\n")
 
@@ -215,9 +213,7 @@ class ImageStore:
         return ImageInfo(
             name=norm,
             size=int(size) if isinstance(size, int) else 0,
-            created_at=datetime.fromtimestamp(float(created), UTC)
-            if isinstance(created, int | float)
-            else None,
+            created_at=datetime.fromtimestamp(float(created), UTC) if isinstance(created, int | float) else None,
             ready=True,
             description=str(meta.get("description", "")),
         )

@@ -147,9 +147,7 @@ def remove_group(group: Path) -> bool:
     if not group.exists():
         return True
     ok = True
-    for child in sorted(
-        (p for p in group.rglob("*") if p.is_dir()), key=lambda p: len(p.parts), reverse=True
-    ):
+    for child in sorted((p for p in group.rglob("*") if p.is_dir()), key=lambda p: len(p.parts), reverse=True):
         try:
             child.rmdir()
         except OSError:

@@ -39,9 +39,7 @@ _libc.syscall.restype = ctypes.c_long
 def openat2(dirfd: int, path: str, flags: int, mode: int = 0, resolve: int = _RESOLVE) -> int:
     how = _OpenHow(flags | os.O_CLOEXEC, mode, resolve)
     while True:
-        fd = _libc.syscall(
-            _SYS_OPENAT2, dirfd, path.encode(), ctypes.byref(how), ctypes.c_size_t(ctypes.sizeof(how))
-        )
+        fd = _libc.syscall(_SYS_OPENAT2, dirfd, path.encode(), ctypes.byref(how), ctypes.c_size_t(ctypes.sizeof(how)))
         if fd >= 0:
             return int(fd)
         err = ctypes.get_errno()
@@ -190,7 +188,7 @@ class RootFS:
                             FileEntry(
                                 name=ent.name,
                                 path=posixpath.join(base, ent.name),
-                                type=kind,  # type: ignore[arg-type]
+                                type=kind,
                                 size=st.st_size,
                                 mode=stat.S_IMODE(st.st_mode),
                                 mtime=st.st_mtime,

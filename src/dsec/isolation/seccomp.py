@@ -391,9 +391,7 @@ def oci_profile() -> dict[str, Any]:
             {
                 "names": ["clone"],
                 "action": "SCMP_ACT_ALLOW",
-                "args": [
-                    {"index": 0, "value": CLONE_NAMESPACE_FLAGS, "valueTwo": 0, "op": "SCMP_CMP_MASKED_EQ"}
-                ],
+                "args": [{"index": 0, "value": CLONE_NAMESPACE_FLAGS, "valueTwo": 0, "op": "SCMP_CMP_MASKED_EQ"}],
             },
             {"names": refused_syscalls(), "action": "SCMP_ACT_ERRNO", "errnoRet": EPERM},
         ],

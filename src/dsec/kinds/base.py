@@ -53,9 +53,7 @@ class Backend(ABC):
         """Whether the sandbox still runs (used to re-adopt sandboxes after a daemon restart)."""
 
     @abstractmethod
-    async def exec(
-        self, rec: SandboxRecord, req: ExecRequest, on_output: OutputCallback | None = None
-    ) -> ExecResult:
+    async def exec(self, rec: SandboxRecord, req: ExecRequest, on_output: OutputCallback | None = None) -> ExecResult:
         """Run a command; the exit status is observed on the host side."""
 
     @abstractmethod

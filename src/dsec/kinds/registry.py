@@ -25,9 +25,7 @@ def load(kind: str, ctx: BackendContext) -> Backend:
     target = _KINDS.get(kind)
     if target is None:
         if kind in _PLANNED:
-            raise InvalidRequest(
-                f"kind {kind!r} is not available in this version of dsec yet ({_PLANNED[kind]})"
-            )
+            raise InvalidRequest(f"kind {kind!r} is not available in this version of dsec yet ({_PLANNED[kind]})")
         raise InvalidRequest(f"unknown kind {kind!r}; known kinds: {', '.join(available())}")
     module_name, _, cls_name = target.partition(":")
     cls = getattr(importlib.import_module(module_name), cls_name)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import builtins
 import io
 import tarfile
 import weakref
@@ -11,6 +12,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+from ..errors import InvalidRequest, error_from_wire, validation_message
 from ..models import (
     CreateSandbox,
     ExecEvent,
@@ -25,7 +27,6 @@ from ..models import (
     SandboxInfo,
     SandboxList,
 )
-from ..errors import InvalidRequest, error_from_wire, validation_message
 from .transport import Transport
 
 CREATE_TIMEOUT = 1800.0  # the first use of a built-in image builds it
@@ -50,14 +51,10 @@ class AsyncClient:
         return ImageList.model_validate_json(reply.content).images
 
     async def build_image(self, name: str) -> ImageInfo:
-        reply = await self._transport.request(
-            "POST", "/v1/images/build", params={"name": name}, timeout=CREATE_TIMEOUT
-        )
+        reply = await self._transport.request("POST", "/v1/images/build", params={"name": name}, timeout=CREATE_TIMEOUT)
         return ImageInfo.model_validate_json(reply.content)
 
-    async def list(
-        self, labels: dict[str, str] | None = None, include_finished: bool = False
-    ) -> list[SandboxInfo]:
+    async def list(self, labels: dict[str, str] | None = None, include_finished: bool = False) -> list[SandboxInfo]:
         params: list[tuple[str, str]] = [("label", f"{k}={v}") for k, v in (labels or {}).items()]
         if include_finished:
             params.append(("all", "true"))
@@ -77,9 +74,7 @@ class AsyncClient:
         await self.aclose()
 
 
-_default_clients: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, AsyncClient] = (
-    weakref.WeakKeyDictionary()
-)
+_default_clients: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, AsyncClient] = weakref.WeakKeyDictionary()
 
 
 def default_client() -> AsyncClient:
@@ -135,17 +130,25 @@ class AsyncFiles:
 
     async def upload_dir(self, local_dir: str | Path, path: str) -> None:
         """Copy a local directory's contents into ``path`` inside the sandbox."""
-        buf = io.BytesIO()
-        with tarfile.open(fileobj=buf, mode="w") as tar:
-            tar.add(str(local_dir), arcname=".")
-        await self.upload_tar(path, buf.getvalue())
+        await self.upload_tar(path, await asyncio.to_thread(_pack, Path(local_dir)))
 
     async def download_dir(self, path: str, local_dir: str | Path) -> None:
         """Copy directory ``path`` from the sandbox into a local directory (links and devices are refused)."""
         data = await self.download_tar(path)
-        Path(local_dir).mkdir(parents=True, exist_ok=True)
-        with tarfile.open(fileobj=io.BytesIO(data)) as tar:
-            tar.extractall(str(local_dir), filter="data")
+        await asyncio.to_thread(_extract, data, Path(local_dir))
+
+
+def _pack(src: Path) -> bytes:
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tar:
+        tar.add(str(src), arcname=".")
+    return buf.getvalue()
+
+
+def _extract(data: bytes, dest: Path) -> None:
+    dest.mkdir(parents=True, exist_ok=True)
+    with tarfile.open(fileobj=io.BytesIO(data)) as tar:
+        tar.extractall(str(dest), filter="data")
 
 
 class AsyncSandbox:
@@ -221,7 +224,7 @@ class AsyncSandbox:
     @classmethod
     async def list(
         cls, labels: dict[str, str] | None = None, client: AsyncClient | None = None
-    ) -> list[SandboxInfo]:
+    ) -> builtins.list[SandboxInfo]:
         """Live sandboxes, optionally only those carrying all the given labels."""
         return await (client or default_client()).list(labels)
 
@@ -232,7 +235,7 @@ class AsyncSandbox:
 
     def _exec_body(
         self,
-        cmd: str | list[str],
+        cmd: str | builtins.list[str],
         timeout: float,
         cwd: str | None,
         env: dict[str, str] | None,
@@ -250,7 +253,7 @@ class AsyncSandbox:
 
     async def exec(
         self,
-        cmd: str | list[str],
+        cmd: str | builtins.list[str],
         *,
         timeout: float = 60.0,
         cwd: str | None = None,
@@ -264,14 +267,12 @@ class AsyncSandbox:
         the result has ``timed_out=True``.
         """
         body = self._exec_body(cmd, timeout, cwd, env, stdin, output_limit)
-        reply = await self._t.request(
-            "POST", f"/v1/sandboxes/{self.id}/exec", json=body, timeout=timeout + 60
-        )
+        reply = await self._t.request("POST", f"/v1/sandboxes/{self.id}/exec", json=body, timeout=timeout + 60)
         return ExecResult.model_validate_json(reply.content)
 
     async def exec_stream(
         self,
-        cmd: str | list[str],
+        cmd: str | builtins.list[str],
         *,
         timeout: float = 60.0,
         cwd: str | None = None,

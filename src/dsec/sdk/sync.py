@@ -51,7 +51,7 @@ _SYNC_OF: dict[type, type] = {}
 def _wrap(value: Any) -> Any:
     cls = _SYNC_OF.get(type(value))
     if cls is not None:
-        obj = object.__new__(cls)
+        obj: Any = object.__new__(cls)
         obj._impl = value
         return obj
     if isinstance(value, list):
@@ -139,6 +139,7 @@ def synchronize(async_cls: type, name: str, doc: str | None = None) -> type:
     return cls
 
 
-Files = synchronize(aio.AsyncFiles, "Files")
-Client = synchronize(aio.AsyncClient, "Client")
-Sandbox = synchronize(aio.AsyncSandbox, "Sandbox")
+# Typed as Any: the members are generated; tests check they mirror the async classes one to one.
+Files: Any = synchronize(aio.AsyncFiles, "Files")
+Client: Any = synchronize(aio.AsyncClient, "Client")
+Sandbox: Any = synchronize(aio.AsyncSandbox, "Sandbox")

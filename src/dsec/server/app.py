@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 import os
 import secrets
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlparse
 
 from fastapi import FastAPI
@@ -60,7 +60,7 @@ def create_app(manager: SandboxManager, token: str) -> FastAPI:
     return app
 
 
-def parse_listen(listen: str) -> dict[str, object]:
+def parse_listen(listen: str) -> dict[str, Any]:
     """uvicorn arguments for ``unix:///path`` or ``http://HOST:PORT``."""
     url = urlparse(listen)
     if url.scheme == "unix":
@@ -74,9 +74,7 @@ def parse_listen(listen: str) -> dict[str, object]:
     raise InvalidRequest(f"--listen {listen!r}: use unix:///path or http://HOST:PORT")
 
 
-def serve(
-    state_dir: Path, listen: str | None, images_dir: Path | None = None, log_level: str = "info"
-) -> None:
+def serve(state_dir: Path, listen: str | None, images_dir: Path | None = None, log_level: str = "info") -> None:
     import uvicorn
 
     state_dir = state_dir.resolve()

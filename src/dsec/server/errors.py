@@ -15,9 +15,7 @@ from ..models import ErrorBody, ErrorResponse
 log = logging.getLogger("dsec.server")
 
 
-def error_response(
-    status: int, code: str, message: str, detail: dict[str, object] | None = None
-) -> JSONResponse:
+def error_response(status: int, code: str, message: str, detail: dict[str, object] | None = None) -> JSONResponse:
     body = ErrorResponse(error=ErrorBody(code=code, message=message, detail=detail or {}))
     return JSONResponse(status_code=status, content=body.model_dump(mode="json"))
 
@@ -35,9 +33,7 @@ def install(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        code = {401: "unauthorized", 404: "not_found", 405: "method_not_allowed"}.get(
-            exc.status_code, "http_error"
-        )
+        code = {401: "unauthorized", 404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
         return error_response(exc.status_code, code, str(exc.detail))
 
     @app.exception_handler(Exception)

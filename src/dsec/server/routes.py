@@ -102,7 +102,7 @@ async def exec_stream(sandbox_id: str, body: ExecRequest, mgr: Mgr) -> Streaming
     def on_output(stream: str, data: bytes) -> None:
         text = forwarders[stream].take(data)
         if text:
-            queue.put_nowait(ExecEvent(type=stream, data=text))  # type: ignore[arg-type]
+            queue.put_nowait(ExecEvent(type=stream, data=text))
 
     async def run() -> None:
         try:

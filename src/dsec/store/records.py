@@ -26,7 +26,7 @@ class SandboxRecord:
     def info(self) -> SandboxInfo:
         return SandboxInfo(
             id=self.id,
-            kind=self.kind,  # type: ignore[arg-type]
+            kind=self.kind,
             image=self.image,
             state=self.state,
             reason=self.reason,

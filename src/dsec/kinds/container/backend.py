@@ -67,8 +67,14 @@ class ContainerBackend(Backend):
         notes = cgroups.prepare_host(self.layout)
         for d in (self.run_root, self.helper_dir, self.sandbox_dir):
             d.mkdir(parents=True, exist_ok=True)
-        for name, candidates in (("busybox", ("busybox",)), ("catatonit", ("catatonit",))):
-            src = next((p for c in candidates if (p := shutil.which(c))), None)
+        await asyncio.to_thread(self._install_helpers)
+        notes.append(f"container kind: runtime {self.runtime}, cgroups {self.layout.mode}")
+        return notes
+
+    def _install_helpers(self) -> None:
+        """Static busybox and catatonit, copied so that a host package upgrade never changes a running sandbox."""
+        for name in ("busybox", "catatonit"):
+            src = shutil.which(name)
             if src is None:
                 raise BackendError(f"{name} is not installed (apt-get install busybox-static catatonit)")
             dst = self.helper_dir / name
@@ -77,8 +83,6 @@ class ContainerBackend(Backend):
                 shutil.copy2(src, tmp)
                 os.chmod(tmp, 0o555)
                 tmp.rename(dst)
-        notes.append(f"container kind: runtime {self.runtime}, cgroups {self.layout.mode}")
-        return notes
 
     def _layout(self) -> cgroups.CgroupLayout:
         if self.layout is None:
@@ -113,9 +117,7 @@ class ContainerBackend(Backend):
             log_file=str(bundle / "runtime.log"),
         )
         if status != 0:
-            raise BackendError(
-                f"{self.runtime_name} run failed ({status}): {out.decode(errors='replace')[-800:]}"
-            )
+            raise BackendError(f"{self.runtime_name} run failed ({status}): {out.decode(errors='replace')[-800:]}")
 
     def _mount_rootfs(self, rec: SandboxRecord, image: ImageRef, rootfs: Path, disk: Path) -> None:
         rootfs.mkdir(parents=True)
@@ -174,9 +176,7 @@ class ContainerBackend(Backend):
 
     # ---- exec --------------------------------------------------------------------------------------
 
-    async def exec(
-        self, rec: SandboxRecord, req: ExecRequest, on_output: OutputCallback | None = None
-    ) -> ExecResult:
+    async def exec(self, rec: SandboxRecord, req: ExecRequest, on_output: OutputCallback | None = None) -> ExecResult:
         stdin = req.stdin.encode() if req.stdin is not None else None
         env = {**req.env}
         return await self._exec(
@@ -349,9 +349,7 @@ class ContainerBackend(Backend):
         target = "/" + clean_path(path).lstrip(".")
         bb = f"{spec.HELPER_MOUNT}/busybox"
         script = f'{bb} mkdir -p "$1" && exec {bb} tar -x -o -f - -C "$1"'
-        res = await self._exec(
-            rec, [bb, "sh", "-c", script, "untar", target], stdin=data, timeout=600, limit=1 << 16
-        )
+        res = await self._exec(rec, [bb, "sh", "-c", script, "untar", target], stdin=data, timeout=600, limit=1 << 16)
         if res.exit_code != 0:
             raise InvalidRequest(f"cannot unpack the archive into {path}: {res.stderr.strip()[-500:]}")
 

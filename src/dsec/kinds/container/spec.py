@@ -56,9 +56,7 @@ CPU_PERIOD_US = 100_000
 SHM_SIZE = 64 << 20
 
 
-def config(
-    rec: SandboxRecord, image: ImageRef, rootfs: str, helper_dir: str, cgroups_path: str
-) -> dict[str, Any]:
+def config(rec: SandboxRecord, image: ImageRef, rootfs: str, helper_dir: str, cgroups_path: str) -> dict[str, Any]:
     env = {"PATH": DEFAULT_PATH, "HOME": "/root", "TERM": "xterm", **image.env, **rec.env}
     limits = rec.limits
     cpu: dict[str, Any] = {"shares": max(2, min(262144, int(limits.cpu * 1024)))}
