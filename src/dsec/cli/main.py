@@ -42,6 +42,20 @@ def version() -> None:
 
 
 @app.command()
+def openapi(
+    out: Annotated[Path | None, typer.Option(help="Write to this file instead of standard output.")] = None,
+) -> None:
+    """Print the HTTP API's OpenAPI document (generated from the wire models)."""
+    from ..server.app import openapi_spec
+
+    text = json.dumps(openapi_spec(), indent=2, sort_keys=True) + "\n"
+    if out is None:
+        sys.stdout.write(text)
+    else:
+        out.write_text(text)
+
+
+@app.command()
 def serve(
     state_dir: Annotated[Path, typer.Option(help="Where state, images and sandboxes live.")] = Path("/var/lib/dsec"),
     listen: Annotated[

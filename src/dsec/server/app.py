@@ -60,6 +60,13 @@ def create_app(manager: SandboxManager, token: str) -> FastAPI:
     return app
 
 
+def openapi_spec() -> dict[str, Any]:
+    """The OpenAPI document, generated from the routes and wire models (no daemon needed)."""
+    app = FastAPI(title="dsec", version=__version__)
+    app.include_router(routes.router)
+    return app.openapi()
+
+
 def parse_listen(listen: str) -> dict[str, Any]:
     """uvicorn arguments for ``unix:///path`` or ``http://HOST:PORT``."""
     url = urlparse(listen)

@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 import secrets
 from collections.abc import AsyncIterator
-from typing import Annotated
+from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Query, Request, Response
 from fastapi.responses import StreamingResponse
@@ -18,6 +18,7 @@ from ..kinds import registry
 from ..models import (
     CreateSandbox,
     ErrorBody,
+    ErrorResponse,
     ExecEvent,
     ExecRequest,
     ExecResult,
@@ -45,7 +46,19 @@ def authorize(request: Request) -> None:
 
 
 Mgr = Annotated[SandboxManager, Depends(manager)]
-router = APIRouter(prefix="/v1")
+_ERRORS: dict[int | str, dict[str, Any]] = {
+    status: {"model": ErrorResponse, "description": why}
+    for status, why in (
+        (400, "invalid request"),
+        (401, "missing or wrong token"),
+        (404, "no such sandbox, image or file"),
+        (409, "the sandbox's state does not allow this"),
+        (410, "the sandbox is stopped, failed or lost"),
+        (413, "a size limit was exceeded"),
+        (500, "the runtime failed"),
+    )
+}
+router = APIRouter(prefix="/v1", responses=_ERRORS)
 api = APIRouter(dependencies=[Depends(authorize)])
 
 
