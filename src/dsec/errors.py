@@ -141,7 +141,10 @@ def validation_message(exc: Exception) -> str:
         return str(exc)
     parts = []
     for err in errors()[:5]:
-        loc = ".".join(str(x) for x in err.get("loc", ()) if x not in ("body", "query", "path"))
+        loc_parts = list(err.get("loc", ()))
+        if loc_parts and loc_parts[0] in ("body", "query", "path"):  # where it came from, not a field name
+            loc_parts = loc_parts[1:]
+        loc = ".".join(str(x) for x in loc_parts)
         parts.append(f"{loc or 'request'}: {err.get('msg', 'invalid')}")
     return "; ".join(parts) or "invalid request"
 

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import os
+import tempfile
+import warnings
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-
-import warnings
+from typing import Any
 
 import pytest
+from fastapi import FastAPI
 
 with warnings.catch_warnings():
     # starlette nags about httpx vs httpx2 on import; the test client works with either
@@ -25,19 +28,31 @@ TOKEN = "t"
 AUTH = {"authorization": f"Bearer {TOKEN}"}
 
 
-def new_manager(tmp_path: Path) -> tuple[SandboxManager, FakeBackend]:
-    images = tmp_path / "images"
+@pytest.fixture
+def workdir(tmp_path: Path) -> Iterator[Path]:
+    """A scratch directory for a manager's state: tmpfs when there is one (SQLite's fsyncs on a real disk
+    cost ~10 ms per new database), else pytest's tmp_path."""
+    shm = Path("/dev/shm")
+    if shm.is_dir() and os.access(shm, os.W_OK):
+        with tempfile.TemporaryDirectory(dir=shm, prefix="dsec-unit-") as d:
+            yield Path(d)
+    else:
+        yield tmp_path
+
+
+def new_manager(root: Path) -> tuple[SandboxManager, FakeBackend]:
+    images = root / "images"
     make_image(images, IMAGE, env={"PATH": "/usr/bin:/bin", "FROM_IMAGE": "1"})
-    mgr = SandboxManager(state_dir=tmp_path / "state", images_dir=images)
+    mgr = SandboxManager(state_dir=root / "state", images_dir=images)
     backend = FakeBackend(mgr.ctx)
     mgr.backends["container"] = backend
     return mgr, backend
 
 
 @pytest.fixture
-def fresh(tmp_path: Path) -> tuple[SandboxManager, FakeBackend]:
+def fresh(workdir: Path) -> tuple[SandboxManager, FakeBackend]:
     """A manager with the fake backend injected but not started."""
-    return new_manager(tmp_path)
+    return new_manager(workdir)
 
 
 @pytest.fixture
@@ -63,9 +78,36 @@ class Api:
         return data
 
 
+class ManagerSwitch:
+    """Stands in for the manager in one shared app and forwards everything to the current test's manager.
+
+    FastAPI builds each app's route state lazily on its first request (~100 ms here); one app for the
+    whole session, with a fresh manager per test behind this switch, keeps the API tests fast while the
+    lifespan still starts and closes each test's manager.
+    """
+
+    def __init__(self) -> None:
+        self.target: SandboxManager | None = None
+
+    def __getattr__(self, name: str) -> Any:
+        if self.target is None:
+            raise RuntimeError("no manager selected for this test")
+        return getattr(self.target, name)
+
+
+@pytest.fixture(scope="session")
+def shared_app() -> tuple[FastAPI, ManagerSwitch]:
+    switch = ManagerSwitch()
+    return create_app(switch, token=TOKEN), switch  # type: ignore[arg-type]
+
+
 @pytest.fixture
-def api(tmp_path: Path) -> Iterator[Api]:
-    mgr, backend = new_manager(tmp_path)
-    app = create_app(mgr, token=TOKEN)
-    with TestClient(app) as client:
-        yield Api(client, mgr, backend)
+def api(workdir: Path, shared_app: tuple[FastAPI, ManagerSwitch]) -> Iterator[Api]:
+    app, switch = shared_app
+    mgr, backend = new_manager(workdir)
+    switch.target = mgr
+    try:
+        with TestClient(app) as client:
+            yield Api(client, mgr, backend)
+    finally:
+        switch.target = None

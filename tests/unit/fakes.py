@@ -10,9 +10,8 @@ import time
 from pathlib import Path
 
 from dsec.errors import FileNotFoundInSandbox, InvalidRequest
-from dsec.images.store import _dir_name
+from dsec.images.store import ImageRef, _dir_name
 from dsec.kinds.base import Backend, BackendContext, OutputCallback
-from dsec.images.store import ImageRef
 from dsec.models import ExecRequest, ExecResult, FileEntry
 from dsec.store.records import SandboxRecord
 
@@ -68,9 +67,7 @@ class FakeBackend(Backend):
     async def alive(self, rec: SandboxRecord) -> bool:
         return rec.id not in self.dead
 
-    async def exec(
-        self, rec: SandboxRecord, req: ExecRequest, on_output: OutputCallback | None = None
-    ) -> ExecResult:
+    async def exec(self, rec: SandboxRecord, req: ExecRequest, on_output: OutputCallback | None = None) -> ExecResult:
         self.execs.append(req)
         if self.exec_error is not None:
             raise self.exec_error

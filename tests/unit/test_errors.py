@@ -161,11 +161,6 @@ def test_validation_message_drops_body_query_path_prefixes() -> None:
     assert validation_message(Fake()) == "timeout: too small; mode: too big; request: not JSON; request: invalid"
 
 
-@pytest.mark.xfail(
-    reason="validation_message drops every loc item equal to 'body'/'query'/'path', so the file API's "
-    "query parameter named 'path' disappears from the message",
-    strict=True,
-)
 def test_validation_message_keeps_a_field_named_path() -> None:
     class Fake(Exception):
         def errors(self) -> list[dict[str, object]]:

@@ -127,10 +127,6 @@ def test_text_decodes_with_replacement() -> None:
     assert buf.text() == "héllo \ufffd"
 
 
-@pytest.mark.xfail(
-    reason="CappedBuffer(0) keeps everything: data[-0:] is the whole chunk, so the tail is not bounded",
-    strict=True,
-)
 def test_zero_limit_keeps_nothing_but_the_marker() -> None:
     buf = fed(0, b"abc")
     assert buf.getvalue() == b"\n[... 3 bytes truncated by dsec ...]\n"

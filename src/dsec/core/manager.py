@@ -196,9 +196,11 @@ class SandboxManager:
             self._set_state(rec, State.stopping, reason)
             try:
                 await self.backends[rec.kind].destroy(rec)
-            except DsecError as e:
+            except Exception as e:
                 self._set_state(rec, State.failed, f"{reason}; cleanup failed: {e}")
-                raise
+                if isinstance(e, DsecError):
+                    raise
+                raise BackendError(f"stopping sandbox {rec.id} failed: {e}") from e
             self._set_state(rec, State.stopped, reason)
         self._locks.pop(sandbox_id, None)
         return rec.info()

@@ -9,6 +9,8 @@ class CappedBuffer:
     """Keeps the first ``limit // 2`` and the last ``limit - limit // 2`` bytes of a stream."""
 
     def __init__(self, limit: int) -> None:
+        if limit < 0:
+            raise ValueError("limit must be >= 0")
         self.limit = limit
         self.head_limit = limit // 2
         self.tail_limit = limit - self.head_limit
@@ -22,7 +24,7 @@ class CappedBuffer:
         if room > 0:
             self.head += data[:room]
             data = data[room:]
-        if data:
+        if data and self.tail_limit:
             if len(data) >= self.tail_limit:
                 self.tail = bytearray(data[-self.tail_limit :])
             else:

@@ -44,7 +44,8 @@ def normalize(name: str) -> str:
 
 
 def _dir_name(name: str) -> str:
-    return name.replace("/", "_").replace(":", "@")
+    # '+' and '@' cannot appear in a valid name, so this mapping is one to one
+    return name.replace("/", "+").replace(":", "@")
 
 
 def _du(path: Path) -> int:

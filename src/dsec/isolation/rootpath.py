@@ -17,7 +17,7 @@ import stat
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from ..errors import FileNotFoundInSandbox, InvalidRequest, LimitExceeded
+from ..errors import DsecError, FileNotFoundInSandbox, InvalidRequest, LimitExceeded
 from ..models import FileEntry
 
 _SYS_OPENAT2 = 437
@@ -120,6 +120,8 @@ class RootFS:
                         raise LimitExceeded(f"{path} grew over the read limit of {max_bytes} bytes")
                     chunks.append(chunk)
                 return b"".join(chunks)
+        except DsecError:
+            raise
         except OSError as e:
             raise _translate(e, path) from None
 
@@ -137,6 +139,8 @@ class RootFS:
                     view = memoryview(data)
                     while view:
                         view = view[os.write(fd, view) :]
+        except DsecError:
+            raise
         except OSError as e:
             raise _translate(e, path) from None
 
@@ -145,6 +149,8 @@ class RootFS:
         try:
             with self._rootfd() as root:
                 self._make_parents(root, rel)
+        except DsecError:
+            raise
         except OSError as e:
             raise _translate(e, path) from None
 
@@ -194,6 +200,8 @@ class RootFS:
                                 mtime=st.st_mtime,
                             )
                         )
+        except DsecError:
+            raise
         except OSError as e:
             raise _translate(e, path) from None
         return sorted(entries, key=lambda e: e.name)
@@ -216,5 +224,7 @@ class RootFS:
                         os.rmdir(name, dir_fd=pfd)
                 else:
                     os.unlink(name, dir_fd=pfd)
+        except DsecError:
+            raise
         except OSError as e:
             raise _translate(e, path) from None

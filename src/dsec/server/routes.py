@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import secrets
 from collections.abc import AsyncIterator
 from typing import Annotated, Any
@@ -31,6 +32,7 @@ from ..models import (
 )
 
 MAX_UPLOAD = 256 << 20
+log = logging.getLogger("dsec.server")
 
 
 def manager(request: Request) -> SandboxManager:
@@ -41,7 +43,9 @@ def manager(request: Request) -> SandboxManager:
 def authorize(request: Request) -> None:
     header = request.headers.get("authorization", "")
     scheme, _, value = header.partition(" ")
-    if scheme.lower() != "bearer" or not secrets.compare_digest(value.strip(), request.app.state.token):
+    # compared as bytes: compare_digest refuses non-ASCII str, and a header may carry anything
+    expected = str(request.app.state.token).encode()
+    if scheme.lower() != "bearer" or not secrets.compare_digest(value.strip().encode(errors="replace"), expected):
         raise Unauthorized("missing or wrong bearer token (see DSEC_TOKEN and the daemon's STATE_DIR/token)")
 
 
@@ -123,6 +127,9 @@ async def exec_stream(sandbox_id: str, body: ExecRequest, mgr: Mgr) -> Streaming
             queue.put_nowait(ExecEvent(type="result", result=result))
         except DsecError as e:
             queue.put_nowait(ExecEvent(type="error", error=ErrorBody(code=e.code, message=e.message)))
+        except Exception as e:  # the stream must always end with a result or an error
+            log.exception("streamed exec failed")
+            queue.put_nowait(ExecEvent(type="error", error=ErrorBody(code="internal", message=f"internal error: {e}")))
         finally:
             queue.put_nowait(None)
 
