@@ -45,7 +45,7 @@ async def wait(pid: int) -> int:
 
 
 async def read_fd(fd: int, on_data: Callable[[bytes], None], chunk: int = 1 << 16) -> None:
-    """Read a non-blocking fd until EOF, handing each chunk to ``on_data``; closes the fd."""
+    """Read a fd until EOF, handing each chunk to ``on_data``. The caller owns (and closes) the fd."""
     loop = asyncio.get_running_loop()
     os.set_blocking(fd, False)
     readable = asyncio.Event()
@@ -63,11 +63,10 @@ async def read_fd(fd: int, on_data: Callable[[bytes], None], chunk: int = 1 << 1
             on_data(data)
     finally:
         loop.remove_reader(fd)
-        os.close(fd)
 
 
 async def write_all(fd: int, data: bytes) -> None:
-    """Write all of ``data`` to a non-blocking fd, then close it; a reader that went away is not an error."""
+    """Write all of ``data`` to a fd; a reader that went away is not an error. The caller owns the fd."""
     loop = asyncio.get_running_loop()
     os.set_blocking(fd, False)
     view = memoryview(data)
@@ -85,11 +84,15 @@ async def write_all(fd: int, data: bytes) -> None:
                 return
     finally:
         loop.remove_writer(fd)
-        with contextlib.suppress(OSError):
-            os.close(fd)
 
 
-async def run(argv: Sequence[str], *, timeout: float = 60.0, log_file: str | None = None) -> tuple[int, bytes]:
+async def run(
+    argv: Sequence[str],
+    *,
+    timeout: float = 60.0,
+    log_file: str | None = None,
+    extra_fds: Mapping[int, int] | None = None,
+) -> tuple[int, bytes]:
     """Run a host helper to completion; returns (status, stdout+stderr). Kills it on timeout.
 
     Output goes through a file, not a pipe: an OCI runtime hands its own stdio to the container it
@@ -106,7 +109,7 @@ async def run(argv: Sequence[str], *, timeout: float = 60.0, log_file: str | Non
             stack.callback(os.close, out_fd)
         null = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
         try:
-            pid = spawn(argv, {0: null, 1: out_fd, 2: out_fd})
+            pid = spawn(argv, {0: null, 1: out_fd, 2: out_fd, **(extra_fds or {})})
         finally:
             os.close(null)
         try:

@@ -28,7 +28,7 @@ def test_overwriting_bin_sh_does_not_break_the_platform(sb: dsec.Sandbox) -> Non
 
 def test_pid_namespace_and_only_loopback(sb: dsec.Sandbox) -> None:
     ps = sb.exec("ps -o pid,args").stdout.strip().splitlines()[1:]
-    assert ps[0].split()[0] == "1" and "catatonit" in ps[0]
+    assert ps[0].split()[0] == "1" and "/.dsec/agent" in ps[0]
     links = sb.exec("cat /proc/net/dev").stdout
     assert "lo:" in links
     assert [line.split(":")[0].strip() for line in links.splitlines()[2:]] == ["lo"]
@@ -65,3 +65,22 @@ def test_sensitive_proc_paths_masked(sb: dsec.Sandbox) -> None:
     # the platform's state is not visible
     assert sb.exec("ls /var/lib/dsec 2>&1; find / -name token -path '*dsec*' 2>/dev/null").stdout.find("token") < 0
     assert sb.exec("echo x > /.dsec/busybox").exit_code != 0
+
+
+def test_agent_cannot_be_killed_read_or_impersonated(sb: dsec.Sandbox) -> None:
+    """pid 1 is the platform's agent: signals from inside are dropped, /proc access to it is refused."""
+    for sig in ("KILL", "TERM", "STOP", "INT"):
+        sb.exec(f"kill -{sig} 1")
+    assert sb.exec("echo still serving").stdout == "still serving\n"
+    for probe in (
+        "cat /proc/1/environ",
+        "head -c 1 /proc/1/mem",
+        "readlink /proc/1/fd/3",
+        "readlink /proc/1/exe",
+        "cat /proc/1/maps",
+    ):
+        res = sb.exec(probe)
+        assert res.exit_code != 0 or res.stdout.strip() == "", (probe, res)
+    assert sb.exec("echo x > /proc/1/fd/3").exit_code != 0  # the daemon's channel is out of reach
+    assert sb.exec("kill -9 -1; echo survived").exit_code in (0, 137)
+    assert sb.exec("echo after kill-all").stdout == "after kill-all\n"

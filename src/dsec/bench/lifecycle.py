@@ -1,7 +1,7 @@
 """Lifecycle benchmark: dsec create → exec `true` → kill, side by side with bare crun and podman.
 
-All three systems start containers from the same busybox rootfs (the one dsec built), so the
-difference measured is what each system adds around the OCI runtime, not the size of an image.
+All three systems start containers from the same busybox rootfs (the directory dsec built), so
+the difference measured is what each system adds around the OCI runtime, not the size of an image.
 """
 
 from __future__ import annotations
@@ -31,13 +31,13 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from ..errors import DsecError
+from ..images.store import ImageStore
 from ..sdk.aio import AsyncClient, AsyncSandbox
 
 Json = dict[str, Any]
 
 IMAGE = "dsec/busybox"
 IMAGES_DIR = Path("/var/tmp/dsec-images")
-ROOTFS = IMAGES_DIR / "dsec_busybox@latest" / "rootfs"
 PODMAN_IMAGE = "localhost/dsec-bench-busybox:latest"
 # Without systemd (as here) podman 4.3 falls back to these by itself; naming them keeps the measured
 # path the same on a host with systemd, where systemd-run scopes and journald would add to each run.
@@ -267,6 +267,14 @@ async def kill_leftovers(console: Console, client: AsyncClient, labels: dict[str
         console.print(f"killed {killed} leftover sandbox(es)" + (f"; {len(left)} remain" if left else ""))
 
 
+async def image_rootfs() -> Path:
+    """The directory dsec starts the image from; the peers start from this very directory."""
+    ref = await ImageStore(IMAGES_DIR).resolve(IMAGE, build=False)
+    if len(ref.layers) != 1:
+        raise RuntimeError(f"{IMAGE} has {len(ref.layers)} layers; the peers need it as one directory")
+    return ref.layers[0]
+
+
 # ---- peers -----------------------------------------------------------------------------------------
 
 
@@ -301,24 +309,24 @@ def first_line(argv: list[str]) -> str:
     return next(iter(out.strip().splitlines()), "")
 
 
-def make_bundle(crun: str, bundle: Path, args: list[str]) -> Path:
+def make_bundle(crun: str, bundle: Path, rootfs: Path, args: list[str]) -> Path:
     bundle.mkdir(parents=True)
     subprocess.run([crun, "spec"], cwd=bundle, check=True, stdin=subprocess.DEVNULL, timeout=30)
     cfg = json.loads((bundle / "config.json").read_text())
     cfg["process"] |= {"terminal": False, "args": args}
-    cfg["root"] = {"path": str(ROOTFS), "readonly": True}
+    cfg["root"] = {"path": str(rootfs), "readonly": True}
     (bundle / "config.json").write_text(json.dumps(cfg))
     return bundle
 
 
-def bench_crun(console: Console, n: int) -> Json:
+def bench_crun(console: Console, n: int, rootfs: Path) -> Json:
     crun = shutil.which("crun")
     if crun is None:
         return {"error": "crun is not on PATH"}
     with tempfile.TemporaryDirectory(prefix="dsec-bench-crun-") as tmp:
         err, base = Path(tmp) / "stderr.log", [crun, "--root", f"{tmp}/state"]
-        run_bundle = make_bundle(crun, Path(tmp) / "run", ["/bin/true"])
-        long_bundle = make_bundle(crun, Path(tmp) / "long", ["/bin/sleep", "100000"])
+        run_bundle = make_bundle(crun, Path(tmp) / "run", rootfs, ["/bin/true"])
+        long_bundle = make_bundle(crun, Path(tmp) / "long", rootfs, ["/bin/sleep", "100000"])
         try:
             run_argv = [*base, "run", "--bundle", str(run_bundle)]
             runs = timed_runs(console, "crun run true", n, lambda i: [*run_argv, f"dsec-bench-{i}"], err)
@@ -352,13 +360,13 @@ def ensure_podman(console: Console) -> str:
     raise RuntimeError("podman is still not on PATH after installing it")
 
 
-def bench_podman(console: Console, n: int) -> Json:
+def bench_podman(console: Console, n: int, rootfs: Path) -> Json:
     base, count = [ensure_podman(console), *PODMAN_FLAGS], min(n, PODMAN_MAX)
     with tempfile.TemporaryDirectory(prefix="dsec-bench-podman-") as tmp:
         err = Path(tmp) / "stderr.log"
         if quiet([*base, "image", "exists", PODMAN_IMAGE], err) != 0:
-            console.print(f"importing {ROOTFS} into podman as {PODMAN_IMAGE}")
-            tar = subprocess.Popen(["tar", "-C", str(ROOTFS), "-c", "."], stdout=subprocess.PIPE)
+            console.print(f"importing {rootfs} into podman as {PODMAN_IMAGE}")
+            tar = subprocess.Popen(["tar", "-C", str(rootfs), "-c", "."], stdout=subprocess.PIPE)
             with err.open("wb") as out:
                 imp = subprocess.Popen([*base, "import", "-", PODMAN_IMAGE], stdin=tar.stdout, stdout=out, stderr=out)
             assert tar.stdout is not None
@@ -424,16 +432,18 @@ def print_summary(console: Console, result: Json) -> None:
     table = Table(title="dsec lifecycle bench (ms)")
     for col in ("system", "measurement", "n", "p50", "p99", "mean"):
         table.add_column(col, justify="left" if col in ("system", "measurement") else "right")
+    # In pairs that do like work: podman's --rm removes the container, as dsec's kill does.
     rows = [("dsec", "create → exec true", "create_to_first_exec"), ("crun", "run true", "run")]
     rows += [("dsec", "create → exec → kill", "create_exec_kill"), ("podman", "run --rm true", "run")]
     rows += [("dsec", "exec round trip", "exec_round_trip"), ("crun", "exec true", "exec")]
-    for system, what, key in rows:
+    for i, (system, what, key) in enumerate(rows):
         s = result["systems"][system]
         if isinstance(stats := s.get(key), dict):
             cells = (f"{stats[k]:.1f}" for k in ("p50_ms", "p99_ms", "mean_ms"))
-            table.add_row(system, what, str(stats["n"]), *cells)
+            table.add_row(system, what, str(stats["n"]), *cells, end_section=i % 2 == 1)
         else:
-            table.add_row(system, what, "-", "-", "-", str(s.get("error") or "skipped")[:60])
+            why = str(s.get("error") or "skipped")[:60]
+            table.add_row(system, what, "-", "-", "-", why, end_section=i % 2 == 1)
     console.print(table)
     b = result["systems"]["dsec"]["burst"]
     console.print(
@@ -457,21 +467,21 @@ def main(n: int, burst: int, json_out: Path, state_dir: Path, skip_podman: bool)
     proc = start_daemon(state_dir)
     try:
 
-        async def dsec_phase() -> Json:
+        async def dsec_phase() -> tuple[Json, Path]:
             client = await connect(proc, state_dir)
             try:
-                return await bench_dsec(console, client, n, burst)
+                return await bench_dsec(console, client, n, burst), await image_rootfs()
             finally:
                 await client.aclose()
 
-        dsec = asyncio.run(dsec_phase())
+        dsec, rootfs = asyncio.run(dsec_phase())
         # The peers run while the daemon is up: it mounts the v1 hugetlb hierarchy crun needs here.
         peers: dict[str, Json] = {"podman": {"skipped": True}}
         for name, bench in (("crun", bench_crun), ("podman", bench_podman)):
             if name == "podman" and skip_podman:
                 continue
             try:
-                peers[name] = bench(console, n)
+                peers[name] = bench(console, n, rootfs)
             except (OSError, RuntimeError, subprocess.SubprocessError) as e:
                 console.print(f"[red]{name} failed[/red]: {e}")
                 peers[name] = {"error": str(e)}
@@ -488,7 +498,7 @@ def main(n: int, burst: int, json_out: Path, state_dir: Path, skip_podman: bool)
         "bench": "lifecycle",
         "when": when,
         "host": {"cpus": os.cpu_count(), "kernel": platform.release(), "memory_bytes": memory},
-        "params": params | {"image": IMAGE, "rootfs": str(ROOTFS), "skip_podman": skip_podman},
+        "params": params | {"image": IMAGE, "rootfs": str(rootfs), "skip_podman": skip_podman},
         "systems": {"dsec": dsec, "crun": peers["crun"], "podman": peers["podman"]},
         "ratios": ratios,
         "targets": targets,

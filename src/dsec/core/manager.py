@@ -46,6 +46,9 @@ class SandboxManager:
         self.ctx = BackendContext(state_dir=state_dir)
         self.backends: dict[str, Backend] = {}
         self._locks: dict[str, asyncio.Lock] = {}
+        # Records of live sandboxes, kept in memory (written through to the store): the hot path of
+        # every exec and file call reads them without touching SQLite.
+        self._live: dict[str, SandboxRecord] = {}
         self._create_slots = asyncio.Semaphore(MAX_CONCURRENT_CREATES)
         self._reaper: asyncio.Task[None] | None = None
         self.notes: list[str] = []
@@ -72,6 +75,7 @@ class SandboxManager:
     async def readopt(self) -> None:
         """After a restart: keep what still runs, mark the rest lost with a reason, free what they held."""
         for rec in self.store.all(LIVE_STATES):
+            self._live[rec.id] = rec
             backend = self.backends.get(rec.kind)
             alive = False
             if backend is not None and rec.state == State.running:
@@ -104,8 +108,8 @@ class SandboxManager:
 
     async def reap_once(self) -> None:
         now = time.time()
-        for rec in self.store.all({State.running, State.paused}):
-            if rec.expires_at <= now:
+        for rec in list(self._live.values()):
+            if rec.state in (State.running, State.paused) and rec.expires_at <= now:
                 log.info("sandbox %s reached its time to live", rec.id)
                 with contextlib.suppress(DsecError):
                     await self._stop(rec.id, "time to live expired")
@@ -120,11 +124,15 @@ class SandboxManager:
         rec.state = state
         rec.reason = reason
         self.store.put(rec)
+        if state in TERMINAL_STATES:
+            self._live.pop(rec.id, None)
+        else:
+            self._live[rec.id] = rec
 
     def _get(self, sandbox_id: str) -> SandboxRecord:
         if not isinstance(sandbox_id, str) or not sandbox_id or len(sandbox_id) > 64:
             raise SandboxNotFound(f"no sandbox {sandbox_id!r}")
-        rec = self.store.get(sandbox_id)
+        rec = self._live.get(sandbox_id) or self.store.get(sandbox_id)
         if rec is None:
             raise SandboxNotFound(f"no sandbox {sandbox_id!r}")
         return rec
@@ -165,7 +173,10 @@ class SandboxManager:
             labels=dict(req.labels),
         )
         self.store.put(rec)
+        self._live[rec.id] = rec
         async with self._create_slots, self._lock(rec.id):
+            if rec.state != State.creating:  # killed while it waited for a create slot
+                raise SandboxGone(f"sandbox {rec.id} was {rec.state.value} before it was created: {rec.reason}")
             try:
                 await backend.create(rec, image)
             except BaseException as e:
@@ -216,7 +227,7 @@ class SandboxManager:
         try:
             return await op
         except SandboxGone as e:
-            current = self.store.get(rec.id)
+            current = self._live.get(rec.id)
             if current is not None and current.state == State.running:
                 self._set_state(current, State.failed, str(e))
             raise
@@ -250,6 +261,6 @@ class SandboxManager:
         return await self._checked(rec, backend.download_tar(rec, path))
 
     def list(self, labels: dict[str, str] | None = None, include_finished: bool = False) -> list[SandboxInfo]:
-        recs = self.store.all(None if include_finished else LIVE_STATES)
+        recs = self.store.all() if include_finished else sorted(self._live.values(), key=lambda r: r.created_at)
         wanted = labels or {}
         return [r.info() for r in recs if all(r.labels.get(k) == v for k, v in wanted.items())]

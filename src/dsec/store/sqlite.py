@@ -67,9 +67,15 @@ class SandboxStore:
 
     def all(self, states: set[State] | None = None) -> list[SandboxRecord]:
         with self._lock:
-            rows = self._db.execute("SELECT * FROM sandboxes ORDER BY created_at").fetchall()
-        recs = [_row(r) for r in rows]
-        return [r for r in recs if states is None or r.state in states]
+            if states is None:
+                rows = self._db.execute("SELECT * FROM sandboxes ORDER BY created_at").fetchall()
+            else:
+                marks = ",".join("?" * len(states))
+                rows = self._db.execute(
+                    f"SELECT * FROM sandboxes WHERE state IN ({marks}) ORDER BY created_at",
+                    tuple(s.value for s in states),
+                ).fetchall()
+        return [_row(r) for r in rows]
 
     def delete_older_than(self, ts: float, states: set[State]) -> int:
         marks = ",".join("?" * len(states))

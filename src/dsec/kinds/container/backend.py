@@ -1,44 +1,42 @@
 """Container sandboxes through crun (or runc): overlayfs root on a size-limited tmpfs upper layer.
 
-Exec goes through the runtime's own ``exec``, so the daemon owns the pipes and the runtime reports the
-exit status to the daemon: nothing the workload can overwrite reports a result. A read-only helper
-mount (``/.dsec``: static busybox and catatonit from the host) holds the launcher of every exec. The
-launcher tells the daemon its pid and waits until the daemon has moved it into a fresh per-exec
-cgroup, so that a timeout kills exactly that exec's tree, including daemonised children.
+The container's init is dsec-agent (agent.c), started by the runtime with the sandbox's full
+confinement and a socket to the daemon on fd 3; it starts each exec in ~1 ms. The daemon owns every
+exec's pipes and puts every exec in its own cgroup, so a timeout kills exactly that exec's tree. A
+read-only helper mount (``/.dsec``: the agent, static busybox, catatonit) holds what the platform runs
+inside the sandbox, so the workload cannot replace it. When a sandbox has no agent channel, execs go
+through the runtime's own ``exec`` instead (execution.py).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import json
 import logging
 import os
 import secrets
 import shutil
+import socket
 import time
 from pathlib import Path
 
-from ...core.output import CappedBuffer
-from ...errors import BackendError, InvalidRequest, LimitExceeded, SandboxGone
+from ...errors import BackendError, DsecError, InvalidRequest, SandboxGone
 from ...images.store import ImageRef
 from ...isolation import cgroups
 from ...isolation.mounts import MS_NODEV, MS_NOSUID, mount, umount
 from ...isolation.rootpath import RootFS, clean_path
 from ...models import ExecRequest, ExecResult, FileEntry
-from ...proc import read_fd, read_line, run, spawn, wait, write_all
+from ...proc import run
 from ...store.records import SandboxRecord
-from ..base import MAX_ARCHIVE, MAX_FILE_READ, Backend, BackendContext, OutputCallback
-from . import spec
+from ..base import MAX_FILE_READ, Backend, BackendContext, OutputCallback
+from . import agent, spec
+from .agent import AgentChannel
+from .execution import ExecPlan, run_via_agent, run_via_runtime
 
 log = logging.getLogger("dsec.container")
 
-# Runs as /.dsec/busybox sh: report our pid on fd 4, wait for the go on fd 3, then become the command.
-LAUNCH = 'echo $$ >&4; exec 4>&-; read -r _ <&3; exec 3<&-; exec "$@"'
-HANDSHAKE_TIMEOUT = 30.0
-# After the main process exits, how long to keep reading output that background children still write.
-DRAIN_GRACE = 0.2
+AGENT_READY_TIMEOUT = 10.0
 
 
 class ContainerBackend(Backend):
@@ -53,6 +51,9 @@ class ContainerBackend(Backend):
         self.sandbox_dir = ctx.state_dir / "sandboxes"
         self.layout: cgroups.CgroupLayout | None = None
         self._seq = itertools.count(1)
+        self.agent_error: str | None = None
+        self._channels: dict[str, AgentChannel] = {}
+        self._attach_locks: dict[str, asyncio.Lock] = {}
         # exec cgroups with background processes outlive a daemon restart: names must not repeat
         self._boot = secrets.token_hex(3)
 
@@ -68,7 +69,18 @@ class ContainerBackend(Backend):
         for d in (self.run_root, self.helper_dir, self.sandbox_dir):
             d.mkdir(parents=True, exist_ok=True)
         await asyncio.to_thread(self._install_helpers)
-        notes.append(f"container kind: runtime {self.runtime}, cgroups {self.layout.mode}")
+        try:
+            await asyncio.to_thread(agent.build, self.helper_dir)
+        except BackendError as e:
+            # Sandboxes still work without the agent, through the runtime's exec (~10 ms slower per exec).
+            self.agent_error = str(e)
+            notes.append(f"container kind: no sandbox agent ({e}); execs use {self.runtime_name} exec")
+        if os.environ.get("DSEC_CONTAINER_EXEC") == "runtime":
+            self.agent_error = "disabled by DSEC_CONTAINER_EXEC=runtime"
+        notes.append(
+            f"container kind: runtime {self.runtime}, cgroups {self.layout.mode}, "
+            f"exec via {'the sandbox agent' if self.agent_error is None else self.runtime_name + ' exec'}"
+        )
         return notes
 
     def _install_helpers(self) -> None:
@@ -104,20 +116,45 @@ class ContainerBackend(Backend):
     async def create(self, rec: SandboxRecord, image: ImageRef) -> None:
         bundle = self._bundle(rec)
         rootfs, disk = bundle / "rootfs", bundle / "disk"
-        rec.runtime = {"bundle": str(bundle), "cgroup": self._cg_path(rec), "runtime": self.runtime_name}
+        use_agent = self.agent_error is None
+        rec.runtime = {
+            "bundle": str(bundle),
+            "cgroup": self._cg_path(rec),
+            "runtime": self.runtime_name,
+            "init": "agent" if use_agent else "catatonit",
+            "env": spec.sandbox_env(rec, image),
+            "cwd": image.workdir or "/",
+        }
         try:
             await asyncio.to_thread(self._mount_rootfs, rec, image, rootfs, disk)
         except OSError as e:
             raise BackendError(f"cannot prepare the root filesystem: {e}") from e
-        cfg = spec.config(rec, image, str(rootfs), str(self.helper_dir), self._cg_path(rec))
-        (bundle / "config.json").write_text(json.dumps(cfg))
-        status, out = await run(
-            self._runtime_argv("run", "--detach", "--bundle", str(bundle), rec.id),
-            timeout=60,
-            log_file=str(bundle / "runtime.log"),
-        )
+        init = [f"{spec.HELPER_MOUNT}/agent"] if use_agent else [f"{spec.HELPER_MOUNT}/catatonit", "-P"]
+        cfg = spec.config(rec, image, str(rootfs), str(self.helper_dir), self._cg_path(rec), init)
+        await asyncio.to_thread((bundle / "config.json").write_text, json.dumps(cfg))
+        argv = self._runtime_argv("run", "--detach", "--bundle", str(bundle), rec.id)
+        ours = theirs = None
+        if use_agent:
+            ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+            argv[-1:-1] = ["--preserve-fds=1"]
+        try:
+            extra = {3: theirs.fileno()} if theirs is not None else None
+            status, out = await run(argv, timeout=60, log_file=str(bundle / "runtime.log"), extra_fds=extra)
+        finally:
+            if theirs is not None:
+                theirs.close()
         if status != 0:
+            if ours is not None:
+                ours.close()
             raise BackendError(f"{self.runtime_name} run failed ({status}): {out.decode(errors='replace')[-800:]}")
+        if ours is not None:
+            chan = AgentChannel(ours)
+            try:
+                await chan.wait_ready(AGENT_READY_TIMEOUT)
+            except (TimeoutError, DsecError) as e:
+                chan.close()
+                raise BackendError(f"the sandbox agent did not start: {e}") from e
+            self._channels[rec.id] = chan
 
     def _mount_rootfs(self, rec: SandboxRecord, image: ImageRef, rootfs: Path, disk: Path) -> None:
         rootfs.mkdir(parents=True)
@@ -139,6 +176,10 @@ class ContainerBackend(Backend):
 
     async def destroy(self, rec: SandboxRecord) -> None:
         layout = self._layout()
+        chan = self._channels.pop(rec.id, None)
+        if chan is not None:
+            chan.close()
+        self._attach_locks.pop(rec.id, None)
         if self.runtime:
             await run(self._runtime_argv("delete", "--force", rec.id), timeout=30)
         cg = layout.unified_dir(self._cg_path(rec))
@@ -164,164 +205,95 @@ class ContainerBackend(Backend):
                 umount(target, lazy=True)
         shutil.rmtree(bundle, ignore_errors=True)
 
-    async def alive(self, rec: SandboxRecord) -> bool:
+    async def _state(self, rec: SandboxRecord) -> dict[str, object] | None:
         status, out = await run(self._runtime_argv("state", rec.id), timeout=10)
         if status != 0:
-            return False
+            return None
         try:
             state = json.loads(out)
         except ValueError:
-            return False
-        return bool(state.get("status") in ("running", "paused"))
+            return None
+        return state if isinstance(state, dict) else None
+
+    async def alive(self, rec: SandboxRecord) -> bool:
+        state = await self._state(rec)
+        return state is not None and state.get("status") in ("running", "paused")
+
+    async def _init_pid(self, rec: SandboxRecord) -> int | None:
+        state = await self._state(rec)
+        if state is None or state.get("status") not in ("running", "paused"):
+            return None
+        pid = state.get("pid")
+        return pid if isinstance(pid, int) and pid > 0 else None
 
     # ---- exec --------------------------------------------------------------------------------------
 
     async def exec(self, rec: SandboxRecord, req: ExecRequest, on_output: OutputCallback | None = None) -> ExecResult:
         stdin = req.stdin.encode() if req.stdin is not None else None
-        env = {**req.env}
-        return await self._exec(
-            rec,
-            req.argv(),
+        plan = ExecPlan(
+            argv=req.argv(),
             stdin=stdin,
             timeout=req.timeout,
-            cwd=req.cwd,
-            env=env,
             limit=req.output_limit,
+            cwd=req.cwd,
+            env=dict(req.env),
             on_output=on_output,
         )
+        return await self._run(rec, plan)
 
-    async def _exec(
-        self,
-        rec: SandboxRecord,
-        argv: list[str],
-        *,
-        stdin: bytes | None,
-        timeout: float,
-        cwd: str | None = None,
-        env: dict[str, str] | None = None,
-        limit: int,
-        on_output: OutputCallback | None = None,
-        raw: list[bytearray] | None = None,
-    ) -> ExecResult:
+    async def _run(self, rec: SandboxRecord, plan: ExecPlan) -> ExecResult:
         layout = self._layout()
-        cg_path = self._cg_path(rec)
-        sandbox_cg = layout.unified_dir(cg_path)
-        try:
-            group = cgroups.make_exec_group(layout, cg_path, f"exec-{self._boot}-{next(self._seq)}")
-        except FileNotFoundError:
-            raise SandboxGone(f"sandbox {rec.id} is no longer running") from None
-        cmd = self._runtime_argv("exec", "--preserve-fds=2", "--no-new-privs")
-        if cwd:
-            cmd += ["--cwd", cwd]
-        for k, v in (env or {}).items():
-            cmd += ["-e", f"{k}={v}"]
-        cmd += [rec.id, f"{spec.HELPER_MOUNT}/busybox", "sh", "-c", LAUNCH, "dsec-exec", *argv]
+        name = f"exec-{self._boot}-{next(self._seq)}"
+        chan = await self._channel(rec)
+        if chan is not None:
+            return await run_via_agent(
+                chan,
+                layout,
+                self._cg_path(rec),
+                dict(rec.runtime.get("env") or {}),
+                str(rec.runtime.get("cwd") or "/"),
+                plan,
+                name,
+            )
 
-        fds: list[int] = []
-        try:
-            go_r, go_w = os.pipe()
-            ready_r, ready_w = os.pipe()
-            out_r, out_w = os.pipe()
-            err_r, err_w = os.pipe()
-            fds += [go_r, go_w, ready_r, ready_w, out_r, out_w, err_r, err_w]
-            if stdin is not None:
-                in_r, in_w = os.pipe()
-                fds += [in_r, in_w]
-            else:
-                in_r, in_w = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC), -1
-                fds.append(in_r)
-            oom_before = layout.oom_kills(cg_path)
-            started = time.monotonic()
-            pid = spawn(cmd, {0: in_r, 1: out_w, 2: err_w, 3: go_r, 4: ready_w})
-        except OSError as e:
-            for fd in fds:
-                with contextlib.suppress(OSError):
-                    os.close(fd)
-            cgroups.remove_group(group)
-            raise BackendError(f"cannot start {self.runtime_name} exec: {e}") from e
-        for fd in (in_r, out_w, err_w, go_r, ready_w):
-            os.close(fd)
+        async def alive() -> bool:
+            return await self.alive(rec)
 
-        caps = {"stdout": CappedBuffer(limit), "stderr": CappedBuffer(limit)}
-
-        def sink(stream: str) -> OutputCallback | None:
-            def feed(_: str, data: bytes) -> None:
-                caps[stream].feed(data)
-                if raw is not None and stream == "stdout":
-                    raw[0] += data
-                    if len(raw[0]) > MAX_ARCHIVE:
-                        raise LimitExceeded(f"output exceeds {MAX_ARCHIVE} bytes")
-                if on_output is not None:
-                    on_output(stream, data)
-
-            return feed
-
-        feed_out, feed_err = sink("stdout"), sink("stderr")
-        assert feed_out is not None and feed_err is not None
-        readers = [
-            asyncio.ensure_future(read_fd(out_r, lambda d: feed_out("stdout", d))),
-            asyncio.ensure_future(read_fd(err_r, lambda d: feed_err("stderr", d))),
-        ]
-        writer = asyncio.ensure_future(write_all(in_w, stdin)) if stdin is not None and in_w >= 0 else None
-        timed_out = False
-        try:
-            try:
-                line = await asyncio.wait_for(read_line(ready_r), min(timeout, HANDSHAKE_TIMEOUT))
-            except TimeoutError:
-                line = b""
-            finally:
-                os.close(ready_r)
-            if line.strip().isdigit():
-                host_pid = cgroups.host_pid_for_nspid(sandbox_cg, int(line))
-                if host_pid is not None:
-                    with contextlib.suppress(OSError):
-                        cgroups.move_pid(group, host_pid)
-            with contextlib.suppress(OSError):
-                os.write(go_w, b"\n")
-            os.close(go_w)
-            go_w = -1
-            remaining = max(0.001, timeout - (time.monotonic() - started))
-            try:
-                status = await asyncio.wait_for(wait(pid), remaining)
-            except TimeoutError:
-                timed_out = True
-                cgroups.kill_group(group)
-                try:
-                    status = await asyncio.wait_for(wait(pid), 10)
-                except TimeoutError:
-                    os.kill(pid, 9)
-                    status = await wait(pid)
-            duration = time.monotonic() - started
-            _, pending = await asyncio.wait(readers, timeout=DRAIN_GRACE)
-            for task in pending:
-                task.cancel()
-            for task in readers:
-                if task.done() and not task.cancelled() and task.exception() is not None:
-                    raise task.exception()  # type: ignore[misc]
-        finally:
-            if go_w >= 0:
-                os.close(go_w)
-            if writer is not None:
-                writer.cancel()
-            await asyncio.to_thread(cgroups.remove_group, group)
-
-        code = status if status >= 0 else 128 - status
-        oom = layout.oom_kills(cg_path) > oom_before
-        signal = code - 128 if 128 < code <= 128 + 64 else None
-        if not line.strip() and code != 0 and not await self.alive(rec):
-            raise SandboxGone(f"sandbox {rec.id} is no longer running")
-        return ExecResult(
-            exit_code=code,
-            signal=signal,
-            stdout=caps["stdout"].text(),
-            stderr=caps["stderr"].text(),
-            truncated=caps["stdout"].truncated or caps["stderr"].truncated,
-            stdout_bytes=caps["stdout"].total,
-            stderr_bytes=caps["stderr"].total,
-            timed_out=timed_out,
-            oom_killed=oom,
-            duration=duration,
+        return await run_via_runtime(
+            self._runtime_argv(),
+            rec.id,
+            layout,
+            self._cg_path(rec),
+            f"{spec.HELPER_MOUNT}/busybox",
+            plan,
+            name,
+            alive,
         )
+
+    async def _channel(self, rec: SandboxRecord) -> AgentChannel | None:
+        """The sandbox's agent channel, re-attached after a daemon restart; None: use the runtime's exec."""
+        if rec.runtime.get("init") != "agent":
+            return None
+        chan = self._channels.get(rec.id)
+        if chan is not None and not chan.closed:
+            return chan
+        lock = self._attach_locks.setdefault(rec.id, asyncio.Lock())
+        async with lock:
+            chan = self._channels.get(rec.id)
+            if chan is not None and not chan.closed:
+                return chan
+            pid = await self._init_pid(rec)
+            if pid is None:
+                raise SandboxGone(f"sandbox {rec.id} is no longer running")
+            try:
+                chan = AgentChannel(agent.steal_parked_end(pid))
+                await chan.hello()
+            except (OSError, TimeoutError, DsecError) as e:
+                log.warning("sandbox %s: cannot re-attach its agent (%s); using the runtime's exec", rec.id, e)
+                rec.runtime["init"] = "agent-detached"
+                return None
+            self._channels[rec.id] = chan
+            return chan
 
     # ---- files -------------------------------------------------------------------------------------
 
@@ -349,22 +321,23 @@ class ContainerBackend(Backend):
         target = "/" + clean_path(path).lstrip(".")
         bb = f"{spec.HELPER_MOUNT}/busybox"
         script = f'{bb} mkdir -p "$1" && exec {bb} tar -x -o -f - -C "$1"'
-        res = await self._exec(rec, [bb, "sh", "-c", script, "untar", target], stdin=data, timeout=600, limit=1 << 16)
+        plan = ExecPlan(argv=[bb, "sh", "-c", script, "untar", target], stdin=data, timeout=600, limit=1 << 16)
+        res = await self._run(rec, plan)
         if res.exit_code != 0:
             raise InvalidRequest(f"cannot unpack the archive into {path}: {res.stderr.strip()[-500:]}")
 
     async def download_tar(self, rec: SandboxRecord, path: str) -> bytes:
         target = "/" + clean_path(path).lstrip(".")
         bb = f"{spec.HELPER_MOUNT}/busybox"
-        raw = [bytearray()]
-        res = await self._exec(
-            rec,
-            [bb, "tar", "-c", "-f", "-", "-C", target, "."],
+        plan = ExecPlan(
+            argv=[bb, "tar", "-c", "-f", "-", "-C", target, "."],
             stdin=None,
             timeout=600,
             limit=1 << 16,
-            raw=raw,
+            raw=bytearray(),
         )
+        res = await self._run(rec, plan)
         if res.exit_code != 0:
             raise InvalidRequest(f"cannot archive {path}: {res.stderr.strip()[-500:]}")
-        return bytes(raw[0])
+        assert plan.raw is not None
+        return bytes(plan.raw)

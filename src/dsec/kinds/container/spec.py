@@ -56,8 +56,15 @@ CPU_PERIOD_US = 100_000
 SHM_SIZE = 64 << 20
 
 
-def config(rec: SandboxRecord, image: ImageRef, rootfs: str, helper_dir: str, cgroups_path: str) -> dict[str, Any]:
-    env = {"PATH": DEFAULT_PATH, "HOME": "/root", "TERM": "xterm", **image.env, **rec.env}
+def sandbox_env(rec: SandboxRecord, image: ImageRef) -> dict[str, str]:
+    """The environment every process of the sandbox starts with (an exec may add to it)."""
+    return {"PATH": DEFAULT_PATH, "HOME": "/root", "TERM": "xterm", **image.env, **rec.env}
+
+
+def config(
+    rec: SandboxRecord, image: ImageRef, rootfs: str, helper_dir: str, cgroups_path: str, init: list[str]
+) -> dict[str, Any]:
+    env = sandbox_env(rec, image)
     limits = rec.limits
     cpu: dict[str, Any] = {"shares": max(2, min(262144, int(limits.cpu * 1024)))}
     if limits.cpu_limit is not None:
@@ -71,8 +78,8 @@ def config(rec: SandboxRecord, image: ImageRef, rootfs: str, helper_dir: str, cg
         "process": {
             "terminal": False,
             "user": {"uid": 0, "gid": 0},
-            # catatonit in pause mode: reaps orphans, holds the namespaces, costs ~100 KiB.
-            "args": [f"{HELPER_MOUNT}/catatonit", "-P"],
+            # dsec-agent (or catatonit in pause mode without it): reaps orphans, holds the namespaces.
+            "args": init,
             "env": [f"{k}={v}" for k, v in env.items()],
             "cwd": image.workdir or "/",
             "capabilities": {"bounding": caps, "effective": caps, "permitted": caps},

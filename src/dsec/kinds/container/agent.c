@@ -1,0 +1,270 @@
+/*
+ * dsec-agent: pid 1 of a container sandbox, and the executor of its commands.
+ *
+ * crun starts it as the container's init, so it runs with exactly the sandbox's namespaces, cgroup,
+ * capabilities, no_new_privs and seccomp filter: it is inside the boundary, not part of it. Being
+ * the namespace's init, it cannot be killed from inside (the kernel drops signals to an init that has
+ * no handler for them) and, being non-dumpable, it cannot be read or written through /proc by the
+ * workload; ptrace is refused by seccomp. Its binary lives on a read-only mount.
+ *
+ * Protocol on fd 3 (a stream socket whose other end the daemon holds); all integers little endian.
+ *   daemon -> agent: u32 len | 'E' u32 id u32 argc u32 envc | cwd\0 argv...\0 env...\0
+ *                    with SCM_RIGHTS [stdin, stdout, stderr, cgroup.procs of the exec's cgroup]
+ *                    u32 len | 'H' u32 0          (hello from a daemon that re-attached)
+ *   agent -> daemon: u32 len | type u32 id i64 value
+ *                    'R' ready (value = 0), 'S' started (value = pid in the sandbox),
+ *                    'F' fork failed (value = errno), 'X' exited (value = raw wait status)
+ * The child moves itself into the exec's cgroup (through the daemon-opened cgroup.procs fd) before it
+ * runs anything, so a timeout's cgroup.kill reaches every process the command starts.
+ *
+ * When the daemon goes away (EOF), the agent keeps reaping and parks a fresh socketpair end on fd 4;
+ * a restarted daemon takes it with pidfd_getfd(2) and says hello.
+ */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <fcntl.h>
+#include <poll.h>
+#include <signal.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/prctl.h>
+#include <sys/signalfd.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#define CTRL_FD 3
+#define RENDEZVOUS_FD 4
+#define MAX_FRAME (8u << 20)
+#define MAX_TRACKED 8192
+
+extern char **environ;
+
+static int ctrl = CTRL_FD;
+static int parked = 0;
+static pid_t tracked_pid[MAX_TRACKED];
+static uint32_t tracked_id[MAX_TRACKED];
+
+static int write_all(int fd, const void *buf, size_t len) {
+    const char *p = buf;
+    while (len > 0) {
+        ssize_t n = write(fd, p, len);
+        if (n < 0) {
+            if (errno == EINTR) continue;
+            return -1;
+        }
+        p += n;
+        len -= (size_t)n;
+    }
+    return 0;
+}
+
+static int read_all(int fd, void *buf, size_t len) {
+    char *p = buf;
+    while (len > 0) {
+        ssize_t n = read(fd, p, len);
+        if (n == 0) return -1;
+        if (n < 0) {
+            if (errno == EINTR) continue;
+            return -1;
+        }
+        p += n;
+        len -= (size_t)n;
+    }
+    return 0;
+}
+
+static void reply(char type, uint32_t id, int64_t value) {
+    unsigned char buf[4 + 1 + 4 + 8];
+    uint32_t len = 13;
+    memcpy(buf, &len, 4);
+    buf[4] = (unsigned char)type;
+    memcpy(buf + 5, &id, 4);
+    memcpy(buf + 9, &value, 8);
+    (void)write_all(ctrl, buf, sizeof buf); /* a lost daemon is noticed on the read side */
+}
+
+static void track(pid_t pid, uint32_t id) {
+    for (int i = 0; i < MAX_TRACKED; i++) {
+        if (tracked_pid[i] == 0) {
+            tracked_pid[i] = pid;
+            tracked_id[i] = id;
+            return;
+        }
+    }
+}
+
+static void reap(void) {
+    int status;
+    pid_t pid;
+    while ((pid = waitpid(-1, &status, WNOHANG)) > 0) {
+        for (int i = 0; i < MAX_TRACKED; i++) {
+            if (tracked_pid[i] == pid) {
+                tracked_pid[i] = 0;
+                reply('X', tracked_id[i], status);
+                break;
+            }
+        }
+        /* anything else is an orphan the agent reaps as init */
+    }
+}
+
+static void park(void) {
+    int sv[2];
+    close(ctrl);
+    if (socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv) < 0) _exit(1);
+    if (dup2(sv[1], RENDEZVOUS_FD) < 0) _exit(1);
+    close(sv[1]);
+    ctrl = sv[0];
+    parked = 1;
+}
+
+static void child(const char *cwd, char **argv, char **envp, int fds[4]) {
+    sigset_t none;
+    sigemptyset(&none);
+    sigprocmask(SIG_SETMASK, &none, NULL);
+    signal(SIGPIPE, SIG_DFL);
+    setsid();
+    if (write(fds[3], "0", 1) != 1) {
+        dprintf(fds[2], "dsec: cannot enter the exec's cgroup: %s\n", strerror(errno));
+        _exit(125);
+    }
+    if (dup2(fds[0], 0) < 0 || dup2(fds[1], 1) < 0 || dup2(fds[2], 2) < 0) _exit(125);
+    close_range(3, ~0U, 0);
+    if (cwd[0] && chdir(cwd) < 0) {
+        dprintf(2, "dsec: cannot change directory to %s: %s\n", cwd, strerror(errno));
+        _exit(126);
+    }
+    environ = envp;
+    execvp(argv[0], argv);
+    int err = errno;
+    dprintf(2, "dsec: cannot run %s: %s\n", argv[0], strerror(err));
+    _exit(err == ENOENT ? 127 : 126);
+}
+
+static void close_fds(int *fds, int n) {
+    for (int i = 0; i < n; i++)
+        if (fds[i] >= 0) close(fds[i]);
+}
+
+/* Returns -1 when the control channel is gone. */
+static int serve_one(void) {
+    uint32_t len;
+    int fds[4] = {-1, -1, -1, -1};
+    int nfds = 0;
+    char cbuf[CMSG_SPACE(sizeof(int) * 4)];
+    struct iovec iov = {.iov_base = &len, .iov_len = sizeof len};
+    struct msghdr msg = {.msg_iov = &iov, .msg_iovlen = 1, .msg_control = cbuf, .msg_controllen = sizeof cbuf};
+    ssize_t n;
+    do n = recvmsg(ctrl, &msg, MSG_CMSG_CLOEXEC | MSG_WAITALL);
+    while (n < 0 && errno == EINTR);
+    if (n <= 0) return -1;
+    for (struct cmsghdr *c = CMSG_FIRSTHDR(&msg); c; c = CMSG_NXTHDR(&msg, c)) {
+        if (c->cmsg_level == SOL_SOCKET && c->cmsg_type == SCM_RIGHTS) {
+            int count = (int)((c->cmsg_len - CMSG_LEN(0)) / sizeof(int));
+            for (int i = 0; i < count; i++) {
+                int fd;
+                memcpy(&fd, CMSG_DATA(c) + i * sizeof(int), sizeof fd);
+                if (nfds < 4) fds[nfds++] = fd;
+                else close(fd);
+            }
+        }
+    }
+    if (n != sizeof len || len < 5 || len > MAX_FRAME) {
+        close_fds(fds, nfds);
+        return -1;
+    }
+    char *body = malloc(len + 1);
+    if (!body || read_all(ctrl, body, len) < 0) {
+        free(body);
+        close_fds(fds, nfds);
+        return -1;
+    }
+    body[len] = 0;
+    if (parked) { /* a daemon took the parked end: it alone holds the peer now */
+        close(RENDEZVOUS_FD);
+        parked = 0;
+    }
+    uint32_t id;
+    memcpy(&id, body + 1, 4);
+    if (body[0] != 'E' || len < 17 || nfds != 4) {
+        if (body[0] == 'H') reply('R', 0, 0);
+        close_fds(fds, nfds);
+        free(body);
+        return 0;
+    }
+    uint32_t argc, envc;
+    memcpy(&argc, body + 5, 4);
+    memcpy(&envc, body + 9, 4);
+    /* strings start at offset 13: cwd, then argc argv strings, then envc env strings */
+    char **argv = calloc((size_t)argc + 1, sizeof(char *));
+    char **envp = calloc((size_t)envc + 1, sizeof(char *));
+    char *p = body + 13, *end = body + len;
+    char *cwd = p;
+    int ok = argv && envp && argc > 0 && argc < (1u << 20) && envc < (1u << 20);
+    p += strnlen(p, (size_t)(end - p)) + 1;
+    for (uint32_t i = 0; ok && i < argc; i++) {
+        if (p >= end) ok = 0;
+        else { argv[i] = p; p += strnlen(p, (size_t)(end - p)) + 1; }
+    }
+    for (uint32_t i = 0; ok && i < envc; i++) {
+        if (p >= end) ok = 0;
+        else { envp[i] = p; p += strnlen(p, (size_t)(end - p)) + 1; }
+    }
+    if (!ok) {
+        reply('F', id, EINVAL);
+    } else {
+        pid_t pid = fork();
+        if (pid == 0) child(cwd, argv, envp, fds);
+        if (pid < 0) reply('F', id, errno);
+        else {
+            track(pid, id);
+            reply('S', id, pid);
+        }
+    }
+    close_fds(fds, nfds);
+    free(argv);
+    free(envp);
+    free(body);
+    return 0;
+}
+
+int main(void) {
+    prctl(PR_SET_DUMPABLE, 0);
+    signal(SIGPIPE, SIG_IGN);
+    if (fcntl(CTRL_FD, F_SETFD, FD_CLOEXEC) < 0) {
+        /* started without a daemon channel: nothing to serve, but stay a reaping init */
+        park();
+    }
+    sigset_t mask;
+    sigemptyset(&mask);
+    sigaddset(&mask, SIGCHLD);
+    sigprocmask(SIG_BLOCK, &mask, NULL);
+    int sfd = signalfd(-1, &mask, SFD_CLOEXEC | SFD_NONBLOCK);
+    if (sfd < 0) return 1;
+    /* keep low numbers free: fd 4 is where a daemon-less agent parks its rendezvous socket */
+    int high = fcntl(sfd, F_DUPFD_CLOEXEC, 16);
+    if (high < 0) return 1;
+    close(sfd);
+    sfd = high;
+    if (!parked) reply('R', 0, 0);
+    for (;;) {
+        struct pollfd pfd[2] = {{.fd = ctrl, .events = POLLIN}, {.fd = sfd, .events = POLLIN}};
+        if (poll(pfd, 2, -1) < 0) {
+            if (errno == EINTR) continue;
+            return 1;
+        }
+        if (pfd[1].revents & POLLNVAL) return 1; /* cannot happen; never spin if it does */
+        if (pfd[1].revents & POLLIN) {
+            struct signalfd_siginfo info;
+            while (read(sfd, &info, sizeof info) > 0) {
+            }
+            reap();
+        }
+        if (pfd[0].revents & (POLLIN | POLLHUP | POLLERR)) {
+            if (serve_one() < 0) park();
+        }
+    }
+}

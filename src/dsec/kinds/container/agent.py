@@ -1,0 +1,186 @@
+"""The daemon's side of dsec-agent (agent.c): building it, starting channels, sending execs."""
+
+from __future__ import annotations
+
+import array
+import asyncio
+import contextlib
+import ctypes
+import hashlib
+import itertools
+import logging
+import os
+import shutil
+import socket
+import struct
+import subprocess
+from pathlib import Path
+from typing import Any
+
+from ...errors import BackendError, SandboxGone
+
+log = logging.getLogger("dsec.container.agent")
+
+SOURCE = Path(__file__).with_name("agent.c")
+RENDEZVOUS_FD = 4
+_REPLY = struct.Struct("<cIq")
+_SYS_PIDFD_GETFD = 438
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.syscall.restype = ctypes.c_long
+
+
+def build(dest_dir: Path) -> Path:
+    """Compile the agent statically (once per source version); raises BackendError without a C compiler."""
+    source = SOURCE.read_bytes()
+    digest = hashlib.sha256(source).hexdigest()
+    target = dest_dir / "agent"
+    stamp = dest_dir / "agent.sha256"
+    if target.exists() and stamp.exists() and stamp.read_text() == digest:
+        return target
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        raise BackendError("no C compiler to build dsec's sandbox agent (apt-get install gcc libc6-dev)")
+    tmp = dest_dir / "agent.tmp"
+    res = subprocess.run(
+        [cc, "-O2", "-static", "-Wall", "-o", str(tmp), str(SOURCE)], capture_output=True, text=True, check=False
+    )
+    if res.returncode != 0:
+        raise BackendError(f"building the sandbox agent failed: {res.stderr[-1500:]}")
+    os.chmod(tmp, 0o555)
+    tmp.rename(target)
+    stamp.write_text(digest)
+    return target
+
+
+def steal_parked_end(pid: int) -> socket.socket:
+    """Take the socket end a daemon-less agent parks on fd 4 (pidfd_getfd needs ptrace rights: root)."""
+    pidfd = os.pidfd_open(pid)
+    try:
+        fd = _libc.syscall(_SYS_PIDFD_GETFD, pidfd, RENDEZVOUS_FD, 0)
+        if fd < 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"pidfd_getfd: {os.strerror(err)}")
+    finally:
+        os.close(pidfd)
+    return socket.socket(fileno=int(fd))
+
+
+class AgentChannel:
+    """One daemon ↔ agent connection. Frames are length-prefixed; execs carry their fds."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        sock.setblocking(False)
+        self._sock = sock
+        self._ids = itertools.count(1)
+        self._send_lock = asyncio.Lock()
+        self._ready: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._started: dict[int, asyncio.Future[int]] = {}
+        self._exited: dict[int, asyncio.Future[int]] = {}
+        self._reader = asyncio.create_task(self._read_loop())
+        self.closed = False
+
+    async def wait_ready(self, timeout: float) -> None:
+        await asyncio.wait_for(asyncio.shield(self._ready), timeout)
+
+    async def hello(self, timeout: float = 5.0) -> None:
+        await self._send(struct.pack("<IcI", 5, b"H", 0), [])
+        await self.wait_ready(timeout)
+
+    async def spawn(self, argv: list[str], env: list[str], cwd: str, fds: list[int]) -> asyncio.Future[int]:
+        """Start a command; returns a future of its raw wait status."""
+        if self.closed:
+            raise SandboxGone("the sandbox's agent is gone")
+        exec_id = next(self._ids)
+        strings = b"".join(s.encode() + b"\0" for s in [cwd, *argv, *env])
+        body = struct.pack("<cIII", b"E", exec_id, len(argv), len(env)) + strings
+        loop = asyncio.get_running_loop()
+        started: asyncio.Future[int] = loop.create_future()
+        exited: asyncio.Future[int] = loop.create_future()
+        self._started[exec_id] = started
+        self._exited[exec_id] = exited
+        try:
+            await self._send(struct.pack("<I", len(body)) + body, fds)
+            await started
+        except BaseException:
+            self._exited.pop(exec_id, None)
+            raise
+        finally:
+            self._started.pop(exec_id, None)
+        return exited
+
+    async def _send(self, data: bytes, fds: list[int]) -> None:
+        loop = asyncio.get_running_loop()
+        async with self._send_lock:
+            ancillary = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))] if fds else []
+            while True:
+                try:
+                    sent = self._sock.sendmsg([data], ancillary)
+                    break
+                except BlockingIOError:
+                    writable = loop.create_future()
+                    loop.add_writer(self._sock, writable.set_result, None)
+                    try:
+                        await writable
+                    finally:
+                        loop.remove_writer(self._sock)
+                except OSError as e:
+                    raise SandboxGone(f"the sandbox's agent is gone: {e}") from None
+            if sent < len(data):  # the fds went with the first byte; the rest is plain data
+                await loop.sock_sendall(self._sock, data[sent:])
+
+    async def _read_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        buf = bytearray()
+        try:
+            while True:
+                data = await loop.sock_recv(self._sock, 65536)
+                if not data:
+                    break
+                buf += data
+                while len(buf) >= 4:
+                    (size,) = struct.unpack_from("<I", buf)
+                    if len(buf) < 4 + size:
+                        break
+                    self._dispatch(bytes(buf[4 : 4 + size]))
+                    del buf[: 4 + size]
+        except (OSError, struct.error) as e:
+            log.debug("agent channel read failed: %s", e)
+        finally:
+            self._fail_all()
+
+    def _dispatch(self, frame: bytes) -> None:
+        if len(frame) != _REPLY.size:
+            return
+        kind, exec_id, value = _REPLY.unpack(frame)
+        if kind == b"R":
+            if not self._ready.done():
+                self._ready.set_result(None)
+        elif kind == b"S":
+            fut = self._started.get(exec_id)
+            if fut and not fut.done():
+                fut.set_result(value)
+        elif kind == b"F":
+            fut = self._started.get(exec_id)
+            if fut and not fut.done():
+                fut.set_exception(BackendError(f"the agent could not start the command: {os.strerror(value)}"))
+        elif kind == b"X":
+            fut = self._exited.pop(exec_id, None)
+            if fut and not fut.done():
+                fut.set_result(value)
+
+    def _fail_all(self) -> None:
+        self.closed = True
+        gone = SandboxGone("the sandbox's agent went away (the sandbox stopped)")
+        futures: list[asyncio.Future[Any]] = [self._ready, *self._started.values(), *self._exited.values()]
+        for fut in futures:
+            if not fut.done():
+                fut.set_exception(gone)
+                fut.exception()  # consumed: nobody may be waiting any more
+        self._started.clear()
+        self._exited.clear()
+
+    def close(self) -> None:
+        self._reader.cancel()
+        with contextlib.suppress(OSError):
+            self._sock.close()
+        self.closed = True

@@ -1,0 +1,267 @@
+"""Running one command in a container sandbox: pipes, output capture, per-exec cgroup, timeout kill.
+
+Two ways to start the command share everything else:
+- through the sandbox's agent (its init; see agent.c): ~1 ms, the default;
+- through the OCI runtime's ``exec`` (``crun exec``, ~10+ ms), used when a sandbox has no agent channel.
+Either way the daemon owns the pipes and the command runs in its own cgroup, so a timeout kills
+exactly its process tree.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ...core.output import CappedBuffer
+from ...errors import BackendError, LimitExceeded, SandboxGone
+from ...isolation import cgroups
+from ...models import ExecResult
+from ...proc import read_fd, read_line, spawn, wait, write_all
+from ..base import MAX_ARCHIVE, OutputCallback
+from .agent import AgentChannel
+
+# After the main process exits, how long to keep reading output that background children still write.
+DRAIN_GRACE = 0.2
+HANDSHAKE_TIMEOUT = 30.0
+# The runtime path's launcher (run by the read-only /.dsec/busybox sh): report our pid on fd 4, wait
+# for the go on fd 3 (the daemon moves us into the exec cgroup meanwhile), then become the command.
+LAUNCH = 'echo $$ >&4; exec 4>&-; read -r _ <&3; exec 3<&-; exec "$@"'
+
+
+@dataclass
+class ExecPlan:
+    argv: list[str]
+    stdin: bytes | None
+    timeout: float
+    limit: int
+    cwd: str | None = None
+    env: dict[str, str] = field(default_factory=dict)
+    on_output: OutputCallback | None = None
+    raw: bytearray | None = None  # keep all of stdout (archives), bounded by MAX_ARCHIVE
+
+
+class _Capture:
+    """The pipes of one exec and the tasks that drain them."""
+
+    def __init__(self, plan: ExecPlan) -> None:
+        self.plan = plan
+        self.caps = {"stdout": CappedBuffer(plan.limit), "stderr": CappedBuffer(plan.limit)}
+        self.out_r, self.out_w = os.pipe()
+        self.err_r, self.err_w = os.pipe()
+        if plan.stdin is not None:
+            self.in_r, self.in_w = os.pipe()
+        else:
+            self.in_r, self.in_w = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC), -1
+        self.tasks: list[asyncio.Future[None]] = []
+
+    def child_fds(self) -> list[int]:
+        return [self.in_r, self.out_w, self.err_w]
+
+    def close_child_ends(self) -> None:
+        # Each fd is closed once and forgotten: closing a number twice could close an fd that another
+        # exec has been handed in between.
+        for name in ("in_r", "out_w", "err_w"):
+            _close(getattr(self, name))
+            setattr(self, name, -1)
+
+    async def cleanup(self) -> None:
+        """Stop the tasks, wait until they let go of their fds, then close every fd exactly once."""
+        for task in self.tasks:
+            task.cancel()
+        if self.tasks:
+            await asyncio.gather(*self.tasks, return_exceptions=True)
+        self.close_child_ends()
+        for name in ("in_w", "out_r", "err_r"):
+            _close(getattr(self, name))
+            setattr(self, name, -1)
+
+    def _feeder(self, stream: str) -> Callable[[bytes], None]:
+        cap, plan = self.caps[stream], self.plan
+
+        def feed(data: bytes) -> None:
+            cap.feed(data)
+            if plan.raw is not None and stream == "stdout":
+                plan.raw += data
+                if len(plan.raw) > MAX_ARCHIVE:
+                    raise LimitExceeded(f"output exceeds {MAX_ARCHIVE} bytes")
+            if plan.on_output is not None:
+                plan.on_output(stream, data)
+
+        return feed
+
+    def start(self) -> None:
+        self.tasks = [
+            asyncio.ensure_future(read_fd(self.out_r, self._feeder("stdout"))),
+            asyncio.ensure_future(read_fd(self.err_r, self._feeder("stderr"))),
+        ]
+        if self.plan.stdin is not None:
+            self.tasks.append(asyncio.ensure_future(self._feed_stdin(self.plan.stdin)))
+
+    async def _feed_stdin(self, data: bytes) -> None:
+        await write_all(self.in_w, data)
+        _close(self.in_w)  # EOF for the command
+        self.in_w = -1
+
+    async def finish(self) -> None:
+        readers = self.tasks[:2]
+        _, pending = await asyncio.wait(readers, timeout=DRAIN_GRACE)
+        for task in pending:
+            task.cancel()
+        for task in self.tasks[2:]:
+            task.cancel()
+        for task in readers:
+            if task.done() and not task.cancelled() and (exc := task.exception()) is not None:
+                raise exc
+
+    def result(self, status: int, started: float, timed_out: bool, oom: bool) -> ExecResult:
+        """``status`` is a raw wait status."""
+        if os.WIFSIGNALED(status):
+            signal: int | None = os.WTERMSIG(status)
+            code = 128 + (signal or 0)
+        else:
+            code = os.WEXITSTATUS(status)
+            signal = None
+        out, err = self.caps["stdout"], self.caps["stderr"]
+        return ExecResult(
+            exit_code=code,
+            signal=signal,
+            stdout=out.text(),
+            stderr=err.text(),
+            truncated=out.truncated or err.truncated,
+            stdout_bytes=out.total,
+            stderr_bytes=err.total,
+            timed_out=timed_out,
+            oom_killed=oom,
+            duration=time.monotonic() - started,
+        )
+
+
+async def _supervise(
+    plan: ExecPlan,
+    group: Path,
+    exited: Awaitable[int],
+    started: float,
+) -> tuple[int, bool]:
+    """Wait for the command; on timeout kill its cgroup. Returns (raw wait status, timed out)."""
+    fut = asyncio.ensure_future(exited)
+    remaining = max(0.001, plan.timeout - (time.monotonic() - started))
+    try:
+        return await asyncio.wait_for(asyncio.shield(fut), remaining), False
+    except TimeoutError:
+        cgroups.kill_group(group)
+        try:
+            return await asyncio.wait_for(fut, 10), True
+        except TimeoutError:
+            raise BackendError("the command did not die after its cgroup was killed") from None
+    except asyncio.CancelledError:  # the caller went away (a streaming client disconnected)
+        cgroups.kill_group(group)
+        raise
+
+
+async def run_via_agent(
+    chan: AgentChannel,
+    layout: cgroups.CgroupLayout,
+    cg_path: str,
+    base_env: dict[str, str],
+    default_cwd: str,
+    plan: ExecPlan,
+    name: str,
+) -> ExecResult:
+    group = _make_group(layout, cg_path, name)
+    cap = _Capture(plan)
+    procs_fd = -1
+    try:
+        procs_fd = os.open(group / "cgroup.procs", os.O_WRONLY | os.O_CLOEXEC)
+        env = [f"{k}={v}" for k, v in {**base_env, **plan.env}.items()]
+        oom_before = layout.oom_kills(cg_path)
+        started = time.monotonic()
+        exited = await chan.spawn(plan.argv, env, plan.cwd or default_cwd, [*cap.child_fds(), procs_fd])
+        _close(procs_fd)
+        procs_fd = -1
+        cap.close_child_ends()
+        cap.start()
+        status, timed_out = await _supervise(plan, group, exited, started)
+        await cap.finish()
+        return cap.result(status, started, timed_out, layout.oom_kills(cg_path) > oom_before)
+    finally:
+        _close(procs_fd)
+        await cap.cleanup()
+        await asyncio.to_thread(cgroups.remove_group, group)
+
+
+async def run_via_runtime(
+    runtime_argv: list[str],
+    sandbox_id: str,
+    layout: cgroups.CgroupLayout,
+    cg_path: str,
+    helper: str,
+    plan: ExecPlan,
+    name: str,
+    alive: Callable[[], Awaitable[bool]],
+) -> ExecResult:
+    group = _make_group(layout, cg_path, name)
+    cap = _Capture(plan)
+    go_r, go_w = os.pipe()
+    ready_r, ready_w = os.pipe()
+    cmd = [*runtime_argv, "exec", "--preserve-fds=2", "--no-new-privs"]
+    if plan.cwd:
+        cmd += ["--cwd", plan.cwd]
+    for k, v in plan.env.items():
+        cmd += ["-e", f"{k}={v}"]
+    cmd += [sandbox_id, helper, "sh", "-c", LAUNCH, "dsec-exec", *plan.argv]
+    try:
+        oom_before = layout.oom_kills(cg_path)
+        started = time.monotonic()
+        pid = spawn(cmd, {0: cap.in_r, 1: cap.out_w, 2: cap.err_w, 3: go_r, 4: ready_w})
+        for fd in (go_r, ready_w):
+            os.close(fd)
+        go_r = ready_w = -1
+        cap.close_child_ends()
+        cap.start()
+        try:
+            line = await asyncio.wait_for(read_line(ready_r), min(plan.timeout, HANDSHAKE_TIMEOUT))
+        except TimeoutError:
+            line = b""
+        if line.strip().isdigit():
+            host_pid = cgroups.host_pid_for_nspid(layout.unified_dir(cg_path), int(line))
+            if host_pid is not None:
+                with contextlib.suppress(OSError):
+                    cgroups.move_pid(group, host_pid)
+        with contextlib.suppress(OSError):
+            os.write(go_w, b"\n")
+
+        async def exited() -> int:
+            code = await wait(pid)
+            # crun reports a signalled process as 128+N; turn it back into a wait status
+            if 128 < code <= 128 + 64:
+                return code - 128
+            return (code & 0xFF) << 8 if code >= 0 else -code
+
+        status, timed_out = await _supervise(plan, group, exited(), started)
+        await cap.finish()
+        if not line.strip() and status != 0 and not await alive():
+            raise SandboxGone(f"sandbox {sandbox_id} is no longer running")
+        return cap.result(status, started, timed_out, layout.oom_kills(cg_path) > oom_before)
+    finally:
+        for fd in (go_r, go_w, ready_r, ready_w):
+            _close(fd)
+        await cap.cleanup()
+        await asyncio.to_thread(cgroups.remove_group, group)
+
+
+def _close(fd: int) -> None:
+    if fd >= 0:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+
+
+def _make_group(layout: cgroups.CgroupLayout, cg_path: str, name: str) -> Path:
+    try:
+        return cgroups.make_exec_group(layout, cg_path, name)
+    except FileNotFoundError:
+        raise SandboxGone("the sandbox is no longer running") from None

@@ -1,0 +1,54 @@
+"""The fallback exec path (the runtime's own `crun exec`), used when a sandbox has no agent channel."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+import dsec
+
+from .conftest import Daemon, start_daemon
+
+
+@pytest.fixture(scope="module")
+def runtime_daemon() -> Iterator[Daemon]:
+    os.environ["DSEC_CONTAINER_EXEC"] = "runtime"
+    try:
+        d = start_daemon(Path(tempfile.mkdtemp(prefix="dsec-rt-")))
+    finally:
+        del os.environ["DSEC_CONTAINER_EXEC"]
+    yield d
+    d.stop()
+
+
+@pytest.fixture
+def rsb(runtime_daemon: Daemon) -> Iterator[dsec.Sandbox]:
+    sb = dsec.Sandbox.create(image="dsec/busybox", client=runtime_daemon.client())
+    yield sb
+    sb.kill()
+
+
+def test_same_results_without_agent(rsb: dsec.Sandbox) -> None:
+    assert "catatonit" in rsb.exec("cat /proc/1/cmdline").stdout
+    res = rsb.exec("cd /tmp && pwd; echo $X; cat; exit 3", env={"X": "y"}, stdin="in")
+    assert (res.exit_code, res.stdout) == (3, "/tmp\ny\nin")
+    assert rsb.exec(["/no/such"]).exit_code == 127
+    killed = rsb.exec("kill -9 $$")
+    assert killed.signal == 9
+
+
+def test_timeout_kills_tree_without_agent(rsb: dsec.Sandbox) -> None:
+    res = rsb.exec("setsid sleep 1000 & (sleep 1001 &); sleep 1002", timeout=1)
+    assert res.timed_out
+    assert "sleep 100" not in rsb.exec("ps -o args").stdout
+
+
+def test_archives_without_agent(rsb: dsec.Sandbox) -> None:
+    rsb.files.write("/d/a.txt", b"a")
+    tar = rsb.files.download_tar("/d")
+    rsb.files.upload_tar("/e", tar)
+    assert rsb.files.read("/e/a.txt") == b"a"
