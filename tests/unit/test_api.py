@@ -307,8 +307,7 @@ def test_kill_twice_then_exec_is_gone(api: Api) -> None:
 def test_ttl_reaping(api: Api) -> None:
     sid = api.create(timeout=600)["id"]
     other = api.create(timeout=600)["id"]
-    rec = api.manager.store.get(sid)
-    assert rec is not None
+    rec = api.manager._get(sid)
     rec.expires_at = time.time() - 1
     api.manager.store.put(rec)
     assert api.client.portal is not None

@@ -34,8 +34,8 @@ def req(**kw: object) -> CreateSandbox:
 
 
 def expire(mgr: SandboxManager, sandbox_id: str, when: float | None = None) -> None:
-    rec = mgr.store.get(sandbox_id)
-    assert rec is not None
+    # the manager's own record (live records are held in memory and written through)
+    rec = mgr._get(sandbox_id)
     rec.expires_at = time.time() - 1 if when is None else when
     mgr.store.put(rec)
 
@@ -43,6 +43,8 @@ def expire(mgr: SandboxManager, sandbox_id: str, when: float | None = None) -> N
 def state_of(mgr: SandboxManager, sandbox_id: str) -> tuple[State, str | None]:
     rec = mgr.store.get(sandbox_id)
     assert rec is not None
+    live = mgr._get(sandbox_id)
+    assert (live.state, live.reason) == (rec.state, rec.reason), "memory and store disagree"
     return rec.state, rec.reason
 
 
@@ -195,8 +197,7 @@ async def test_exec_that_finds_the_sandbox_gone_marks_it_failed(core: Core) -> N
 async def test_exec_on_a_sandbox_that_is_not_running(core: Core) -> None:
     mgr, _ = core
     info = await mgr.create(req())
-    rec = mgr.store.get(info.id)
-    assert rec is not None
+    rec = mgr._get(info.id)
     rec.state = State.paused
     mgr.store.put(rec)
     with pytest.raises(InvalidState) as err:

@@ -36,13 +36,15 @@ IMAGE = ImageRef(
 )
 
 
-def build(rec: SandboxRecord | None = None, image: ImageRef = IMAGE) -> dict[str, Any]:
+def build(rec: SandboxRecord | None = None, image: ImageRef = IMAGE, seccomp_bpf: str | None = None) -> dict[str, Any]:
     return spec.config(
         rec or record(memory="512Mi", cpu=2, cpu_limit=1.5, pids=256),
         image,
         rootfs="/run/dsec/sb/rootfs",
         helper_dir="/var/lib/dsec/helper",
         cgroups_path="/dsec/sb-0123456789ab",
+        init=["/.dsec/agent"],
+        seccomp_bpf=seccomp_bpf,
     )
 
 
@@ -149,3 +151,14 @@ def test_devices_denied_by_default(cfg: dict[str, Any]) -> None:
 def test_core_dumps_disabled(cfg: dict[str, Any]) -> None:
     rlimits = {r["type"]: r for r in cfg["process"]["rlimits"]}
     assert rlimits["RLIMIT_CORE"]["hard"] == 0
+
+
+def test_init_is_the_agent(cfg: dict[str, Any]) -> None:
+    assert cfg["process"]["args"] == ["/.dsec/agent"]
+
+
+def test_precompiled_seccomp_goes_in_the_crun_annotation() -> None:
+    assert "run.oci.seccomp_bpf_data" not in build()["annotations"]
+    cfg = build(seccomp_bpf="QUJD")
+    assert cfg["annotations"]["run.oci.seccomp_bpf_data"] == "QUJD"
+    assert cfg["linux"]["seccomp"]["defaultAction"] == "SCMP_ACT_ERRNO"  # kept for runtimes without it

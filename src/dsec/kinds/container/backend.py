@@ -11,6 +11,8 @@ through the runtime's own ``exec`` instead (execution.py).
 from __future__ import annotations
 
 import asyncio
+import base64
+import hashlib
 import itertools
 import json
 import logging
@@ -18,12 +20,13 @@ import os
 import secrets
 import shutil
 import socket
+import tempfile
 import time
 from pathlib import Path
 
 from ...errors import BackendError, DsecError, InvalidRequest, SandboxGone
 from ...images.store import ImageRef
-from ...isolation import cgroups
+from ...isolation import cgroups, seccomp
 from ...isolation.mounts import MS_NODEV, MS_NOSUID, mount, umount
 from ...isolation.rootpath import RootFS, clean_path
 from ...models import ExecRequest, ExecResult, FileEntry
@@ -52,6 +55,7 @@ class ContainerBackend(Backend):
         self.layout: cgroups.CgroupLayout | None = None
         self._seq = itertools.count(1)
         self.agent_error: str | None = None
+        self.seccomp_bpf: str | None = None
         self._channels: dict[str, AgentChannel] = {}
         self._attach_locks: dict[str, asyncio.Lock] = {}
         # exec cgroups with background processes outlive a daemon restart: names must not repeat
@@ -75,6 +79,11 @@ class ContainerBackend(Backend):
             # Sandboxes still work without the agent, through the runtime's exec (~10 ms slower per exec).
             self.agent_error = str(e)
             notes.append(f"container kind: no sandbox agent ({e}); execs use {self.runtime_name} exec")
+        if self.runtime_name == "crun":
+            try:
+                self.seccomp_bpf = await self._compile_seccomp()
+            except (OSError, BackendError) as e:
+                notes.append(f"container kind: seccomp profile not precompiled ({e}); crun compiles it per sandbox")
         if os.environ.get("DSEC_CONTAINER_EXEC") == "runtime":
             self.agent_error = "disabled by DSEC_CONTAINER_EXEC=runtime"
         notes.append(
@@ -95,6 +104,42 @@ class ContainerBackend(Backend):
                 shutil.copy2(src, tmp)
                 os.chmod(tmp, 0o555)
                 tmp.rename(dst)
+
+    async def _compile_seccomp(self) -> str:
+        """The seccomp profile as crun compiles it, taken from a probe container's state (cached on disk)."""
+        profile = json.dumps(seccomp.oci_profile(), sort_keys=True).encode()
+        runtime_stamp = str(await asyncio.to_thread(os.path.getmtime, self.runtime)).encode()
+        key = hashlib.sha256(profile + self.runtime.encode() + runtime_stamp)
+        cached = self.helper_dir / f"seccomp-{key.hexdigest()[:16]}.bpf"
+        if cached.exists():
+            return base64.b64encode(cached.read_bytes()).decode()
+        probe_id = f"dsec-seccomp-probe-{os.getpid()}"
+        with tempfile.TemporaryDirectory(dir=self.ctx.state_dir) as tmp:
+            bundle = Path(tmp)
+            for sub in ("rootfs/dev", "rootfs/proc"):
+                (bundle / sub).mkdir(parents=True)
+            # never run (create stops before exec), but crun checks that it exists
+            (bundle / "rootfs/probe").touch(mode=0o755)
+            cfg = {
+                "ociVersion": "1.0.2",
+                "process": {"args": ["/probe"], "cwd": "/", "user": {"uid": 0, "gid": 0}},
+                "root": {"path": str(bundle / "rootfs")},
+                "mounts": [],
+                "linux": {"namespaces": [{"type": "mount"}, {"type": "pid"}], "seccomp": seccomp.oci_profile()},
+            }
+            (bundle / "config.json").write_text(json.dumps(cfg))
+            try:
+                status, out = await run(self._runtime_argv("create", "--bundle", str(bundle), probe_id), timeout=30)
+                bpf = self.run_root / probe_id / "seccomp.bpf"
+                if status != 0 or not bpf.exists():
+                    raise BackendError(f"probe container failed: {out.decode(errors='replace')[-300:]}")
+                data = bpf.read_bytes()
+            finally:
+                await run(self._runtime_argv("delete", "--force", probe_id), timeout=30)
+        tmp_file = cached.with_suffix(".tmp")
+        tmp_file.write_bytes(data)
+        tmp_file.rename(cached)
+        return base64.b64encode(data).decode()
 
     def _layout(self) -> cgroups.CgroupLayout:
         if self.layout is None:
@@ -130,7 +175,7 @@ class ContainerBackend(Backend):
         except OSError as e:
             raise BackendError(f"cannot prepare the root filesystem: {e}") from e
         init = [f"{spec.HELPER_MOUNT}/agent"] if use_agent else [f"{spec.HELPER_MOUNT}/catatonit", "-P"]
-        cfg = spec.config(rec, image, str(rootfs), str(self.helper_dir), self._cg_path(rec), init)
+        cfg = spec.config(rec, image, str(rootfs), str(self.helper_dir), self._cg_path(rec), init, self.seccomp_bpf)
         await asyncio.to_thread((bundle / "config.json").write_text, json.dumps(cfg))
         argv = self._runtime_argv("run", "--detach", "--bundle", str(bundle), rec.id)
         ours = theirs = None

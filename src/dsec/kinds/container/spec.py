@@ -62,8 +62,16 @@ def sandbox_env(rec: SandboxRecord, image: ImageRef) -> dict[str, str]:
 
 
 def config(
-    rec: SandboxRecord, image: ImageRef, rootfs: str, helper_dir: str, cgroups_path: str, init: list[str]
+    rec: SandboxRecord,
+    image: ImageRef,
+    rootfs: str,
+    helper_dir: str,
+    cgroups_path: str,
+    init: list[str],
+    seccomp_bpf: str | None = None,
 ) -> dict[str, Any]:
+    """``seccomp_bpf``: the profile already compiled (base64), which crun loads as is instead of compiling
+    the ``seccomp`` section again (~20 ms per container here). The section stays for other runtimes."""
     env = sandbox_env(rec, image)
     limits = rec.limits
     cpu: dict[str, Any] = {"shares": max(2, min(262144, int(limits.cpu * 1024)))}
@@ -73,8 +81,10 @@ def config(
     caps = list(CAPABILITIES)
     # Raising a hard limit needs CAP_SYS_RESOURCE, which the daemon may lack (nested sandboxes).
     nofile = min(65536, resource.getrlimit(resource.RLIMIT_NOFILE)[1])
+    annotations = {"run.oci.seccomp_bpf_data": seccomp_bpf} if seccomp_bpf else {}
     return {
         "ociVersion": "1.0.2",
+        "annotations": annotations,
         "process": {
             "terminal": False,
             "user": {"uid": 0, "gid": 0},
