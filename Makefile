@@ -16,10 +16,11 @@ system-deps:
 	  apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q $$missing; \
 	fi
 
-$(STAMP): pyproject.toml
+# constraints.txt pins every transitive dependency too (regenerate: pip freeze --exclude-editable)
+$(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q -c constraints.txt -e '.[dev]'
 	touch $(STAMP)
 
 demo: install

@@ -251,5 +251,23 @@ def bench_lifecycle(
     raise typer.Exit(bench_main(n=n, burst=burst, json_out=json_out, state_dir=state_dir, skip_podman=skip_podman))
 
 
+@bench_app.command("density")
+def bench_density(
+    n: Annotated[int, typer.Option("--n", help="Idle sandboxes to hold.", min=1)] = 1000,
+    image: Annotated[str, typer.Option(help="Image of the sandboxes.")] = "dsec/busybox",
+    concurrency: Annotated[int, typer.Option(help="Creations in flight at once.", min=1)] = 32,
+    json_out: Annotated[Path, typer.Option("--json", help="Where to write the JSON results.")] = Path(
+        "bench-density.json"
+    ),
+    state_dir: Annotated[Path, typer.Option(help="State dir of the daemon the bench starts.")] = Path(
+        "/var/lib/dsec-bench"
+    ),
+) -> None:
+    """Hold N idle container sandboxes; host memory per sandbox and exec latency while full."""
+    from ..bench.density import main as density_main
+
+    raise typer.Exit(density_main(n=n, json_out=json_out, state_dir=state_dir, image=image, concurrency=concurrency))
+
+
 def main() -> None:
     app()

@@ -1,0 +1,137 @@
+"""What every benchmark shares: statistics, progress display, a private daemon, cleanup."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from ..errors import DsecError
+from ..sdk.aio import AsyncClient, AsyncSandbox
+
+Json = dict[str, Any]
+
+IMAGES_DIR = Path("/var/tmp/dsec-images")
+DAEMON_START_TIMEOUT = 60.0
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The q-th percentile (0..100), interpolating linearly between the closest ranks."""
+    if not values:
+        raise ValueError("percentile of no values")
+    ordered = sorted(values)
+    pos = (len(ordered) - 1) * q / 100.0
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+
+
+def summarize(seconds: Sequence[float]) -> Json:
+    ms = [s * 1000.0 for s in seconds]
+    stats = {"p50": percentile(ms, 50), "p99": percentile(ms, 99), "mean": statistics.fmean(ms)}
+    stats |= {"min": min(ms), "max": max(ms)}
+    return {"n": len(ms)} | {f"{k}_ms": round(v, 3) for k, v in stats.items()}
+
+
+@contextlib.contextmanager
+def phase(console: Console, label: str, total: int) -> Iterator[Callable[[], None]]:
+    """Yields a tick(): a live bar on a terminal, a line per quarter in a log."""
+    started = time.perf_counter()
+    if console.is_terminal:
+        columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+        with Progress(*columns, console=console, transient=True) as bar:
+            task = bar.add_task(label, total=total)
+            yield lambda: bar.advance(task)
+    else:
+        done = 0
+
+        def tick() -> None:
+            nonlocal done
+            done += 1
+            if done % max(1, total // 4) == 0 and done < total:
+                console.print(f"  {label}: {done}/{total}")
+
+        yield tick
+    console.print(f"[green]done[/green] {label}: {total} in {time.perf_counter() - started:.1f}s")
+
+
+def tail(path: Path, limit: int = 800) -> str:
+    try:
+        return path.read_bytes()[-limit:].decode(errors="replace").strip()
+    except OSError:
+        return ""
+
+
+# ---- the daemon ------------------------------------------------------------------------------------
+
+
+def start_daemon(state_dir: Path) -> subprocess.Popen[bytes]:
+    state_dir.mkdir(parents=True, exist_ok=True)
+    argv = [sys.executable, "-m", "dsec", "serve", "--state-dir", str(state_dir)]
+    argv += ["--listen", f"unix://{state_dir}/dsec.sock", "--images-dir", str(IMAGES_DIR)]
+    argv += ["--log-level", "warning"]
+    with (state_dir / "daemon.log").open("ab") as log:
+        # A session of its own, so that Ctrl-C stops the bench but not the daemon, which is still
+        # needed to kill the bench's sandboxes before it is stopped.
+        return subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True)
+
+
+def stop_daemon(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is not None:
+        return
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+async def connect(proc: subprocess.Popen[bytes], state_dir: Path) -> AsyncClient:
+    """A client of the daemon once it answers."""
+    deadline = time.monotonic() + DAEMON_START_TIMEOUT
+    client: AsyncClient | None = None
+    while time.monotonic() < deadline and proc.poll() is None:
+        with contextlib.suppress(OSError):  # the daemon writes its token at its first start
+            if client is None and (token := (state_dir / "token").read_text().strip()):
+                client = AsyncClient(url=f"unix://{state_dir}/dsec.sock", token=token)
+        if client is not None:
+            # The token is written before the socket listens: refusals are expected for a moment.
+            with contextlib.suppress(DsecError):
+                await client.health()
+                return client
+        await asyncio.sleep(0.05)
+    if client is not None:
+        await client.aclose()
+    if proc.poll() is not None:
+        raise RuntimeError(f"the daemon exited ({proc.returncode}): {tail(state_dir / 'daemon.log')}")
+    raise RuntimeError(f"the daemon did not answer within {DAEMON_START_TIMEOUT:.0f}s")
+
+
+async def kill_leftovers(console: Console, client: AsyncClient, labels: dict[str, str]) -> None:
+    # More than one pass: a create cancelled on our side (Ctrl-C) still completes in the daemon and can
+    # appear after the first listing.
+    killed, left = 0, []
+    try:
+        for attempt in range(4):
+            if not (left := await client.list(labels=labels)) or attempt == 3:
+                break
+            kills = (AsyncSandbox(info, client).kill() for info in left)
+            results = await asyncio.gather(*kills, return_exceptions=True)  # one failure stops no other
+            killed += sum(r is None for r in results)
+            await asyncio.sleep(0.5)
+    except DsecError as e:
+        console.print(f"[red]could not clean up all of the bench's sandboxes[/red]: {e}")
+    if killed or left:
+        console.print(f"killed {killed} leftover sandbox(es)" + (f"; {len(left)} remain" if left else ""))
