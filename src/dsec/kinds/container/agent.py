@@ -179,8 +179,13 @@ class AgentChannel:
         self._started.clear()
         self._exited.clear()
 
-    def close(self) -> None:
+    async def aclose(self) -> None:
+        # The reader must have unregistered the socket from the event loop before the fd is closed:
+        # a closed number is reused at once (often by a pidfd), and a late remove_reader on the old
+        # registration would silently drop the new fd's events.
+        self.closed = True
         self._reader.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._reader
         with contextlib.suppress(OSError):
             self._sock.close()
-        self.closed = True

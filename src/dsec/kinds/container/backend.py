@@ -197,7 +197,7 @@ class ContainerBackend(Backend):
             try:
                 await chan.wait_ready(AGENT_READY_TIMEOUT)
             except (TimeoutError, DsecError) as e:
-                chan.close()
+                await chan.aclose()
                 raise BackendError(f"the sandbox agent did not start: {e}") from e
             self._channels[rec.id] = chan
 
@@ -223,7 +223,7 @@ class ContainerBackend(Backend):
         layout = self._layout()
         chan = self._channels.pop(rec.id, None)
         if chan is not None:
-            chan.close()
+            await chan.aclose()
         self._attach_locks.pop(rec.id, None)
         if self.runtime:
             await run(self._runtime_argv("delete", "--force", rec.id), timeout=30)
@@ -330,10 +330,13 @@ class ContainerBackend(Backend):
             pid = await self._init_pid(rec)
             if pid is None:
                 raise SandboxGone(f"sandbox {rec.id} is no longer running")
+            chan = None
             try:
                 chan = AgentChannel(agent.steal_parked_end(pid))
                 await chan.hello()
             except (OSError, TimeoutError, DsecError) as e:
+                if chan is not None:
+                    await chan.aclose()
                 log.warning("sandbox %s: cannot re-attach its agent (%s); using the runtime's exec", rec.id, e)
                 rec.runtime["init"] = "agent-detached"
                 return None
