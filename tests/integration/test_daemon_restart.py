@@ -6,11 +6,17 @@ import json
 import signal
 import subprocess
 import tempfile
+import time
 from pathlib import Path
 
 import dsec
 
 from .conftest import start_daemon
+
+
+def cpu_ticks(pid: int) -> int:
+    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    return int(fields[11]) + int(fields[12])  # utime + stime
 
 
 def test_sigkill_and_restart() -> None:
@@ -29,6 +35,15 @@ def test_sigkill_and_restart() -> None:
             runtime_root = state / "run" / "runc"
         runtime = "crun" if runtime_root.name == "crun" else "runc"
         subprocess.run([runtime, "--root", str(runtime_root), "kill", gone.id, "KILL"], check=True)
+        # the orphaned agent waits quietly for the next daemon: no busy loop
+        crun_state = json.loads(
+            subprocess.run(
+                [runtime, "--root", str(runtime_root), "state", keep.id], capture_output=True, text=True, check=True
+            ).stdout
+        )
+        before = cpu_ticks(crun_state["pid"])
+        time.sleep(1.0)
+        assert cpu_ticks(crun_state["pid"]) - before < 10, "the agent spins while no daemon is attached"
         with dsec.Client(url=d.url, token=d.token) as c2:
             try:
                 c2.health()
@@ -42,17 +57,29 @@ def test_sigkill_and_restart() -> None:
         assert again.info().state == dsec.State.running
         assert again.files.read("/state.txt") == b"before"
         assert "sleep 600" in again.exec("ps -o args").stdout
+        assert "cannot re-attach" not in d.log.read_text(), "the agent channel was not re-attached"
         lost = dsec.Sandbox.connect(gone.id, client=client).info()
         assert lost.state == dsec.State.lost
         assert lost.reason and "not running" in lost.reason
         everything = {i.id: i for i in client.list(include_finished=True)}
         assert set(everything) >= {keep.id, gone.id}  # nothing silently disappears
+        # a second restart: the agent parks and is re-attached again
+        d.stop(signal.SIGKILL)
+        d = start_daemon(state)
+        third = dsec.Sandbox.connect(keep.id, client=d.client())
+        assert third.exec("cat /state.txt").stdout == "before"
+        assert "cannot re-attach" not in d.log.read_text()
+        again = third
         again.kill()
         listing = subprocess.run(
             [runtime, "--root", str(runtime_root), "list", "--format", "json"], capture_output=True, text=True
         ).stdout
         assert json.loads(listing or "[]") == []  # the lost one was cleaned up too
     finally:
+        if d.proc.poll() is None:  # leave nothing running, whatever failed above
+            client = d.client()
+            for info in client.list():
+                dsec.Sandbox.connect(info.id, client=client).kill()
         d.stop()
 
 

@@ -36,12 +36,12 @@ MAX_UPLOAD = 256 << 20
 log = logging.getLogger("dsec.server")
 
 
-def manager(request: Request) -> SandboxManager:
+async def manager(request: Request) -> SandboxManager:
     mgr: SandboxManager = request.app.state.manager
     return mgr
 
 
-def authorize(request: Request) -> None:
+async def authorize(request: Request) -> None:
     header = request.headers.get("authorization", "")
     scheme, _, value = header.partition(" ")
     # compared as bytes: compare_digest refuses non-ASCII str, and a header may carry anything

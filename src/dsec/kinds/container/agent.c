@@ -115,9 +115,15 @@ static void park(void) {
     int sv[2];
     close(ctrl);
     if (socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv) < 0) _exit(1);
-    if (dup2(sv[1], RENDEZVOUS_FD) < 0) _exit(1);
-    close(sv[1]);
-    ctrl = sv[0];
+    /* our end goes well above fd 4; the parked end goes exactly to fd 4 (it may already be there) */
+    int keep = fcntl(sv[0], F_DUPFD_CLOEXEC, 17);
+    if (keep < 0) _exit(1);
+    close(sv[0]);
+    if (sv[1] != RENDEZVOUS_FD) {
+        if (dup2(sv[1], RENDEZVOUS_FD) < 0) _exit(1);
+        close(sv[1]);
+    }
+    ctrl = keep;
     parked = 1;
 }
 
