@@ -132,6 +132,9 @@ async def _rollout(client: AsyncClient, index: int, run_id: str, project: bytes)
     except DsecError as e:
         out.error = e.code
         out.detail = e.message
+    except Exception as e:  # one broken rollout must not take the others down
+        out.error = type(e).__name__
+        out.detail = str(e)
     finally:
         with contextlib.suppress(DsecError):
             await sb.kill()

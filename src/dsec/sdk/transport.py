@@ -12,7 +12,7 @@ from urllib.parse import urlparse
 
 import httpx
 
-from ..errors import DaemonUnreachable, DsecError, InvalidRequest, error_from_wire
+from ..errors import DaemonUnreachable, DsecError, InvalidRequest, SandboxTimeout, error_from_wire
 
 DEFAULT_STATE_DIR = Path("/var/lib/dsec")
 DEFAULT_URL = f"unix://{DEFAULT_STATE_DIR / 'dsec.sock'}"
@@ -39,7 +39,9 @@ def resolve_target(url: str | None, token: str | None) -> tuple[str, str | None]
 def make_http(url: str, token: str | None) -> httpx.AsyncClient:
     parsed = urlparse(url)
     headers = {"authorization": f"Bearer {token}"} if token else {}
-    limits = httpx.Limits(max_connections=512, max_keepalive_connections=128)
+    # idle connections expire on our side first (the daemon keeps them 120 s), so a pooled connection is
+    # never one the daemon is closing at the moment a request goes out on it
+    limits = httpx.Limits(max_connections=512, max_keepalive_connections=128, keepalive_expiry=30)
     if parsed.scheme == "unix":
         transport = httpx.AsyncHTTPTransport(uds=parsed.path, limits=limits)
         return httpx.AsyncClient(transport=transport, base_url="http://dsec", headers=headers, timeout=None)
@@ -74,14 +76,18 @@ class Transport:
     ) -> httpx.Response:
         try:
             reply = await self.http.request(method, path, timeout=timeout, **kwargs)
-        except (httpx.ConnectError, httpx.RemoteProtocolError, FileNotFoundError, ConnectionError) as e:
+        except httpx.TimeoutException as e:
+            raise SandboxTimeout(f"the daemon did not answer {method} {path} within {timeout}s") from e
+        except (httpx.ConnectError, FileNotFoundError, ConnectionRefusedError) as e:
             raise DaemonUnreachable(
                 f"cannot reach the dsec daemon at {self.url}: {e} (is `dsec serve` running?)"
             ) from e
-        except httpx.TimeoutException as e:
-            from ..errors import SandboxTimeout
-
-            raise SandboxTimeout(f"the daemon did not answer {method} {path} within {timeout}s") from e
+        except (httpx.TransportError, ConnectionError) as e:
+            # the connection broke after the request may have been sent: it may or may not have run
+            raise DaemonUnreachable(
+                f"the connection to the dsec daemon at {self.url} broke during {method} {path}: "
+                f"{type(e).__name__}: {e or 'no detail'}; the call may or may not have taken effect"
+            ) from e
         raise_for_reply(reply.status_code, reply.content)
         return reply
 
@@ -94,8 +100,8 @@ class Transport:
                 if reply.status_code >= 400:
                     raise_for_reply(reply.status_code, await reply.aread())
                 yield reply
-        except (httpx.ConnectError, FileNotFoundError, ConnectionError) as e:
-            raise DaemonUnreachable(f"cannot reach the dsec daemon at {self.url}: {e}") from e
+        except (httpx.TransportError, FileNotFoundError, ConnectionError) as e:
+            raise DaemonUnreachable(f"cannot reach the dsec daemon at {self.url} (or it went away): {e}") from e
 
     async def aclose(self) -> None:
         await self.http.aclose()

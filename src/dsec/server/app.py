@@ -21,6 +21,7 @@ from . import errors, routes
 log = logging.getLogger("dsec.server")
 
 DEFAULT_STATE_DIR = Path("/var/lib/dsec")
+KEEP_ALIVE_S = 120
 
 
 def default_listen(state_dir: Path) -> str:
@@ -96,7 +97,16 @@ def serve(state_dir: Path, listen: str | None, images_dir: Path | None = None, l
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     manager = SandboxManager(state_dir, images_dir)
     app = create_app(manager, token)
-    config = uvicorn.Config(app, log_level=log_level, access_log=False, timeout_graceful_shutdown=5, **where)
+    # Keep idle connections well past the SDK's own keep-alive expiry: a server that closes first races
+    # with a request sent on the same connection, which the client then sees as a dropped read.
+    config = uvicorn.Config(
+        app,
+        log_level=log_level,
+        access_log=False,
+        timeout_graceful_shutdown=5,
+        timeout_keep_alive=KEEP_ALIVE_S,
+        **where,
+    )
     server = uvicorn.Server(config)
     log.info("dsec %s listening on %s (state in %s)", __version__, listen, state_dir)
     server.run()

@@ -1,0 +1,38 @@
+"""The main job end to end on the real default image: a small burst of graded rollouts."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+import dsec
+
+
+def test_demo_rewards_exactly_the_right_candidates(daemon: object) -> None:
+    url, token = daemon.url, daemon.token  # type: ignore[attr-defined]
+    env = {**os.environ, "DSEC_URL": url, "DSEC_TOKEN": token, "COLUMNS": "120"}
+    # dsec/debian:12 is built on first use (about a minute on a fresh machine)
+    res = subprocess.run(
+        [sys.executable, "-m", "dsec", "demo", "--n", "8", "--url", url, "--token", token],
+        capture_output=True,
+        text=True,
+        timeout=1800,
+        env=env,
+    )
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    out = res.stdout
+    assert re.search(r"correct patches\s*│\s*4 / 4", out), out
+    assert re.search(r"wrong patches\s*│\s*0 / 2", out), out
+    assert re.search(r"stale patches\s*│\s*0 / 2", out), out
+    assert re.search(r"sandboxes left behind\s*│\s*0 ", out), out
+    assert "Traceback" not in res.stderr
+    assert dsec.Client(url=url, token=token).list(labels={"rollout": "0"}) == []
+
+
+def test_python_in_the_default_image(make_sandbox: object) -> None:
+    sb = make_sandbox(image="dsec/debian:12")  # type: ignore[operator]
+    res = sb.exec(["python3", "-c", "import sys, json; print(json.dumps(sys.version_info[:2]))"])
+    assert res.exit_code == 0 and res.stdout.strip() == "[3, 11]"
+    assert sb.exec("bash -c 'echo $BASH_VERSION' && git --version").exit_code == 0
