@@ -6,7 +6,7 @@ from datetime import datetime
 from enum import StrEnum
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 
 from .units import parse_size
 
@@ -18,6 +18,7 @@ MAX_EXEC_TIMEOUT_S = 24 * 3600.0
 DEFAULT_OUTPUT_CAP = 1 << 20
 MAX_OUTPUT_CAP = 64 << 20
 MAX_STDIN = 16 << 20
+MAX_COMMAND = 1 << 20  # argv + env bytes, like the kernel's ARG_MAX order of magnitude
 
 
 def _size(value: object) -> object:
@@ -154,6 +155,14 @@ class ExecRequest(_Strict):
     @classmethod
     def _env(cls, v: dict[str, str]) -> dict[str, str]:
         return CreateSandbox._env_names(v)
+
+    @model_validator(mode="after")
+    def _size(self) -> ExecRequest:
+        parts = [self.cmd] if isinstance(self.cmd, str) else self.cmd
+        total = sum(len(p.encode()) + 1 for p in parts) + sum(len(k) + len(v) + 2 for k, v in self.env.items())
+        if total > MAX_COMMAND:
+            raise ValueError(f"command and environment take {total} bytes, over the {MAX_COMMAND}-byte limit")
+        return self
 
     def argv(self) -> list[str]:
         return ["/bin/sh", "-c", self.cmd] if isinstance(self.cmd, str) else list(self.cmd)

@@ -17,6 +17,7 @@ from .. import __version__
 from ..core.manager import SandboxManager
 from ..errors import InvalidRequest
 from . import errors, routes
+from .limits import BodyLimit
 
 log = logging.getLogger("dsec.server")
 
@@ -58,6 +59,7 @@ def create_app(manager: SandboxManager, token: str) -> FastAPI:
     app.state.token = token
     errors.install(app)
     app.include_router(routes.router)
+    app.add_middleware(BodyLimit)
     return app
 
 
