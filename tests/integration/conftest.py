@@ -106,7 +106,7 @@ def start_daemon(state_dir: Path) -> Daemon:
 
 
 @pytest.fixture(scope="session")
-def daemon() -> Iterator[Daemon]:
+def daemon(request: pytest.FixtureRequest) -> Iterator[Daemon]:
     state = Path(tempfile.mkdtemp(prefix="dsec-it-"))
     d = start_daemon(state)
     try:
@@ -119,7 +119,10 @@ def daemon() -> Iterator[Daemon]:
         except dsec.DsecError:
             pass
         d.stop()
-        print(f"\n[dsec] integration daemon log: {d.log}")
+        if request.session.testsfailed:
+            print(f"\n[dsec] integration daemon log kept: {d.log}")
+        else:
+            shutil.rmtree(state, ignore_errors=True)
 
 
 @pytest.fixture(autouse=True)

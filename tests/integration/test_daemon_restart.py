@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import signal
 import subprocess
 import tempfile
@@ -81,6 +82,7 @@ def test_sigkill_and_restart() -> None:
             for info in client.list():
                 dsec.Sandbox.connect(info.id, client=client).kill()
         d.stop()
+    shutil.rmtree(state, ignore_errors=True)  # only reached when the test passed: failures keep the log
 
 
 def test_unreachable_daemon_is_a_clear_error(tmp_path: Path) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,6 +24,7 @@ def runtime_daemon() -> Iterator[Daemon]:
         del os.environ["DSEC_CONTAINER_EXEC"]
     yield d
     d.stop()
+    shutil.rmtree(d.state_dir, ignore_errors=True)
 
 
 @pytest.fixture

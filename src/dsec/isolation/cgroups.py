@@ -99,7 +99,10 @@ def prepare_host(layout: CgroupLayout) -> list[str]:
         try:
             mount("cgroup", target, "cgroup", 0, ctrl)
         except OSError as e:
-            raise BackendError(f"cannot mount a v1 {ctrl} hierarchy for crun: {e}") from e
+            # another daemon starting at the same moment may have mounted it first
+            if ctrl in (layout.unified / "cgroup.controllers").read_text().split():
+                raise BackendError(f"cannot mount a v1 {ctrl} hierarchy for crun: {e}") from e
+            continue
         changes.append(f"mounted v1 {ctrl} hierarchy at {target}")
     return changes
 
