@@ -88,3 +88,22 @@ def test_concurrent_execs_in_one_sandbox(sb: dsec.Sandbox) -> None:
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
         results = list(pool.map(lambda i: sb.exec(f"echo {i}"), range(16)))
     assert [r.stdout for r in results] == [f"{i}\n" for i in range(16)]
+
+
+async def test_many_concurrent_execs_never_mix_streams(daemon: object) -> None:
+    """Hundreds of execs in flight across sandboxes: every output reaches its own caller, whole."""
+    import asyncio
+
+    sandboxes = await asyncio.gather(*(dsec.AsyncSandbox.create(image="dsec/busybox") for _ in range(6)))
+    try:
+
+        async def one(sb: dsec.AsyncSandbox, i: int) -> None:
+            token = f"{sb.id}-{i}"
+            res = await sb.exec(["sh", "-c", 'cat; echo "$0" >&2', token], stdin=token * 50)
+            assert res.stdout == token * 50, (token, res.stdout[:100])
+            assert res.stderr == token + "\n"
+            assert res.exit_code == 0
+
+        await asyncio.gather(*(one(sb, i) for sb in sandboxes for i in range(40)))
+    finally:
+        await asyncio.gather(*(sb.kill() for sb in sandboxes))

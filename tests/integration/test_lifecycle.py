@@ -72,3 +72,30 @@ async def test_async_sdk_contract(daemon: object) -> None:
         assert chunks[-1].result.exit_code == 0
         assert any(i.id == sb.id for i in await dsec.AsyncSandbox.list(labels={"api": "async"}))
     assert (await sb.info()).state == dsec.State.stopped
+
+
+def test_kill_during_exec_ends_the_exec_cleanly(make_sandbox: Callable[..., dsec.Sandbox]) -> None:
+    import threading
+
+    sb = make_sandbox()
+    outcome: list[object] = []
+
+    def run() -> None:
+        try:
+            outcome.append(sb.exec("sleep 60", timeout=120))
+        except dsec.DsecError as e:
+            outcome.append(e)
+
+    t = threading.Thread(target=run)
+    t.start()
+    time.sleep(0.5)
+    started = time.monotonic()
+    sb.kill()
+    t.join(30)
+    assert not t.is_alive(), "the exec hung after its sandbox was killed"
+    assert time.monotonic() - started < 15
+    (result,) = outcome
+    if isinstance(result, dsec.DsecError):
+        assert isinstance(result, dsec.SandboxGone), result
+    else:
+        assert isinstance(result, dsec.ExecResult) and result.exit_code != 0
