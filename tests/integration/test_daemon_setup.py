@@ -21,7 +21,10 @@ from .conftest import IMAGES_DIR, Daemon
 def test_token_file_is_private(daemon: Daemon) -> None:
     mode = stat.S_IMODE(os.stat(daemon.state_dir / "token").st_mode)
     assert mode == 0o600
-    assert stat.S_IMODE(os.stat(daemon.state_dir).st_mode) == 0o700
+    assert stat.S_IMODE(os.stat(daemon.state_dir).st_mode) == 0o711  # traversable, not listable
+    for name in ("state.db", "state.db-wal"):
+        if (daemon.state_dir / name).exists():
+            assert stat.S_IMODE(os.stat(daemon.state_dir / name).st_mode) == 0o600, name
 
 
 def _free_port() -> int:

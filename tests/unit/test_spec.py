@@ -36,7 +36,12 @@ IMAGE = ImageRef(
 )
 
 
-def build(rec: SandboxRecord | None = None, image: ImageRef = IMAGE, seccomp_bpf: str | None = None) -> dict[str, Any]:
+def build(
+    rec: SandboxRecord | None = None,
+    image: ImageRef = IMAGE,
+    seccomp_bpf: str | None = None,
+    uid_base: int | None = None,
+) -> dict[str, Any]:
     return spec.config(
         rec or record(memory="512Mi", cpu=2, cpu_limit=1.5, pids=256),
         image,
@@ -45,6 +50,7 @@ def build(rec: SandboxRecord | None = None, image: ImageRef = IMAGE, seccomp_bpf
         cgroups_path="/dsec/sb-0123456789ab",
         init=["/.dsec/agent"],
         seccomp_bpf=seccomp_bpf,
+        uid_base=uid_base,
     )
 
 
@@ -162,3 +168,12 @@ def test_precompiled_seccomp_goes_in_the_crun_annotation() -> None:
     cfg = build(seccomp_bpf="QUJD")
     assert cfg["annotations"]["run.oci.seccomp_bpf_data"] == "QUJD"
     assert cfg["linux"]["seccomp"]["defaultAction"] == "SCMP_ACT_ERRNO"  # kept for runtimes without it
+
+
+def test_user_namespace_maps_root_to_the_sandbox_range() -> None:
+    cfg = build(uid_base=1 << 20)
+    assert {"type": "user"} in cfg["linux"]["namespaces"]
+    expected = [{"containerID": 0, "hostID": 1 << 20, "size": 65536}]
+    assert cfg["linux"]["uidMappings"] == expected and cfg["linux"]["gidMappings"] == expected
+    plain = build()
+    assert {"type": "user"} not in plain["linux"]["namespaces"] and "uidMappings" not in plain["linux"]

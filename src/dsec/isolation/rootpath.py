@@ -93,8 +93,10 @@ def _fd(fd: int) -> Iterator[int]:
 class RootFS:
     """The file API over one sandbox's root directory on the host."""
 
-    def __init__(self, root: str) -> None:
+    def __init__(self, root: str, owner: tuple[int, int] | None = None) -> None:
+        """``owner``: host uid and gid of the sandbox's root, given to what the API creates (user namespaces)."""
         self.root = root
+        self.owner = owner
 
     @contextmanager
     def _rootfd(self) -> Iterator[int]:
@@ -132,8 +134,7 @@ class RootFS:
         try:
             with self._rootfd() as root:
                 self._make_parents(root, posixpath.dirname(rel))
-                flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NONBLOCK
-                with _fd(openat2(root, rel, flags, mode & 0o7777)) as fd:
+                with _fd(self._open_for_write(root, rel, mode & 0o7777)) as fd:
                     if not stat.S_ISREG(os.fstat(fd).st_mode):
                         raise InvalidRequest(f"not a regular file: {path}")
                     view = memoryview(data)
@@ -143,6 +144,16 @@ class RootFS:
             raise
         except OSError as e:
             raise _translate(e, path) from None
+
+    def _open_for_write(self, root: int, rel: str, mode: int) -> int:
+        fd = openat2(root, rel, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NONBLOCK, mode)
+        if self.owner is not None:
+            st = os.fstat(fd)
+            # With a user namespace nothing of the sandbox's own is owned by host root: a file that is
+            # was just created by us (a symlink may have named it), and becomes the sandbox root's.
+            if st.st_uid == 0 and st.st_gid == 0:
+                os.fchown(fd, *self.owner)
+        return fd
 
     def mkdir(self, path: str) -> None:
         rel = clean_path(path)
@@ -170,6 +181,8 @@ class RootFS:
             with _fd(openat2(root, parent, os.O_PATH | os.O_DIRECTORY)) as pfd:
                 try:
                     os.mkdir(parts[i], 0o755, dir_fd=pfd)
+                    if self.owner is not None:
+                        os.chown(parts[i], *self.owner, dir_fd=pfd, follow_symlinks=False)
                 except FileExistsError:
                     pass
 

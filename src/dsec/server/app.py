@@ -89,7 +89,9 @@ def serve(state_dir: Path, listen: str | None, images_dir: Path | None = None, l
 
     state_dir = state_dir.resolve()
     state_dir.mkdir(parents=True, exist_ok=True)
-    os.chmod(state_dir, 0o700)
+    # traversable but not listable: crun, inside a sandbox's user namespace, must reach the bundle paths
+    # under it before it pivots; the token and the state database are 0600 themselves
+    os.chmod(state_dir, 0o711)
     listen = listen or default_listen(state_dir)
     where = parse_listen(listen)
     uds = where.get("uds")

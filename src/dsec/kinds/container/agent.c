@@ -24,6 +24,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <poll.h>
+#include <sched.h>
 #include <signal.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -237,7 +238,19 @@ static int serve_one(void) {
     return 0;
 }
 
-int main(void) {
+/* `agent --userns`: a placeholder process for a fresh user namespace. The daemon writes its id maps,
+ * opens /proc/PID/ns/user to idmap the sandbox's image layers, then closes our stdin. */
+static int userns_helper(void) {
+    char c;
+    if (unshare(CLONE_NEWUSER) < 0) return 1;
+    if (write(1, "\n", 1) != 1) return 1;
+    while (read(0, &c, 1) > 0) {
+    }
+    return 0;
+}
+
+int main(int argc, char **argv) {
+    if (argc > 1 && strcmp(argv[1], "--userns") == 0) return userns_helper();
     prctl(PR_SET_DUMPABLE, 0);
     signal(SIGPIPE, SIG_IGN);
     if (fcntl(CTRL_FD, F_SETFD, FD_CLOEXEC) < 0) {

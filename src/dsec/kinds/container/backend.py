@@ -27,7 +27,8 @@ from pathlib import Path
 from ...errors import BackendError, DsecError, InvalidRequest, SandboxGone
 from ...images.store import ImageRef
 from ...isolation import cgroups, seccomp
-from ...isolation.mounts import MS_NODEV, MS_NOSUID, mount, umount
+from ...isolation.idmap import UidSlots, idmapped_bind, make_userns
+from ...isolation.mounts import umount
 from ...isolation.rootpath import RootFS, clean_path
 from ...models import ExecRequest, ExecResult, FileEntry
 from ...proc import run
@@ -36,6 +37,7 @@ from ..base import MAX_FILE_READ, Backend, BackendContext, OutputCallback
 from . import agent, spec
 from .agent import AgentChannel
 from .execution import ExecPlan, run_via_agent, run_via_runtime
+from .rootfs import mount_rootfs, unmount_rootfs
 
 log = logging.getLogger("dsec.container")
 
@@ -56,6 +58,8 @@ class ContainerBackend(Backend):
         self._seq = itertools.count(1)
         self.agent_error: str | None = None
         self.seccomp_bpf: str | None = None
+        self.userns_error: str | None = None
+        self.uid_slots = UidSlots()
         self._channels: dict[str, AgentChannel] = {}
         self._attach_locks: dict[str, asyncio.Lock] = {}
         # exec cgroups with background processes outlive a daemon restart: names must not repeat
@@ -84,11 +88,20 @@ class ContainerBackend(Backend):
                 self.seccomp_bpf = await self._compile_seccomp()
             except (OSError, BackendError) as e:
                 notes.append(f"container kind: seccomp profile not precompiled ({e}); crun compiles it per sandbox")
+        if os.environ.get("DSEC_USERNS") == "0":
+            self.userns_error = "disabled by DSEC_USERNS=0"
+        else:
+            try:
+                await self._probe_userns()
+            except OSError as e:
+                self.userns_error = str(e)
+                notes.append(f"container kind: no user namespaces ({e}); sandbox root is host root")
         if os.environ.get("DSEC_CONTAINER_EXEC") == "runtime":
             self.agent_error = "disabled by DSEC_CONTAINER_EXEC=runtime"
         notes.append(
             f"container kind: runtime {self.runtime}, cgroups {self.layout.mode}, "
-            f"exec via {'the sandbox agent' if self.agent_error is None else self.runtime_name + ' exec'}"
+            f"exec via {'the sandbox agent' if self.agent_error is None else self.runtime_name + ' exec'}, "
+            f"user namespaces {'on' if self.userns_error is None else 'off'}"
         )
         return notes
 
@@ -160,7 +173,7 @@ class ContainerBackend(Backend):
 
     async def create(self, rec: SandboxRecord, image: ImageRef) -> None:
         bundle = self._bundle(rec)
-        rootfs, disk = bundle / "rootfs", bundle / "disk"
+        rootfs = bundle / "rootfs"
         use_agent = self.agent_error is None
         rec.runtime = {
             "bundle": str(bundle),
@@ -170,12 +183,23 @@ class ContainerBackend(Backend):
             "env": spec.sandbox_env(rec, image),
             "cwd": image.workdir or "/",
         }
+        uid_base = None
+        if self.userns_error is None:
+            uid_base = self.uid_slots.take()
+            rec.runtime["uid_base"] = uid_base
         try:
-            await asyncio.to_thread(self._mount_rootfs, rec, image, rootfs, disk)
+            userns_fd = await make_userns(self._userns_helper(), uid_base) if uid_base is not None else None
+            try:
+                await asyncio.to_thread(mount_rootfs, bundle, image.layers, rec.limits.disk, uid_base, userns_fd)
+            finally:
+                if userns_fd is not None:
+                    os.close(userns_fd)
         except OSError as e:
             raise BackendError(f"cannot prepare the root filesystem: {e}") from e
         init = [f"{spec.HELPER_MOUNT}/agent"] if use_agent else [f"{spec.HELPER_MOUNT}/catatonit", "-P"]
-        cfg = spec.config(rec, image, str(rootfs), str(self.helper_dir), self._cg_path(rec), init, self.seccomp_bpf)
+        cfg = spec.config(
+            rec, image, str(rootfs), str(self.helper_dir), self._cg_path(rec), init, self.seccomp_bpf, uid_base
+        )
         await asyncio.to_thread((bundle / "config.json").write_text, json.dumps(cfg))
         argv = self._runtime_argv("run", "--detach", "--bundle", str(bundle), rec.id)
         ours = theirs = None
@@ -201,24 +225,6 @@ class ContainerBackend(Backend):
                 raise BackendError(f"the sandbox agent did not start: {e}") from e
             self._channels[rec.id] = chan
 
-    def _mount_rootfs(self, rec: SandboxRecord, image: ImageRef, rootfs: Path, disk: Path) -> None:
-        rootfs.mkdir(parents=True)
-        disk.mkdir()
-        # The writable layer lives on its own tmpfs: its size is the disk limit, its inode count bounded,
-        # and its pages are charged to the memory cgroup of whoever writes them.
-        inodes = max(16384, min(rec.limits.disk // 4096, 4 << 20))
-        mount(
-            "tmpfs",
-            disk,
-            "tmpfs",
-            MS_NOSUID | MS_NODEV,
-            f"size={rec.limits.disk},nr_inodes={inodes},mode=0755",
-        )
-        (disk / "upper").mkdir()
-        (disk / "work").mkdir()
-        lower = ":".join(str(p) for p in reversed(image.layers))
-        mount("overlay", rootfs, "overlay", 0, f"lowerdir={lower},upperdir={disk}/upper,workdir={disk}/work")
-
     async def destroy(self, rec: SandboxRecord) -> None:
         layout = self._layout()
         chan = self._channels.pop(rec.id, None)
@@ -243,12 +249,11 @@ class ContainerBackend(Backend):
                 if hier.name != "unified" and d.is_dir():
                     cgroups.remove_group(d)
         bundle = self._bundle(rec)
-        for target in (bundle / "rootfs", bundle / "disk"):
-            try:
-                umount(target)
-            except OSError:
-                umount(target, lazy=True)
+        unmount_rootfs(bundle)
         shutil.rmtree(bundle, ignore_errors=True)
+        base = rec.runtime.get("uid_base")
+        if isinstance(base, int):
+            self.uid_slots.release(base)
 
     async def _state(self, rec: SandboxRecord) -> dict[str, object] | None:
         status, out = await run(self._runtime_argv("state", rec.id), timeout=10)
@@ -262,7 +267,11 @@ class ContainerBackend(Backend):
 
     async def alive(self, rec: SandboxRecord) -> bool:
         state = await self._state(rec)
-        return state is not None and state.get("status") in ("running", "paused")
+        running = state is not None and state.get("status") in ("running", "paused")
+        base = rec.runtime.get("uid_base")
+        if running and isinstance(base, int):
+            self.uid_slots.mark(base)  # re-adopted after a restart: its uid range stays taken
+        return running
 
     async def _init_pid(self, rec: SandboxRecord) -> int | None:
         state = await self._state(rec)
@@ -346,7 +355,33 @@ class ContainerBackend(Backend):
     # ---- files -------------------------------------------------------------------------------------
 
     def _fs(self, rec: SandboxRecord) -> RootFS:
-        return RootFS(str(self._bundle(rec) / "rootfs"))
+        base = rec.runtime.get("uid_base")
+        owner = (base, base) if isinstance(base, int) else None
+        return RootFS(str(self._bundle(rec) / "rootfs"), owner=owner)
+
+    def _userns_helper(self) -> list[str]:
+        if self.agent_error is None or (self.helper_dir / "agent").exists():
+            return [str(self.helper_dir / "agent"), "--userns"]
+        return ["unshare", "--user", "--", str(self.helper_dir / "busybox"), "sh", "-c", "echo; exec cat >/dev/null"]
+
+    async def _probe_userns(self) -> None:
+        """Idmapped mounts need kernel and file system support: try one on the helper directory."""
+        base = self.uid_slots.take()
+        try:
+            fd = await make_userns(self._userns_helper(), base)
+            try:
+                with tempfile.TemporaryDirectory(dir=self.ctx.state_dir) as tmp:
+                    target = Path(tmp) / "probe"
+                    target.mkdir()
+                    await asyncio.to_thread(idmapped_bind, self.helper_dir, target, fd)
+                    owner = (await asyncio.to_thread(os.stat, target / "busybox")).st_uid
+                    umount(target, lazy=True)
+                    if owner != base:
+                        raise OSError(f"idmapped mount shows uid {owner}, expected {base}")
+            finally:
+                os.close(fd)
+        finally:
+            self.uid_slots.release(base)
 
     async def read_file(self, rec: SandboxRecord, path: str) -> bytes:
         return await asyncio.to_thread(self._fs(rec).read, path, MAX_FILE_READ)

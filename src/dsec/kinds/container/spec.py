@@ -69,6 +69,7 @@ def config(
     cgroups_path: str,
     init: list[str],
     seccomp_bpf: str | None = None,
+    uid_base: int | None = None,
 ) -> dict[str, Any]:
     """``seccomp_bpf``: the profile already compiled (base64), which crun loads as is instead of compiling
     the ``seccomp`` section again (~20 ms per container here). The section stays for other runtimes."""
@@ -82,6 +83,13 @@ def config(
     # Raising a hard limit needs CAP_SYS_RESOURCE, which the daemon may lack (nested sandboxes).
     nofile = min(65536, resource.getrlimit(resource.RLIMIT_NOFILE)[1])
     annotations = {"run.oci.seccomp_bpf_data": seccomp_bpf} if seccomp_bpf else {}
+    namespaces = [{"type": t} for t in ("pid", "network", "ipc", "uts", "mount", "cgroup")]
+    id_maps: dict[str, Any] = {}
+    if uid_base is not None:
+        # root in the sandbox is uid_base on the host; the sandbox's 65536 ids are its own
+        namespaces.append({"type": "user"})
+        mapping = [{"containerID": 0, "hostID": uid_base, "size": 65536}]
+        id_maps = {"uidMappings": mapping, "gidMappings": mapping}
     return {
         "ociVersion": "1.0.2",
         "annotations": annotations,
@@ -154,7 +162,8 @@ def config(
         ],
         "linux": {
             "cgroupsPath": cgroups_path,
-            "namespaces": [{"type": t} for t in ("pid", "network", "ipc", "uts", "mount", "cgroup")],
+            "namespaces": namespaces,
+            **id_maps,
             "resources": {
                 "devices": [{"allow": False, "access": "rwm"}],
                 "memory": {"limit": limits.memory, "swap": limits.memory},

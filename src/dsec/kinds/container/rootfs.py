@@ -1,0 +1,54 @@
+"""A container sandbox's root filesystem: image layers under a writable layer on a size-limited tmpfs.
+
+Layout in the bundle: ``lower-N/`` (the image's layers, idmapped when the sandbox has its own user
+namespace), ``disk/`` (the tmpfs holding ``upper/`` and ``work/``), ``rootfs/`` (the overlay).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+from ...isolation.idmap import idmapped_bind
+from ...isolation.mounts import MS_NODEV, MS_NOSUID, mount, umount
+
+
+def mount_rootfs(
+    bundle: Path, layers: Sequence[Path], disk_bytes: int, uid_base: int | None, userns_fd: int | None
+) -> Path:
+    rootfs, disk = bundle / "rootfs", bundle / "disk"
+    rootfs.mkdir(parents=True)
+    disk.mkdir()
+    # The writable layer lives on its own tmpfs: its size is the disk limit, its inode count bounded,
+    # and its pages are charged to the memory cgroup of whoever writes them.
+    inodes = max(16384, min(disk_bytes // 4096, 4 << 20))
+    owner = f",uid={uid_base},gid={uid_base}" if uid_base is not None else ""
+    mount("tmpfs", disk, "tmpfs", MS_NOSUID | MS_NODEV, f"size={disk_bytes},nr_inodes={inodes},mode=0755{owner}")
+    for sub in ("upper", "work"):
+        (disk / sub).mkdir()
+        if uid_base is not None:
+            os.chown(disk / sub, uid_base, uid_base)
+    lowers = list(layers)
+    if userns_fd is not None:
+        # each layer shown through the sandbox's id mapping: host root's files are the sandbox root's
+        mapped = []
+        for i, layer in enumerate(layers):
+            target = bundle / f"lower-{i}"
+            target.mkdir()
+            idmapped_bind(layer, target, userns_fd)
+            mapped.append(target)
+        lowers = mapped
+    lower = ":".join(str(p) for p in reversed(lowers))
+    mount("overlay", rootfs, "overlay", 0, f"lowerdir={lower},upperdir={disk}/upper,workdir={disk}/work")
+    return rootfs
+
+
+def unmount_rootfs(bundle: Path) -> None:
+    """Undo mount_rootfs, overlay first; a missing mount is fine (half-created sandboxes)."""
+    targets = [bundle / "rootfs", *sorted(bundle.glob("lower-*")), bundle / "disk"]
+    for target in targets:
+        try:
+            umount(target)
+        except OSError:
+            umount(target, lazy=True)
