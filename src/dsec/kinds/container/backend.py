@@ -60,6 +60,7 @@ class ContainerBackend(Backend):
         self.seccomp_bpf: str | None = None
         self.userns_error: str | None = None
         self.uid_slots = UidSlots()
+        self._userns_fds: dict[int, int] = {}
         self._channels: dict[str, AgentChannel] = {}
         self._attach_locks: dict[str, asyncio.Lock] = {}
         # exec cgroups with background processes outlive a daemon restart: names must not repeat
@@ -188,12 +189,8 @@ class ContainerBackend(Backend):
             uid_base = self.uid_slots.take()
             rec.runtime["uid_base"] = uid_base
         try:
-            userns_fd = await make_userns(self._userns_helper(), uid_base) if uid_base is not None else None
-            try:
-                await asyncio.to_thread(mount_rootfs, bundle, image.layers, rec.limits.disk, uid_base, userns_fd)
-            finally:
-                if userns_fd is not None:
-                    os.close(userns_fd)
+            userns_fd = await self._userns_for(uid_base) if uid_base is not None else None
+            await asyncio.to_thread(mount_rootfs, bundle, image.layers, rec.limits.disk, uid_base, userns_fd)
         except OSError as e:
             raise BackendError(f"cannot prepare the root filesystem: {e}") from e
         init = [f"{spec.HELPER_MOUNT}/agent"] if use_agent else [f"{spec.HELPER_MOUNT}/catatonit", "-P"]
@@ -358,6 +355,13 @@ class ContainerBackend(Backend):
         base = rec.runtime.get("uid_base")
         owner = (base, base) if isinstance(base, int) else None
         return RootFS(str(self._bundle(rec) / "rootfs"), owner=owner)
+
+    async def _userns_for(self, base: int) -> int:
+        """A user namespace with this range's mapping, only to idmap layers: kept and reused per range."""
+        fd = self._userns_fds.get(base)
+        if fd is None:
+            fd = self._userns_fds[base] = await make_userns(self._userns_helper(), base)
+        return fd
 
     def _userns_helper(self) -> list[str]:
         if self.agent_error is None or (self.helper_dir / "agent").exists():
