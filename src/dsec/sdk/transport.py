@@ -13,6 +13,7 @@ from urllib.parse import urlparse
 import httpx
 
 from ..errors import DaemonUnreachable, DsecError, InvalidRequest, SandboxTimeout, error_from_wire
+from .uds import UnixTransport
 
 DEFAULT_STATE_DIR = Path("/var/lib/dsec")
 DEFAULT_URL = f"unix://{DEFAULT_STATE_DIR / 'dsec.sock'}"
@@ -43,7 +44,7 @@ def make_http(url: str, token: str | None) -> httpx.AsyncClient:
     # never one the daemon is closing at the moment a request goes out on it
     limits = httpx.Limits(max_connections=512, max_keepalive_connections=128, keepalive_expiry=30)
     if parsed.scheme == "unix":
-        transport = httpx.AsyncHTTPTransport(uds=parsed.path, limits=limits)
+        transport = UnixTransport(parsed.path, keepalive_expiry=30.0)
         return httpx.AsyncClient(transport=transport, base_url="http://dsec", headers=headers, timeout=None)
     if parsed.scheme in ("http", "https"):
         return httpx.AsyncClient(base_url=url.rstrip("/"), headers=headers, timeout=None, limits=limits)
