@@ -27,6 +27,7 @@ class _Parser:
         self.headers_done = False
         self.complete = False
         self.keep_alive = False
+        self.received = False
         self.body: list[bytes] = []
         self.parser = httptools.HttpResponseParser(self)
 
@@ -97,11 +98,11 @@ class UnixTransport(httpx.AsyncBaseTransport):
         self.keepalive_expiry = keepalive_expiry
         self._idle: list[_Connection] = []
 
-    async def _connect(self, timeout: float | None) -> _Connection:
-        while self._idle:
+    async def _connect(self, timeout: float | None, reuse: bool = True) -> tuple[_Connection, bool]:
+        while reuse and self._idle:
             conn = self._idle.pop()
             if conn.usable(self.keepalive_expiry):
-                return conn
+                return conn, True
             conn.close()
         try:
             reader, writer = await asyncio.wait_for(asyncio.open_unix_connection(self.path, limit=1 << 20), timeout)
@@ -109,7 +110,7 @@ class UnixTransport(httpx.AsyncBaseTransport):
             raise httpx.ConnectTimeout(f"connecting to {self.path} timed out") from e
         except OSError as e:
             raise httpx.ConnectError(f"cannot connect to {self.path}: {e}") from e
-        return _Connection(reader, writer)
+        return _Connection(reader, writer), False
 
     def _release(self, conn: _Connection) -> None:
         if len(self._idle) < self.max_idle and conn.usable(self.keepalive_expiry):
@@ -130,6 +131,7 @@ class UnixTransport(httpx.AsyncBaseTransport):
         if not data:
             conn.close()
             raise httpx.RemoteProtocolError("the daemon closed the connection before the response was complete")
+        p.received = True
         try:
             p.parser.feed_data(data)
         except httptools.HttpParserError as e:
@@ -138,15 +140,26 @@ class UnixTransport(httpx.AsyncBaseTransport):
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         timeouts = request.extensions.get("timeout", {})
-        conn = await self._connect(timeouts.get("connect"))
-        try:
-            await self._send(conn, request, timeouts.get("write"))
+        reuse = True
+        while True:
+            conn, reused = await self._connect(timeouts.get("connect"), reuse)
             p = _Parser()
-            while not p.headers_done:
-                await self._feed(conn, p, timeouts.get("read"))
-        except BaseException:
-            conn.close()
-            raise
+            try:
+                await self._send(conn, request, timeouts.get("write"))
+                while not p.headers_done:
+                    await self._feed(conn, p, timeouts.get("read"))
+                break
+            except (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError):
+                conn.close()
+                # A pooled connection the daemon closed while idle fails before a single byte comes
+                # back; the request never reached it, so it goes once more on a new connection.
+                if reused and not p.received:
+                    reuse = False
+                    continue
+                raise
+            except BaseException:
+                conn.close()
+                raise
         status = p.parser.get_status_code()
         return httpx.Response(
             status, headers=p.headers, stream=_Body(self, conn, p, timeouts.get("read")), request=request
