@@ -13,10 +13,13 @@ import contextlib
 import os
 import re
 from abc import ABC, abstractmethod
+from collections.abc import Awaitable
 from pathlib import Path
+from typing import TypeVar
 
 from ..errors import BackendError, InvalidRequest, NotFound
 
+T = TypeVar("T")
 _KEY = re.compile(r"^[A-Za-z0-9._-]+(/[A-Za-z0-9._-]+)*$")
 
 
@@ -160,46 +163,42 @@ class S3Repository(LayerRepository):
         self.bucket = bucket
         self._store = S3Store(bucket, prefix=self.prefix or None, config=config)  # type: ignore[arg-type]
 
-    async def get_range(self, key: str, start: int, length: int) -> bytes:
-        key = check_key(key)  # a bad key is the caller's error, not the store's
-        import obstore
-
-        if start < 0 or length < 0:
-            raise InvalidRequest("byte range must not be negative")
-        if length == 0:
-            return b""
-        size = await self.size(key)
-        length = min(length, max(0, size - start))
-        if length == 0:
-            return b""
+    async def _call(self, doing: str, key: str, op: Awaitable[T]) -> T:
+        """obstore's exceptions as dsec's: a missing object is ObjectNotFound, anything else BackendError."""
         try:
-            data = await obstore.get_range_async(self._store, key, start=start, length=length)
+            return await op
         except FileNotFoundError:
             raise ObjectNotFound(f"no object {key!r} in s3://{self.bucket}") from None
         except Exception as e:
-            raise BackendError(f"reading {key!r} from s3://{self.bucket} failed: {e}") from e
+            raise BackendError(f"{doing} {key!r} in s3://{self.bucket} failed: {e}") from e
+
+    async def get_range(self, key: str, start: int, length: int) -> bytes:
+        import obstore
+
+        key = check_key(key)  # a bad key is the caller's error, not the store's
+        if start < 0 or length < 0:
+            raise InvalidRequest("byte range must not be negative")
+        length = min(length, max(0, await self.size(key) - start))
+        if length == 0:
+            return b""
+        data = await self._call("reading", key, obstore.get_range_async(self._store, key, start=start, length=length))
         return bytes(data)
 
     async def get(self, key: str) -> bytes:
-        key = check_key(key)  # a bad key is the caller's error, not the store's
         import obstore
 
-        try:
+        async def fetch() -> bytes:
             result = await obstore.get_async(self._store, key)
             return bytes(await result.bytes_async())
-        except FileNotFoundError:
-            raise ObjectNotFound(f"no object {key!r} in s3://{self.bucket}") from None
-        except Exception as e:
-            raise BackendError(f"reading {key!r} from s3://{self.bucket} failed: {e}") from e
+
+        key = check_key(key)
+        return await self._call("reading", key, fetch())
 
     async def put(self, key: str, data: bytes) -> None:
-        key = check_key(key)  # a bad key is the caller's error, not the store's
         import obstore
 
-        try:
-            await obstore.put_async(self._store, key, data)  # a single PUT is atomic in S3
-        except Exception as e:
-            raise BackendError(f"writing {key!r} to s3://{self.bucket} failed: {e}") from e
+        key = check_key(key)
+        await self._call("writing", key, obstore.put_async(self._store, key, data))  # one PUT is atomic in S3
 
     async def exists(self, key: str) -> bool:
         try:
@@ -209,35 +208,26 @@ class S3Repository(LayerRepository):
             return False
 
     async def size(self, key: str) -> int:
-        key = check_key(key)  # a bad key is the caller's error, not the store's
         import obstore
 
-        try:
-            meta = await obstore.head_async(self._store, key)
-        except FileNotFoundError:
-            raise ObjectNotFound(f"no object {key!r} in s3://{self.bucket}") from None
-        except Exception as e:
-            raise BackendError(f"looking up {key!r} in s3://{self.bucket} failed: {e}") from e
+        key = check_key(key)
+        meta = await self._call("looking up", key, obstore.head_async(self._store, key))
         return int(meta["size"])
 
     async def list(self, prefix: str = "") -> list[str]:
         import obstore
 
-        keys: list[str] = []
-        try:
+        async def collect() -> builtins.list[str]:
+            keys: builtins.list[str] = []
             async for batch in obstore.list(self._store, prefix=prefix or None):
                 keys.extend(str(m["path"]) for m in batch)
-        except Exception as e:
-            raise BackendError(f"listing s3://{self.bucket} failed: {e}") from e
-        return sorted(keys)
+            return sorted(keys)
+
+        return await self._call("listing", prefix or "/", collect())
 
     async def delete(self, key: str) -> None:
-        key = check_key(key)  # a bad key is the caller's error, not the store's
         import obstore
 
-        try:
-            await obstore.delete_async(self._store, key)
-        except FileNotFoundError:
-            pass
-        except Exception as e:
-            raise BackendError(f"deleting {key!r} from s3://{self.bucket} failed: {e}") from e
+        key = check_key(key)
+        with contextlib.suppress(ObjectNotFound):  # deleting what is not there is fine
+            await self._call("deleting", key, obstore.delete_async(self._store, key))
