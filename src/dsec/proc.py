@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import tempfile
 from collections.abc import Callable, Mapping, Sequence
 
 
@@ -98,8 +99,6 @@ async def run(
     Output goes through a file, not a pipe: an OCI runtime hands its own stdio to the container it
     starts, and a pipe would then stay open for the container's whole life.
     """
-    import tempfile
-
     with contextlib.ExitStack() as stack:
         if log_file is None:
             out = stack.enter_context(tempfile.TemporaryFile())

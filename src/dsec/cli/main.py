@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.console import Console
@@ -13,6 +13,9 @@ from rich.table import Column, Table
 
 from .. import __version__
 from ..errors import DsecError
+
+if TYPE_CHECKING:
+    from ..sdk.sync import Client
 
 app = typer.Typer(help="dsec: elastic sandboxes for training and evaluating AI agents.", no_args_is_help=True)
 bench_app = typer.Typer(help="Benchmarks that write JSON, with peers measured side by side.", no_args_is_help=True)
@@ -29,8 +32,8 @@ def _fail(e: DsecError) -> None:
     raise typer.Exit(2)
 
 
-def _client(url: str | None, token: str | None):  # type: ignore[no-untyped-def]
-    from ..sdk.sync import Client
+def _client(url: str | None, token: str | None) -> Client:
+    from ..sdk.sync import Client  # the SDK loads only for the commands that talk to a daemon
 
     return Client(url=url, token=token)
 

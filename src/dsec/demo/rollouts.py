@@ -19,6 +19,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from ..bench.common import percentile
 from ..errors import DaemonUnreachable, DsecError
 from ..sdk.aio import AsyncClient, AsyncSandbox
 from .project import FILES, GRADE, candidate_for
@@ -55,13 +56,6 @@ def _project_tar() -> bytes:
             info.mode = 0o644
             tar.addfile(info, io.BytesIO(data))
     return buf.getvalue()
-
-
-def pct(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    s = sorted(values)
-    return s[min(len(s) - 1, max(0, round(q / 100 * (len(s) - 1))))]
 
 
 def _spawn_daemon(state_dir: Path, log: Path) -> subprocess.Popen[bytes]:
@@ -208,8 +202,9 @@ def _summary(outcomes: list[Outcome], wall: float, n: int, leftovers: int) -> No
     table.add_column("value", justify="right")
     table.add_row("wall time", f"{wall:.2f} s")
     table.add_row("sandboxes / s", f"{n / wall:.1f}")
-    table.add_row("create p50 / p99", f"{pct(create, 50):.0f} / {pct(create, 99):.0f} ms")
-    table.add_row("grading exec p50 / p99", f"{pct(execs, 50):.0f} / {pct(execs, 99):.0f} ms")
+    for label, values in (("create", create), ("grading exec", execs)):
+        spread = f"{percentile(values, 50):.0f} / {percentile(values, 99):.0f} ms" if values else "n/a"
+        table.add_row(f"{label} p50 / p99", spread)
     for cand in ("correct", "wrong", "stale"):
         group = [o for o in ok if o.candidate == cand]
         table.add_row(f"reward 1 · {cand} patches", f"{sum(o.reward for o in group)} / {len(group)}")

@@ -63,6 +63,7 @@ def _build_busybox(target: Path) -> None:
     busybox = shutil.which("busybox")
     if busybox is None:
         raise BackendError("busybox is not installed (apt-get install busybox-static)")
+    target.mkdir()
     for d in (
         "bin",
         "sbin",
@@ -111,6 +112,7 @@ async def _build_debian(target: Path) -> None:
         raise BackendError(f"mmdebstrap failed with status {status}: {tail}")
 
 
+# Each builder creates its target directory itself (mmdebstrap insists on doing so).
 BUILTIN: dict[str, tuple[str, Callable[[Path], Awaitable[None]]]] = {}
 
 
@@ -130,16 +132,14 @@ class ImageStore:
         self.root = root
         self.root.mkdir(parents=True, exist_ok=True)
         self._locks: dict[str, asyncio.Lock] = {}
+        # A built image never changes, so a resolved one is not read from disk again (every create).
+        self._refs: dict[str, ImageRef] = {}
 
     def _dir(self, name: str) -> Path:
         return self.root / _dir_name(name)
 
     def _meta(self, name: str) -> dict[str, object] | None:
-        try:
-            data = json.loads((self._dir(name) / "image.json").read_text())
-            return data if isinstance(data, dict) else None
-        except (OSError, ValueError):
-            return None
+        return self._meta_from_dir(self._dir(name))
 
     def is_ready(self, name: str) -> bool:
         return self._meta(normalize(name)) is not None
@@ -147,20 +147,25 @@ class ImageStore:
     async def resolve(self, name: str, *, build: bool = True) -> ImageRef:
         """The image's layers, building a built-in image on first use."""
         norm = normalize(name)
-        if self._meta(norm) is None:
+        if norm in self._refs:
+            return self._refs[norm]
+        meta = self._meta(norm)
+        if meta is None:
             if norm not in BUILTIN:
                 raise ImageNotFound(f"image {name!r} not found; `dsec images` lists the available ones")
             if not build:
                 raise ImageNotFound(f"image {name!r} is not built yet")
             await self.ensure(norm)
-        meta = self._meta(norm) or {}
+            meta = self._meta(norm) or {}
         env = meta.get("env")
-        return ImageRef(
+        ref = ImageRef(
             name=norm,
             layers=(self._dir(norm) / "rootfs",),
             env=dict(env) if isinstance(env, dict) else {"PATH": DEFAULT_PATH},
             workdir=str(meta.get("workdir") or "/"),
         )
+        self._refs[norm] = ref
+        return ref
 
     async def ensure(self, name: str) -> ImageInfo:
         norm = normalize(name)
@@ -181,11 +186,7 @@ class ImageStore:
         started = time.monotonic()
         try:
             tmp.mkdir(parents=True)
-            if name.startswith("dsec/debian"):
-                await builder(rootfs)  # mmdebstrap wants to create the directory itself
-            else:
-                rootfs.mkdir()
-                await builder(rootfs)
+            await builder(rootfs)
             meta = {
                 "name": name,
                 "description": description,

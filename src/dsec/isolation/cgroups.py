@@ -47,17 +47,6 @@ class CgroupLayout:
             pass
         return 0
 
-    def memory_usage(self, cg_path: str) -> int:
-        if self.mode == "v2":
-            f = self.unified_dir(cg_path) / "memory.current"
-        else:
-            assert self.memory_v1 is not None
-            f = self.memory_v1 / cg_path.strip("/") / "memory.usage_in_bytes"
-        try:
-            return int(f.read_text())
-        except (OSError, ValueError):
-            return 0
-
 
 def _fs_type(path: Path) -> str | None:
     target = str(path)

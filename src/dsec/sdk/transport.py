@@ -16,6 +16,9 @@ from ..errors import DaemonUnreachable, DsecError, InvalidRequest, SandboxTimeou
 from .uds import UnixTransport
 
 DEFAULT_STATE_DIR = Path("/var/lib/dsec")
+# Idle connections expire on our side first (the daemon keeps them 120 s), so a pooled connection is
+# never one the daemon is closing at the moment a request goes out on it.
+KEEPALIVE_EXPIRY = 30.0
 DEFAULT_URL = f"unix://{DEFAULT_STATE_DIR / 'dsec.sock'}"
 
 
@@ -40,13 +43,11 @@ def resolve_target(url: str | None, token: str | None) -> tuple[str, str | None]
 def make_http(url: str, token: str | None) -> httpx.AsyncClient:
     parsed = urlparse(url)
     headers = {"authorization": f"Bearer {token}"} if token else {}
-    # idle connections expire on our side first (the daemon keeps them 120 s), so a pooled connection is
-    # never one the daemon is closing at the moment a request goes out on it
-    limits = httpx.Limits(max_connections=512, max_keepalive_connections=128, keepalive_expiry=30)
     if parsed.scheme == "unix":
-        transport = UnixTransport(parsed.path, keepalive_expiry=30.0)
+        transport = UnixTransport(parsed.path, keepalive_expiry=KEEPALIVE_EXPIRY)
         return httpx.AsyncClient(transport=transport, base_url="http://dsec", headers=headers, timeout=None)
     if parsed.scheme in ("http", "https"):
+        limits = httpx.Limits(max_connections=512, max_keepalive_connections=128, keepalive_expiry=KEEPALIVE_EXPIRY)
         return httpx.AsyncClient(base_url=url.rstrip("/"), headers=headers, timeout=None, limits=limits)
     raise InvalidRequest(f"unsupported daemon URL {url!r}: use unix:///path or http(s)://host:port")
 

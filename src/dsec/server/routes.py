@@ -15,7 +15,8 @@ from pydantic import BaseModel
 
 from .. import __version__
 from ..core.manager import SandboxManager
-from ..errors import DsecError, InvalidRequest, LimitExceeded, Unauthorized
+from ..core.output import StreamForwarder
+from ..errors import DsecError, InvalidRequest, Unauthorized
 from ..kinds import registry
 from ..models import (
     CreateSandbox,
@@ -32,7 +33,6 @@ from ..models import (
     SandboxList,
 )
 
-MAX_UPLOAD = 256 << 20
 log = logging.getLogger("dsec.server")
 
 
@@ -117,10 +117,7 @@ async def exec_stream(sandbox_id: str, body: ExecRequest, mgr: Mgr) -> Streaming
     """Newline-delimited ExecEvent JSON: output chunks as they come, then one ``result`` (or ``error``)."""
     mgr.info(sandbox_id)  # a 404 before the stream starts, not inside it
     queue: asyncio.Queue[ExecEvent | None] = asyncio.Queue()
-    budget = {"stdout": body.output_limit, "stderr": body.output_limit}
-    from ..core.output import StreamForwarder
-
-    forwarders = {s: StreamForwarder(n) for s, n in budget.items()}
+    forwarders = {s: StreamForwarder(body.output_limit) for s in ("stdout", "stderr")}
 
     def on_output(stream: str, data: bytes) -> None:
         text = forwarders[stream].take(data)
@@ -153,20 +150,6 @@ async def exec_stream(sandbox_id: str, body: ExecRequest, mgr: Mgr) -> Streaming
     return StreamingResponse(events(), media_type="application/x-ndjson")
 
 
-async def _body(request: Request, limit: int = MAX_UPLOAD) -> bytes:
-    declared = request.headers.get("content-length")
-    if declared and declared.isdigit() and int(declared) > limit:
-        raise LimitExceeded(f"request body of {declared} bytes exceeds the {limit}-byte limit")
-    chunks = []
-    size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise LimitExceeded(f"request body exceeds the {limit}-byte limit")
-        chunks.append(chunk)
-    return b"".join(chunks)
-
-
 PathQ = Annotated[str, Query(min_length=1, max_length=4096, description="Absolute path inside the sandbox")]
 
 
@@ -185,7 +168,7 @@ async def write_file(
     mode: Annotated[int, Query(ge=0, le=0o7777)] = 0o644,
 ) -> Response:
     mgr.info(sandbox_id)
-    await mgr.write_file(sandbox_id, path, await _body(request), mode)
+    await mgr.write_file(sandbox_id, path, await request.body(), mode)
     return Response(status_code=204)
 
 
@@ -209,7 +192,7 @@ async def remove_file(sandbox_id: str, path: PathQ, mgr: Mgr, recursive: bool = 
 @api.put("/sandboxes/{sandbox_id}/archive", status_code=204)
 async def upload_archive(sandbox_id: str, path: PathQ, request: Request, mgr: Mgr) -> Response:
     mgr.info(sandbox_id)
-    await mgr.upload_tar(sandbox_id, path, await _body(request))
+    await mgr.upload_tar(sandbox_id, path, await request.body())
     return Response(status_code=204)
 
 

@@ -176,10 +176,8 @@ class ContainerBackend(Backend):
         bundle = self._bundle(rec)
         rootfs = bundle / "rootfs"
         use_agent = self.agent_error is None
+        # what later calls (and a restarted daemon) need and cannot derive from the id
         rec.runtime = {
-            "bundle": str(bundle),
-            "cgroup": self._cg_path(rec),
-            "runtime": self.runtime_name,
             "init": "agent" if use_agent else "catatonit",
             "env": spec.sandbox_env(rec, image),
             "cwd": image.workdir or "/",
@@ -252,7 +250,8 @@ class ContainerBackend(Backend):
         if isinstance(base, int):
             self.uid_slots.release(base)
 
-    async def _state(self, rec: SandboxRecord) -> dict[str, object] | None:
+    async def _running_state(self, rec: SandboxRecord) -> dict[str, object] | None:
+        """The runtime's state of the container while it runs (or is paused); None otherwise."""
         status, out = await run(self._runtime_argv("state", rec.id), timeout=10)
         if status != 0:
             return None
@@ -260,21 +259,19 @@ class ContainerBackend(Backend):
             state = json.loads(out)
         except ValueError:
             return None
-        return state if isinstance(state, dict) else None
+        running = isinstance(state, dict) and state.get("status") in ("running", "paused")
+        return state if running else None
 
     async def alive(self, rec: SandboxRecord) -> bool:
-        state = await self._state(rec)
-        running = state is not None and state.get("status") in ("running", "paused")
+        running = await self._running_state(rec) is not None
         base = rec.runtime.get("uid_base")
         if running and isinstance(base, int):
             self.uid_slots.mark(base)  # re-adopted after a restart: its uid range stays taken
         return running
 
     async def _init_pid(self, rec: SandboxRecord) -> int | None:
-        state = await self._state(rec)
-        if state is None or state.get("status") not in ("running", "paused"):
-            return None
-        pid = state.get("pid")
+        state = await self._running_state(rec)
+        pid = state.get("pid") if state is not None else None
         return pid if isinstance(pid, int) and pid > 0 else None
 
     # ---- exec --------------------------------------------------------------------------------------

@@ -187,7 +187,7 @@ async def run_via_agent(
         cap.start()
         status, timed_out = await _supervise(plan, group, exited, started)
         await cap.finish()
-        return cap.result(status, started, timed_out, layout.oom_kills(cg_path) > oom_before)
+        return cap.result(status, started, timed_out, _oom_killed(layout, cg_path, oom_before, status))
     finally:
         _close(procs_fd)
         await cap.cleanup()
@@ -246,12 +246,18 @@ async def run_via_runtime(
         await cap.finish()
         if not line.strip() and status != 0 and not await alive():
             raise SandboxGone(f"sandbox {sandbox_id} is no longer running")
-        return cap.result(status, started, timed_out, layout.oom_kills(cg_path) > oom_before)
+        return cap.result(status, started, timed_out, _oom_killed(layout, cg_path, oom_before, status))
     finally:
         for fd in (go_r, go_w, ready_r, ready_w):
             _close(fd)
         await cap.cleanup()
         _remove_group(group)
+
+
+def _oom_killed(layout: cgroups.CgroupLayout, cg_path: str, before: int, status: int) -> bool:
+    # the OOM killer's signal is SIGKILL: only then is the counter worth reading again
+    killed = os.WIFSIGNALED(status) and os.WTERMSIG(status) == 9
+    return killed and layout.oom_kills(cg_path) > before
 
 
 def _close(fd: int) -> None:
