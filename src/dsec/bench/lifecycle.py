@@ -194,6 +194,31 @@ def timed_runs(
     return times
 
 
+def timed_burst(console: Console, label: str, count: int, argv_for: Callable[[int], list[str]], tmp: Path) -> Json:
+    """``count`` starts at once (BURST_CONCURRENCY in flight, as for dsec): creations/s and successes."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with phase(console, label, count) as tick:
+
+        def one(i: int) -> int:
+            status = quiet(argv_for(i), tmp / f"burst-{i}.err")  # one file each: they run at once
+            tick()
+            return status
+
+        started = time.perf_counter()
+        with ThreadPoolExecutor(BURST_CONCURRENCY) as pool:
+            statuses = list(pool.map(one, range(count)))
+        wall = time.perf_counter() - started
+    ok = sum(1 for s in statuses if s == 0)
+    return {
+        "size": count,
+        "concurrency": BURST_CONCURRENCY,
+        "wall_s": round(wall, 3),
+        "succeeded": ok,
+        "creations_per_s": round(count / wall, 2),
+    }
+
+
 def first_line(argv: list[str]) -> str:
     out = subprocess.run(argv, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=30).stdout
     return next(iter(out.strip().splitlines()), "")
@@ -209,7 +234,7 @@ def make_bundle(crun: str, bundle: Path, rootfs: Path, args: list[str]) -> Path:
     return bundle
 
 
-def bench_crun(console: Console, n: int, rootfs: Path) -> Json:
+def bench_crun(console: Console, n: int, burst: int, rootfs: Path) -> Json:
     crun = shutil.which("crun")
     if crun is None:
         return {"error": "crun is not on PATH"}
@@ -224,12 +249,15 @@ def bench_crun(console: Console, n: int, rootfs: Path) -> Json:
                 raise RuntimeError(f"crun run --detach failed: {tail(err)}")
             exec_argv = [*base, "exec", "dsec-bench-long", "/bin/true"]
             execs = timed_runs(console, "crun exec true", n, lambda _: exec_argv, err)
+            detach_argv = [*base, "run", "--detach", "--bundle", str(long_bundle)]
+            bursts = timed_burst(console, "crun burst", burst, lambda i: [*detach_argv, f"dsec-burst-{i}"], Path(tmp))
         finally:
             # Everything under the private --root is ours, including what a failed run left behind.
             listing = subprocess.run([*base, "list", "-q"], capture_output=True, text=True, timeout=30)
             for cid in listing.stdout.split():
                 quiet([*base, "delete", "--force", cid], err)
-    return {"version": first_line([crun, "--version"]), "run": summarize(runs), "exec": summarize(execs)}
+    version = first_line([crun, "--version"])
+    return {"version": version, "run": summarize(runs), "exec": summarize(execs), "burst": bursts}
 
 
 def ensure_podman(console: Console) -> str:
@@ -250,7 +278,7 @@ def ensure_podman(console: Console) -> str:
     raise RuntimeError("podman is still not on PATH after installing it")
 
 
-def bench_podman(console: Console, n: int, rootfs: Path) -> Json:
+def bench_podman(console: Console, n: int, burst: int, rootfs: Path) -> Json:
     base, count = [ensure_podman(console), *PODMAN_FLAGS], min(n, PODMAN_MAX)
     with tempfile.TemporaryDirectory(prefix="dsec-bench-podman-") as tmp:
         err = Path(tmp) / "stderr.log"
@@ -267,13 +295,16 @@ def bench_podman(console: Console, n: int, rootfs: Path) -> Json:
         run_argv = [*base, "run", "--rm", *PODMAN_RUN_FLAGS, "--label", label, PODMAN_IMAGE, "/bin/true"]
         try:
             runs = timed_runs(console, "podman run --rm true", count, lambda _: run_argv, err)
+            # podman's burst is capped like its runs: each start costs hundreds of ms here
+            detach = [*base, "run", "-d", *PODMAN_RUN_FLAGS, "--label", label, PODMAN_IMAGE, "/bin/sleep", "100000"]
+            bursts = timed_burst(console, "podman burst", min(burst, PODMAN_MAX), lambda _: detach, Path(tmp))
         finally:
             # --rm removes a container only when podman gets that far; the label finds the others.
             ps = [*base, "ps", "-aq", "--filter", f"label={label}"]
             if left := subprocess.run(ps, capture_output=True, text=True, timeout=60).stdout.split():
                 quiet([*base, "rm", "-f", *left], err)
     version = first_line([*base, "--version"])
-    return {"version": version, "argv": shlex.join(run_argv), "count": count, "run": summarize(runs)}
+    return {"version": version, "argv": shlex.join(run_argv), "count": count, "run": summarize(runs), "burst": bursts}
 
 
 # ---- report ----------------------------------------------------------------------------------------
@@ -282,6 +313,11 @@ def bench_podman(console: Console, n: int, rootfs: Path) -> Json:
 def _p50(system: Json, key: str) -> float | None:
     stats = system.get(key)
     return float(stats["p50_ms"]) if isinstance(stats, dict) else None
+
+
+def _rate(system: Json) -> float | None:
+    b = system.get("burst")
+    return float(b["creations_per_s"]) if isinstance(b, dict) else None
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:
@@ -301,6 +337,8 @@ def judge(dsec: Json, crun: Json, podman: Json) -> tuple[Json, Json]:
         "dsec_create_exec_p50_over_crun_run_p50": vs_crun,
         "podman_run_p50_over_dsec_create_exec_p50": vs_podman,
         "dsec_exec_p50_over_crun_exec_p50": _ratio(exec_rtt, _p50(crun, "exec")),
+        "dsec_burst_rate_over_crun_burst_rate": _ratio(dsec["burst"]["creations_per_s"], _rate(crun)),
+        "dsec_burst_rate_over_podman_burst_rate": _ratio(dsec["burst"]["creations_per_s"], _rate(podman)),
     }
     rate, burst_ok = dsec["burst"]["creations_per_s"], dsec["burst"]["succeeded"] == dsec["burst"]["size"]
     targets = {
@@ -335,11 +373,13 @@ def print_summary(console: Console, result: Json) -> None:
             why = str(s.get("error") or "skipped")[:60]
             table.add_row(system, what, "-", "-", "-", why, end_section=i % 2 == 1)
     console.print(table)
-    b = result["systems"]["dsec"]["burst"]
-    console.print(
-        f"burst: {b['succeeded']}/{b['size']} created in {b['wall_s']:.2f}s = {b['creations_per_s']:.1f}/s"
-        f" (failures: {b['failures'] or 'none'})"
-    )
+    for system in ("dsec", "crun", "podman"):
+        b = result["systems"][system].get("burst")
+        if isinstance(b, dict):
+            console.print(
+                f"{system} burst: {b['succeeded']}/{b['size']} started in {b['wall_s']:.2f}s"
+                f" = {b['creations_per_s']:.1f}/s"
+            )
     marks = {True: "[green]met[/green]", False: "[red]missed[/red]", None: "[yellow]n/a[/yellow]"}
     for t in result["targets"].values():
         console.print(f"{marks[t['met']]}  {t['target']}  (value: {t['value']})")
@@ -371,7 +411,7 @@ def main(n: int, burst: int, json_out: Path, state_dir: Path, skip_podman: bool)
             if name == "podman" and skip_podman:
                 continue
             try:
-                peers[name] = bench(console, n, rootfs)
+                peers[name] = bench(console, n, burst, rootfs)
             except (OSError, RuntimeError, subprocess.SubprocessError) as e:
                 console.print(f"[red]{name} failed[/red]: {e}")
                 peers[name] = {"error": str(e)}
