@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import blake3
 
@@ -94,6 +95,43 @@ class ChunkStore:
                 stats.uploaded += 1
                 stats.uploaded_bytes += len(unique[d])
         return Manifest(size=len(data), chunk_size=chunk_size, chunks=digests), stats
+
+    async def put_file(self, path: Path, chunk_size: int = DEFAULT_CHUNK) -> tuple[str, Manifest, PutStats]:
+        """Chunk a file without holding it in memory; returns (blake3 of the whole file, manifest, stats)."""
+        if chunk_size <= 0:
+            raise InvalidRequest("chunk size must be positive")
+        whole = blake3.blake3()
+        manifest = Manifest(size=0, chunk_size=chunk_size)
+        stats = PutStats()
+        seen: set[str] = set()
+        window = 16  # chunks in flight: keeps the store busy without reading the file far ahead
+
+        async def flush(batch: list[tuple[str, bytes]]) -> None:
+            for d, uploaded in await asyncio.gather(*(self.put_chunk(data, d) for d, data in batch)):
+                if uploaded:
+                    stats.uploaded += 1
+                    stats.uploaded_bytes += len(dict(batch)[d])
+
+        f = await asyncio.to_thread(open, path, "rb")
+        with f:
+            batch: list[tuple[str, bytes]] = []
+            while True:
+                data = await asyncio.to_thread(f.read, chunk_size)
+                if not data:
+                    break
+                whole.update(data)
+                d = digest(data)
+                manifest.chunks.append(d)
+                manifest.size += len(data)
+                stats.chunks += 1
+                if d not in seen:
+                    seen.add(d)
+                    batch.append((d, data))
+                if len(batch) >= window:
+                    await flush(batch)
+                    batch = []
+            await flush(batch)
+        return whole.hexdigest(), manifest, stats
 
     async def read(self, manifest: Manifest, start: int, length: int) -> bytes:
         """Bytes [start, start + length) of the blob, fetching only the chunks that hold them."""

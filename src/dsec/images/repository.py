@@ -231,3 +231,95 @@ class S3Repository(LayerRepository):
         key = check_key(key)
         with contextlib.suppress(ObjectNotFound):  # deleting what is not there is fine
             await self._call("deleting", key, obstore.delete_async(self._store, key))
+
+
+class ThrottledRepository(LayerRepository):
+    """Another repository behind a simulated network link: a fixed latency per request and a shared
+    bandwidth cap. For benchmarks (`dsec bench images`), so that lazy and eager fetching are compared
+    over a link slower than the local disk, as a node's link to S3 or a shared file system is."""
+
+    def __init__(self, inner: LayerRepository, latency_s: float, bytes_per_s: float) -> None:
+        self.inner = inner
+        self.latency_s = latency_s
+        self.bytes_per_s = bytes_per_s
+        self._link_free_at = 0.0  # when the shared link has sent everything queued on it
+        self.requests = 0
+        self.bytes = 0
+
+    async def _transfer(self, size: int) -> None:
+        loop = asyncio.get_running_loop()
+        self.requests += 1
+        self.bytes += size
+        now = loop.time()
+        start = max(now + self.latency_s, self._link_free_at)
+        self._link_free_at = start + size / self.bytes_per_s
+        await asyncio.sleep(self._link_free_at - now)
+
+    async def get_range(self, key: str, start: int, length: int) -> bytes:
+        data = await self.inner.get_range(key, start, length)
+        await self._transfer(len(data))
+        return data
+
+    async def get(self, key: str) -> bytes:
+        data = await self.inner.get(key)
+        await self._transfer(len(data))
+        return data
+
+    async def put(self, key: str, data: bytes) -> None:
+        await self._transfer(len(data))
+        await self.inner.put(key, data)
+
+    async def exists(self, key: str) -> bool:
+        await self._transfer(0)
+        return await self.inner.exists(key)
+
+    async def size(self, key: str) -> int:
+        await self._transfer(0)
+        return await self.inner.size(key)
+
+    async def list(self, prefix: str = "") -> builtins.list[str]:
+        await self._transfer(0)
+        return await self.inner.list(prefix)
+
+    async def delete(self, key: str) -> None:
+        await self._transfer(0)
+        await self.inner.delete(key)
+
+
+def open_repository(spec: str | Path) -> LayerRepository:
+    """A repository from its spec: a directory path, or ``s3://bucket[/prefix][?endpoint=URL&region=R]``,
+    or either behind a simulated link: ``throttle:LATENCY_MS:MBYTES_PER_S:SPEC`` (benchmarks).
+
+    S3 credentials come from AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, never from the spec (it is logged).
+    """
+    text = str(spec)
+    if text.startswith("throttle:"):
+        try:
+            _, latency_ms, mbps, inner = text.split(":", 3)
+            latency, rate = float(latency_ms) / 1000, float(mbps) * 1e6
+        except ValueError:
+            raise InvalidRequest(f"repository {text!r}: expected throttle:LATENCY_MS:MBYTES_PER_S:SPEC") from None
+        if latency < 0 or rate <= 0:
+            raise InvalidRequest(f"repository {text!r}: latency must be >= 0 and bandwidth > 0")
+        return ThrottledRepository(open_repository(inner), latency, rate)
+    if not text.startswith("s3://"):
+        if "://" in text:
+            raise InvalidRequest(f"unsupported repository {text!r}: expected a directory or s3://bucket[/prefix]")
+        return LocalRepository(Path(text))
+    from urllib.parse import parse_qs, urlsplit
+
+    parts = urlsplit(text)
+    if not parts.netloc:
+        raise InvalidRequest(f"repository {text!r} names no bucket")
+    query = {k: v[-1] for k, v in parse_qs(parts.query).items()}
+    unknown = set(query) - {"endpoint", "region"}
+    if unknown:
+        raise InvalidRequest(f"unknown repository options {sorted(unknown)} in {text!r} (known: endpoint, region)")
+    return S3Repository(
+        parts.netloc,
+        endpoint=query.get("endpoint"),
+        region=query.get("region", "us-east-1"),
+        prefix=parts.path.strip("/"),
+        access_key_id=os.environ.get("AWS_ACCESS_KEY_ID"),
+        secret_access_key=os.environ.get("AWS_SECRET_ACCESS_KEY"),
+    )

@@ -42,3 +42,25 @@ def is_mountpoint(path: str | Path) -> bool:
             if len(fields) > 4 and fields[4].replace("\\040", " ") == target:
                 return True
     return False
+
+
+def mounts_under(path: str | Path) -> list[str]:
+    """Mount points at or below ``path``, deepest first (the order to unmount them in)."""
+    root = str(Path(path))
+    found = []
+    with open("/proc/self/mountinfo", encoding="utf-8", errors="replace") as f:
+        for line in f:
+            fields = line.split()
+            if len(fields) > 4:
+                point = fields[4].replace("\\040", " ")
+                if point == root or point.startswith(root.rstrip("/") + "/"):
+                    found.append(point)
+    return sorted(found, key=lambda p: p.count("/"), reverse=True)
+
+
+def unmount_under(path: str | Path) -> int:
+    """Detach every mount at or below ``path``; returns how many were mounted."""
+    points = mounts_under(path)
+    for point in points:
+        umount(point, lazy=True)
+    return len(points)

@@ -1,0 +1,131 @@
+"""The image model as stored in the layer repository.
+
+An image version is an ordered list of content-addressed layers (lowest first) plus a config; it is
+named by the blake3 digest of its canonical JSON, so a published version can never change. A tag
+(``repo:tag``) points at one version. Keys in the repository:
+
+- ``chunks/XX/<blake3>``: chunk bytes (see chunks.py), shared by every layer that holds them;
+- ``layers/<digest>.json``: a layer's manifest (its EROFS blob as chunks);
+- ``images/<digest>.json``: an image version;
+- ``tags/<hex of repo:tag>.json``: which version a name points at;
+- ``traces/<layer digest>.json``: chunk access order recorded on first runs, used to prefetch.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import UTC, datetime
+from enum import StrEnum
+from typing import Literal
+
+import blake3
+from pydantic import BaseModel, ConfigDict, Field
+
+DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+
+
+def _now() -> datetime:
+    return datetime.now(UTC)
+
+
+class LayerRole(StrEnum):
+    """What a layer holds; layers of different roles are versioned and shared separately."""
+
+    base = "base"  # the operating system
+    toolkit = "toolkit"  # languages, compilers, packages
+    workspace = "workspace"  # the task's repository and data
+    diff = "diff"  # a sandbox's changes (pack_diff)
+
+
+class LayerManifest(BaseModel):
+    """A layer: one EROFS image, stored as fixed-size chunks. ``digest`` is blake3 of the whole image."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    digest: str = Field(pattern=r"^[0-9a-f]{64}$")
+    size: int = Field(ge=0)
+    chunk_size: int = Field(gt=0)
+    chunks: list[str]
+    format: Literal["erofs"] = "erofs"
+    created_at: datetime = Field(default_factory=_now)
+
+    @property
+    def key(self) -> str:
+        return layer_key(self.digest)
+
+
+class ImageConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    env: dict[str, str] = Field(default_factory=lambda: {"PATH": DEFAULT_PATH})
+    workdir: str = "/"
+    user: str = "root"
+    entrypoint: list[str] | None = None
+
+
+class LayerRef(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    digest: str = Field(pattern=r"^[0-9a-f]{64}$")
+    role: LayerRole
+    size: int = Field(ge=0)
+    created_by: str = ""  # the build step, "snapshot of sb-…", "import of …"
+
+
+class ImageVersion(BaseModel):
+    """One immutable version of an image."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str  # the repo:tag it was published under
+    layers: list[LayerRef]
+    config: ImageConfig = Field(default_factory=ImageConfig)
+    parent: str | None = None  # digest of the version this one was built on or snapshotted from
+    source_sandbox: str | None = None  # the sandbox a snapshot was taken of
+    description: str = ""
+    scrubbed: list[str] = Field(default_factory=list)  # residue removed before packing (paths)
+    created_at: datetime = Field(default_factory=_now)
+
+    def canonical(self) -> bytes:
+        return json.dumps(self.model_dump(mode="json"), sort_keys=True, separators=(",", ":")).encode()
+
+    @property
+    def digest(self) -> str:
+        return blake3.blake3(self.canonical()).hexdigest()
+
+    @property
+    def size(self) -> int:
+        return sum(layer.size for layer in self.layers)
+
+
+class CachedStep(BaseModel):
+    """What a build step with a given cache key produced (``buildcache/<key>.json``)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    layer: LayerRef
+    scrubbed: list[str] = Field(default_factory=list)
+
+
+class Tag(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str
+    digest: str = Field(pattern=r"^[0-9a-f]{64}$")
+
+
+def layer_key(digest: str) -> str:
+    return f"layers/{digest}.json"
+
+
+def image_key(digest: str) -> str:
+    return f"images/{digest}.json"
+
+
+def tag_key(name: str) -> str:
+    # hex: one to one, one flat directory, and nothing an object store could mis-encode
+    return f"tags/{name.encode().hex()}.json"
+
+
+def trace_key(layer_digest: str) -> str:
+    return f"traces/{layer_digest}.json"
