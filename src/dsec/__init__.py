@@ -6,9 +6,12 @@ __version__ = "0.1.0"
 
 from .errors import (
     BackendError,
+    BuildFailed,
     DaemonUnreachable,
     DsecError,
     FileNotFoundInSandbox,
+    ImageExists,
+    ImageInUse,
     ImageNotFound,
     InvalidRequest,
     InvalidState,
@@ -20,7 +23,8 @@ from .errors import (
     SandboxTimeout,
     Unauthorized,
 )
-from .models import ExecResult, FileEntry, SandboxInfo, State
+from .images.buildspec import BuildSpec, ImageSpec
+from .models import ExecResult, FileEntry, ImageInfo, SandboxInfo, State
 from .sdk.aio import AsyncClient, AsyncSandbox
 from .sdk.sync import Client, Sandbox
 
@@ -28,13 +32,19 @@ __all__ = [
     "AsyncClient",
     "AsyncSandbox",
     "BackendError",
+    "BuildFailed",
+    "BuildSpec",
     "Client",
     "DaemonUnreachable",
     "DsecError",
     "ExecResult",
     "FileEntry",
     "FileNotFoundInSandbox",
+    "ImageExists",
+    "ImageInUse",
+    "ImageInfo",
     "ImageNotFound",
+    "ImageSpec",
     "InvalidRequest",
     "InvalidState",
     "LimitExceeded",

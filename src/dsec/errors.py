@@ -78,6 +78,19 @@ class SandboxGone(InvalidState):
     http_status = 410
 
 
+class ImageExists(DsecError, FileExistsError):
+    """A published image version is immutable: its name cannot be given to other content."""
+
+    code = "image_exists"
+    http_status = 409
+
+
+class ImageInUse(InvalidState):
+    """The image is used by a live sandbox or is the parent of a kept image."""
+
+    code = "image_in_use"
+
+
 class QuotaExceeded(DsecError):
     """A limit on the number or size of sandboxes was reached."""
 
@@ -113,6 +126,13 @@ class BackendError(DsecError, RuntimeError):
     http_status = 500
 
 
+class BuildFailed(BackendError):
+    """An image build step exited non-zero, or produced a layer that may not be published."""
+
+    code = "build_failed"
+    http_status = 422
+
+
 ERRORS_BY_CODE: dict[str, type[DsecError]] = {
     cls.code: cls
     for cls in (
@@ -122,6 +142,8 @@ ERRORS_BY_CODE: dict[str, type[DsecError]] = {
         NotFound,
         SandboxNotFound,
         ImageNotFound,
+        ImageExists,
+        ImageInUse,
         FileNotFoundInSandbox,
         InvalidState,
         SandboxGone,
@@ -130,6 +152,7 @@ ERRORS_BY_CODE: dict[str, type[DsecError]] = {
         SandboxTimeout,
         DaemonUnreachable,
         BackendError,
+        BuildFailed,
     )
 }
 

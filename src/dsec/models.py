@@ -8,6 +8,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 
+from .images.buildspec import BuildSpec
 from .units import parse_size
 
 Kind = Literal["container", "function", "microvm", "vm"]
@@ -207,12 +208,81 @@ class FileList(BaseModel):
     entries: list[FileEntry]
 
 
+class LayerInfo(BaseModel):
+    digest: str = Field(description="blake3 of the layer's EROFS image")
+    role: Literal["base", "toolkit", "workspace", "diff"]
+    size: int
+    created_by: str = ""
+
+
 class ImageInfo(BaseModel):
     name: str
     size: int
     created_at: datetime | None = None
-    ready: bool
+    ready: bool = Field(description="Published in the repository (a built-in image not built yet is not ready).")
     description: str = ""
+    digest: str | None = Field(default=None, description="The immutable version this name points at.")
+    layers: list[LayerInfo] = Field(default_factory=list, description="Lowest first.")
+    parent: str | None = Field(default=None, description="The version this one was built on or snapshotted from.")
+    source_sandbox: str | None = Field(default=None, description="The sandbox a snapshot was taken of.")
+    scrubbed: list[str] = Field(default_factory=list, description="Residue left out when the layers were packed.")
+
+
+class SnapshotRequest(BaseModel):
+    """pack_diff: the sandbox's changes become a new image version on top of its image."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(min_length=1, max_length=256, description="repo:tag of the new image; must not exist yet.")
+    scrub: list[str] = Field(
+        default_factory=list, max_length=1024, description="Extra residue rules (globs relative to /)."
+    )
+    scrub_defaults: bool = Field(default=True, description="Apply the node's default residue rules too.")
+    description: str = Field(default="", max_length=4096)
+
+
+class ImportRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(min_length=1, max_length=256)
+    path: str = Field(
+        min_length=1, max_length=4096, description="OCI layout directory or docker-save tarball on the node."
+    )
+    reference: str | None = Field(
+        default=None, max_length=256, description="Which image, when the input holds several."
+    )
+
+
+class LayerStats(BaseModel):
+    digest: str
+    size: int
+    fetched_bytes: int = 0
+    read_bytes: int = 0
+    chunk_hits: int = 0
+    chunk_misses: int = 0
+    fetch_wait_seconds: float = 0.0
+    errors: int = 0
+
+
+class ImageStats(BaseModel):
+    name: str
+    size: int
+    fetched_bytes: int = Field(description="Bytes fetched from the repository on this node.")
+    exposed_fraction: float = Field(description="fetched_bytes / size.")
+    chunk_hit_rate: float | None = None
+    fetch_wait_seconds: float = 0.0
+    mode: Literal["lazy", "eager"]
+    layers: list[LayerStats] = Field(default_factory=list)
+
+
+class GcResult(BaseModel):
+    images_deleted: int
+    layers_deleted: int
+    chunks_deleted: int
+    bytes_freed: int
+    kept_layers: int
+    kept_chunks: int
+    in_use: list[str]
 
 
 class ImageList(BaseModel):
@@ -236,3 +306,29 @@ class Health(BaseModel):
 
 
 ExecEvent.model_rebuild()
+
+
+class BuildRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    spec: BuildSpec
+    args: dict[str, str] = Field(default_factory=dict, description="Build arguments every step sees as env vars.")
+    secrets: dict[str, str] = Field(
+        default_factory=dict,
+        description="Secret arguments: seen only by steps that name them; never logged, cached by, or packed.",
+    )
+
+
+class BuildStepResult(BaseModel):
+    index: int
+    description: str
+    cached: bool
+    seconds: float
+    layer: LayerInfo | None = None
+    scrubbed: list[str] = Field(default_factory=list)
+
+
+class BuildResult(BaseModel):
+    image: ImageInfo
+    steps: list[BuildStepResult]
+    seconds: float

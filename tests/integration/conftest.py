@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 import dsec
+from dsec.isolation.mounts import unmount_under
 
 IMAGES_DIR = Path(os.environ.get("DSEC_TEST_IMAGES", "/var/tmp/dsec-test-images"))
 
@@ -66,7 +67,34 @@ class Daemon:
                 self.proc.wait()
 
 
-def start_daemon(state_dir: Path) -> Daemon:
+def layer_bytes(digest: str) -> bytes:
+    """A layer's EROFS image, read from the test repository (wherever the layer was built)."""
+    import asyncio
+
+    from dsec.images.catalog import Catalog
+    from dsec.images.repository import LocalRepository
+
+    async def read() -> bytes:
+        catalog = Catalog(LocalRepository(IMAGES_DIR / "repository"))
+        manifest = await catalog.layer(digest)
+        parts = [await catalog.chunks.get_chunk(c) for c in manifest.chunks]
+        return b"".join(parts)
+
+    return asyncio.run(read())
+
+
+def release_node(state_dir: Path) -> None:
+    """What a daemon leaves running on purpose (the layer fetcher, layer mounts) so its sandboxes survive
+    a restart: stopped here, after the test is done with the node."""
+    pid_file = state_dir / "images" / "fetcher" / "fetcher.pid"
+    try:
+        os.kill(int(pid_file.read_text().strip()), signal.SIGKILL)
+    except (OSError, ValueError):
+        pass
+    unmount_under(state_dir)
+
+
+def start_daemon(state_dir: Path, *extra: str) -> Daemon:
     state_dir.mkdir(parents=True, exist_ok=True)
     log = state_dir / "daemon.log"
     sock = state_dir / "dsec.sock"
@@ -79,10 +107,11 @@ def start_daemon(state_dir: Path) -> Daemon:
                 "serve",
                 "--state-dir",
                 str(state_dir),
-                "--images-dir",
-                str(IMAGES_DIR),
+                "--repository",
+                str(IMAGES_DIR / "repository"),
                 "--log-level",
                 "info",
+                *extra,
             ],
             stdout=f,
             stderr=f,
@@ -119,6 +148,7 @@ def daemon(request: pytest.FixtureRequest) -> Iterator[Daemon]:
         except dsec.DsecError:
             pass
         d.stop()
+        release_node(state)
         if request.session.testsfailed:
             print(f"\n[dsec] integration daemon log kept: {d.log}")
         else:

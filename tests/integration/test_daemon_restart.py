@@ -12,7 +12,7 @@ from pathlib import Path
 
 import dsec
 
-from .conftest import start_daemon
+from .conftest import release_node, start_daemon
 
 
 def cpu_ticks(pid: int) -> int:
@@ -82,6 +82,7 @@ def test_sigkill_and_restart() -> None:
             for info in client.list():
                 dsec.Sandbox.connect(info.id, client=client).kill()
         d.stop()
+        release_node(state)
     shutil.rmtree(state, ignore_errors=True)  # only reached when the test passed: failures keep the log
 
 

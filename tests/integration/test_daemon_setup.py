@@ -15,7 +15,7 @@ import pytest
 
 import dsec
 
-from .conftest import IMAGES_DIR, Daemon
+from .conftest import IMAGES_DIR, Daemon, release_node
 
 
 def test_token_file_is_private(daemon: Daemon) -> None:
@@ -36,7 +36,16 @@ def _free_port() -> int:
 def test_tcp_listen_and_token_required() -> None:
     state = Path(tempfile.mkdtemp(prefix="dsec-tcp-"))
     port = _free_port()
-    argv = [sys.executable, "-m", "dsec", "serve", "--state-dir", str(state), "--images-dir", str(IMAGES_DIR)]
+    argv = [
+        sys.executable,
+        "-m",
+        "dsec",
+        "serve",
+        "--state-dir",
+        str(state),
+        "--repository",
+        str(IMAGES_DIR / "repository"),
+    ]
     proc = subprocess.Popen([*argv, "--listen", f"http://127.0.0.1:{port}"], stdin=subprocess.DEVNULL)
     try:
         url = f"http://127.0.0.1:{port}"
@@ -57,6 +66,7 @@ def test_tcp_listen_and_token_required() -> None:
     finally:
         proc.terminate()
         proc.wait(20)
+        release_node(state)
     import shutil
 
     shutil.rmtree(state, ignore_errors=True)

@@ -12,7 +12,7 @@ import pytest
 
 import dsec
 
-from .conftest import Daemon, start_daemon
+from .conftest import Daemon, release_node, start_daemon
 
 
 @pytest.fixture(scope="module")
@@ -24,6 +24,7 @@ def runtime_daemon() -> Iterator[Daemon]:
         del os.environ["DSEC_CONTAINER_EXEC"]
     yield d
     d.stop()
+    release_node(d.state_dir)
     shutil.rmtree(d.state_dir, ignore_errors=True)
 
 

@@ -19,6 +19,7 @@ with warnings.catch_warnings():
     from starlette.testclient import TestClient
 
 from dsec.core.manager import SandboxManager
+from dsec.images.store import ImageStore
 from dsec.server.app import create_app
 
 from .fakes import FakeBackend, make_image
@@ -43,7 +44,7 @@ def workdir(tmp_path: Path) -> Iterator[Path]:
 def new_manager(root: Path) -> tuple[SandboxManager, FakeBackend]:
     images = root / "images"
     make_image(images, IMAGE, env={"PATH": "/usr/bin:/bin", "FROM_IMAGE": "1"})
-    mgr = SandboxManager(state_dir=root / "state", images_dir=images)
+    mgr = SandboxManager(state_dir=root / "state", images=ImageStore(images, lazy=False, mount=False))
     backend = FakeBackend(mgr.ctx)
     mgr.backends["container"] = backend
     return mgr, backend

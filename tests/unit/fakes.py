@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import io
-import json
 import posixpath
 import tarfile
 import time
 from pathlib import Path
 
 from dsec.errors import FileNotFoundInSandbox, InvalidRequest
-from dsec.images.store import ImageRef, _dir_name
+from dsec.images.model import ImageConfig, LayerRole
+from dsec.images.scrub import ScrubRules
+from dsec.images.store import ImageRef, ImageStore
 from dsec.kinds.base import Backend, BackendContext, OutputCallback
-from dsec.models import ExecRequest, ExecResult, FileEntry
+from dsec.models import ExecRequest, ExecResult, FileEntry, ImageInfo
 from dsec.store.records import SandboxRecord
 
 
@@ -173,22 +176,27 @@ class FakeBackend(Backend):
 
 
 def make_image(
-    images_dir: Path,
+    images_root: Path,
     name: str = "test/img:1",
     env: dict[str, str] | None = None,
     workdir: str = "/",
     description: str = "a fake image for unit tests",
-) -> Path:
-    """Lay out a built image the way ImageStore expects: ``<dir>/image.json`` next to ``<dir>/rootfs``."""
-    d = images_dir / _dir_name(name)
-    (d / "rootfs").mkdir(parents=True, exist_ok=True)
-    meta = {
-        "name": name,
-        "description": description,
-        "created_at": time.time(),
-        "env": env if env is not None else {"PATH": "/usr/bin:/bin"},
-        "workdir": workdir,
-        "size": 4096,
-    }
-    (d / "image.json").write_text(json.dumps(meta))
-    return d
+    files: dict[str, bytes] | None = None,
+) -> ImageInfo:
+    """Publish a one-layer image (a real EROFS layer in a real local repository) under ``images_root``."""
+
+    async def publish() -> ImageInfo:
+        store = ImageStore(images_root, lazy=False, mount=False)
+        src = images_root / "tmp" / f"src-{time.monotonic_ns()}"
+        for rel, data in (files or {"etc/hostname": b"sandbox\n"}).items():
+            (src / rel).parent.mkdir(parents=True, exist_ok=True)
+            (src / rel).write_bytes(data)
+        staged = await store.pack(src, ScrubRules())
+        config = ImageConfig(env=env if env is not None else {"PATH": "/usr/bin:/bin"}, workdir=workdir)
+        return await store.publish_layers(
+            name, [(staged, LayerRole.base, "unit test")], config=config, description=description
+        )
+
+    # its own loop on its own thread, so that sync fixtures and async tests can both call it
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        return pool.submit(asyncio.run, publish()).result()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
+import os
 import signal
 import statistics
 import subprocess
@@ -18,6 +19,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from ..errors import DsecError
+from ..isolation.mounts import unmount_under
 from ..sdk.aio import AsyncClient, AsyncSandbox
 
 Json = dict[str, Any]
@@ -76,15 +78,24 @@ def tail(path: Path, limit: int = 800) -> str:
 # ---- the daemon ------------------------------------------------------------------------------------
 
 
-def start_daemon(state_dir: Path) -> subprocess.Popen[bytes]:
+def start_daemon(state_dir: Path, *extra: str) -> subprocess.Popen[bytes]:
     state_dir.mkdir(parents=True, exist_ok=True)
     argv = [sys.executable, "-m", "dsec", "serve", "--state-dir", str(state_dir)]
-    argv += ["--listen", f"unix://{state_dir}/dsec.sock", "--images-dir", str(IMAGES_DIR)]
+    argv += ["--listen", f"unix://{state_dir}/dsec.sock", "--repository", str(IMAGES_DIR / "repository"), *extra]
     argv += ["--log-level", "warning"]
     with (state_dir / "daemon.log").open("ab") as log:
         # A session of its own, so that Ctrl-C stops the bench but not the daemon, which is still
         # needed to kill the bench's sandboxes before it is stopped.
         return subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True)
+
+
+def release_node(state_dir: Path) -> None:
+    """Stop what a daemon leaves running on purpose so its sandboxes outlive it: the layer fetcher and
+    the layer mounts. Benchmarks call it after stopping their daemon."""
+    pid_file = state_dir / "images" / "fetcher" / "fetcher.pid"
+    with contextlib.suppress(OSError, ValueError):
+        os.kill(int(pid_file.read_text().strip()), signal.SIGKILL)
+    unmount_under(state_dir)
 
 
 def stop_daemon(proc: subprocess.Popen[bytes]) -> None:

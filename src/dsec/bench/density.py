@@ -13,7 +13,7 @@ from rich.console import Console
 
 from ..errors import DsecError
 from ..sdk.aio import AsyncSandbox
-from .common import Json, connect, kill_leftovers, phase, start_daemon, stop_daemon, summarize
+from .common import Json, connect, kill_leftovers, phase, release_node, start_daemon, stop_daemon, summarize
 
 LABEL = {"dsec-bench": "density"}
 TARGET_N = 1000
@@ -96,6 +96,7 @@ async def run(console: Console, n: int, image: str, state_dir: Path, concurrency
         }
     finally:
         stop_daemon(proc)
+        release_node(state_dir)
 
 
 def main(n: int, json_out: Path, state_dir: Path, image: str, concurrency: int) -> int:

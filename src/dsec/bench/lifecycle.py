@@ -25,14 +25,13 @@ from rich.console import Console
 from rich.table import Table
 
 from ..errors import DsecError
-from ..images.store import ImageStore
 from ..sdk.aio import AsyncClient, AsyncSandbox
 from .common import (
-    IMAGES_DIR,
     Json,
     connect,
     kill_leftovers,
     phase,
+    release_node,
     start_daemon,
     stop_daemon,
     summarize,
@@ -157,12 +156,12 @@ async def run_burst(console: Console, client: AsyncClient, burst: int, labels: d
     }
 
 
-async def image_rootfs() -> Path:
-    """The directory dsec starts the image from; the peers start from this very directory."""
-    ref = await ImageStore(IMAGES_DIR).resolve(IMAGE, build=False)
-    if len(ref.layers) != 1:
-        raise RuntimeError(f"{IMAGE} has {len(ref.layers)} layers; the peers need it as one directory")
-    return ref.layers[0]
+async def image_rootfs(client: AsyncClient, state_dir: Path) -> Path:
+    """The mounted layer dsec starts the image from; the peers start from this very directory."""
+    info = await client.image(IMAGE)
+    if len(info.layers) != 1:
+        raise RuntimeError(f"{IMAGE} has {len(info.layers)} layers; the peers need it as one directory")
+    return state_dir / "images" / "mnt" / info.layers[0].digest
 
 
 # ---- peers -----------------------------------------------------------------------------------------
@@ -400,7 +399,7 @@ def main(n: int, burst: int, json_out: Path, state_dir: Path, skip_podman: bool)
         async def dsec_phase() -> tuple[Json, Path]:
             client = await connect(proc, state_dir)
             try:
-                return await bench_dsec(console, client, n, burst), await image_rootfs()
+                return await bench_dsec(console, client, n, burst), await image_rootfs(client, state_dir)
             finally:
                 await client.aclose()
 
@@ -420,6 +419,7 @@ def main(n: int, burst: int, json_out: Path, state_dir: Path, skip_podman: bool)
         return 1
     finally:
         stop_daemon(proc)
+        release_node(state_dir)
 
     ratios, targets = judge(dsec, peers["crun"], peers["podman"])
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

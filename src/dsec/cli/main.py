@@ -5,37 +5,22 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import Annotated
 
 import typer
-from rich.console import Console
 from rich.table import Column, Table
 
 from .. import __version__
-from ..errors import DsecError
-
-if TYPE_CHECKING:
-    from ..sdk.sync import Client
+from ..errors import DsecError, InvalidRequest
+from .common import TokenOpt, UrlOpt, console, err
+from .common import client as _client
+from .common import fail as _fail
+from .image import image_app
 
 app = typer.Typer(help="dsec: elastic sandboxes for training and evaluating AI agents.", no_args_is_help=True)
 bench_app = typer.Typer(help="Benchmarks that write JSON, with peers measured side by side.", no_args_is_help=True)
 app.add_typer(bench_app, name="bench")
-console = Console()
-err = Console(stderr=True)
-
-UrlOpt = Annotated[str | None, typer.Option("--url", envvar="DSEC_URL", help="Daemon URL (unix:///… or http://…).")]
-TokenOpt = Annotated[str | None, typer.Option("--token", envvar="DSEC_TOKEN", help="Bearer token.")]
-
-
-def _fail(e: DsecError) -> None:
-    err.print(f"[red]error[/red] ({e.code}): {e.message}")
-    raise typer.Exit(2)
-
-
-def _client(url: str | None, token: str | None) -> Client:
-    from ..sdk.sync import Client  # the SDK loads only for the commands that talk to a daemon
-
-    return Client(url=url, token=token)
+app.add_typer(image_app, name="image")
 
 
 @app.command()
@@ -64,14 +49,33 @@ def serve(
     listen: Annotated[
         str | None, typer.Option(help="unix:///path or http://127.0.0.1:PORT (default: STATE_DIR/dsec.sock).")
     ] = None,
-    images_dir: Annotated[Path | None, typer.Option(help="Image cache (default: STATE_DIR/images).")] = None,
+    repository: Annotated[
+        str | None,
+        typer.Option(
+            help="Layer repository: a directory (any shared file system mount) or s3://bucket/prefix?endpoint=URL "
+            "(credentials from AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY). Default: STATE_DIR/images/repository."
+        ),
+    ] = None,
+    image_cache: Annotated[
+        str, typer.Option(help="Size cap of the node's cache of fetched layer chunks (LRU), e.g. 20G.")
+    ] = "20G",
+    eager_layers: Annotated[
+        bool, typer.Option("--eager-layers", help="Fetch every layer whole before use instead of lazily.")
+    ] = False,
     log_level: Annotated[str, typer.Option(help="debug, info, warning, error.")] = "info",
 ) -> None:
     """Run the node daemon."""
+    from ..server.app import ImageOptions
     from ..server.app import serve as run_server
+    from ..units import parse_size
 
     try:
-        run_server(state_dir, listen, images_dir, log_level)
+        try:
+            cache_max = parse_size(image_cache)
+        except ValueError as e:
+            raise InvalidRequest(f"--image-cache: {e}") from None
+        options = ImageOptions(repository=repository, cache_max=cache_max, lazy=not eager_layers)
+        run_server(state_dir, listen, options, log_level)
     except DsecError as e:
         _fail(e)
 
@@ -194,6 +198,33 @@ def rm(
             err.print(f"[red]error[/red] {sid} ({e.code}): {e.message}")
             failed = True
     raise typer.Exit(2 if failed else 0)
+
+
+@app.command()
+def snapshot(
+    sandbox_id: Annotated[str, typer.Argument(help="The sandbox whose changes to pack.")],
+    name: Annotated[str, typer.Argument(help="repo:tag of the new image (must not exist yet).")],
+    scrub: Annotated[
+        list[str] | None, typer.Option("--scrub", help="Also leave out paths matching this glob (repeatable).")
+    ] = None,
+    no_default_scrub: Annotated[
+        bool, typer.Option("--no-default-scrub", help="Do not apply the node's default residue rules.")
+    ] = False,
+    url: UrlOpt = None,
+    token: TokenOpt = None,
+) -> None:
+    """Pack a running sandbox's changes into a new image on top of its own (pack_diff)."""
+    from ..sdk.sync import Sandbox
+
+    try:
+        sb = Sandbox.connect(sandbox_id, client=_client(url, token))
+        info = sb.snapshot(name, scrub=scrub or [], scrub_defaults=not no_default_scrub)
+    except DsecError as e:
+        _fail(e)
+        return
+    diff = info.layers[-1] if info.layers and info.layers[-1].role == "diff" else None
+    size = f", diff layer {diff.size} bytes" if diff else ", no changes"
+    console.print(f"{info.name} ({(info.digest or '')[:12]}{size}; {len(info.scrubbed)} paths scrubbed)")
 
 
 @app.command()

@@ -17,12 +17,25 @@ from pathlib import Path
 from typing import TypeVar
 
 from ..errors import BackendError, DsecError, InvalidRequest, InvalidState, SandboxGone, SandboxNotFound
-from ..images.store import ImageStore
+from ..images.scrub import ScrubRules
+from ..images.store import ImageRef, ImageStore
 from ..kinds import registry
 from ..kinds.base import Backend, BackendContext, OutputCallback
-from ..models import TERMINAL_STATES, CreateSandbox, ExecRequest, ExecResult, FileEntry, SandboxInfo, State
+from ..models import (
+    TERMINAL_STATES,
+    CreateSandbox,
+    ExecRequest,
+    ExecResult,
+    FileEntry,
+    GcResult,
+    ImageInfo,
+    SandboxInfo,
+    SnapshotRequest,
+    State,
+)
 from ..store.records import SandboxRecord
 from ..store.sqlite import SandboxStore
+from .builds import Builder
 
 log = logging.getLogger("dsec.core")
 T = TypeVar("T")
@@ -38,11 +51,11 @@ def _host_memory() -> int:
 
 
 class SandboxManager:
-    def __init__(self, state_dir: Path, images_dir: Path | None = None) -> None:
+    def __init__(self, state_dir: Path, images: ImageStore | None = None) -> None:
         self.state_dir = state_dir
         state_dir.mkdir(parents=True, exist_ok=True)
         self.store = SandboxStore(state_dir / "state.db")
-        self.images = ImageStore(images_dir or state_dir / "images")
+        self.images = images or ImageStore(state_dir / "images")
         self.ctx = BackendContext(state_dir=state_dir)
         self.backends: dict[str, Backend] = {}
         self._locks: dict[str, asyncio.Lock] = {}
@@ -52,10 +65,15 @@ class SandboxManager:
         self._create_slots = asyncio.Semaphore(MAX_CONCURRENT_CREATES)
         self._reaper: asyncio.Task[None] | None = None
         self.notes: list[str] = []
+        # Set while a sandbox's writable layer is being packed: host-side file writes wait for it.
+        self._packing: dict[str, asyncio.Event] = {}
+        self.builds = Builder(self)
+        self._background: set[asyncio.Task[None]] = set()
 
     # ---- daemon lifecycle --------------------------------------------------------------------------
 
     async def start(self) -> None:
+        self.notes += await self.images.start()
         for kind in registry.available():
             if kind in self.backends:  # injected (tests, embedding)
                 continue
@@ -159,18 +177,24 @@ class SandboxManager:
         if req.limits.memory > _host_memory():
             raise InvalidRequest(f"memory limit {req.limits.memory} exceeds this node's {_host_memory()} bytes")
         image = await self.images.resolve(req.image)
+        return (await self.create_on(req, image)).info()
+
+    async def create_on(self, req: CreateSandbox, image: ImageRef, *, network: str = "none") -> SandboxRecord:
+        """Create on a resolved image; ``network="host"`` only for builder sandboxes the daemon itself runs."""
         backend = self.backends[req.kind]
         now = time.time()
         rec = SandboxRecord(
             id="sb-" + secrets.token_hex(6),
             kind=req.kind,
             image=image.name,
+            image_digest=image.digest,
             state=State.creating,
             created_at=now,
             expires_at=now + req.timeout,
             limits=req.limits,
             env=dict(req.env),
             labels=dict(req.labels),
+            network=network,
         )
         self.store.put(rec)
         self._live[rec.id] = rec
@@ -188,7 +212,7 @@ class SandboxManager:
                     raise
                 raise BackendError(f"creating sandbox failed: {reason}") from e
             self._set_state(rec, State.running)
-        return rec.info()
+        return rec
 
     def info(self, sandbox_id: str) -> SandboxInfo:
         return self._get(sandbox_id).info()
@@ -214,6 +238,9 @@ class SandboxManager:
                 raise BackendError(f"stopping sandbox {rec.id} failed: {e}") from e
             self._set_state(rec, State.stopped, reason)
         self._locks.pop(sandbox_id, None)
+        task = asyncio.create_task(self.images.save_traces(rec.image_digest))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
         return rec.info()
 
     async def exec(self, sandbox_id: str, req: ExecRequest, on_output: OutputCallback | None = None) -> ExecResult:
@@ -238,6 +265,7 @@ class SandboxManager:
 
     async def write_file(self, sandbox_id: str, path: str, data: bytes, mode: int = 0o644) -> None:
         rec, backend = self._running(sandbox_id)
+        await self._not_packing(rec.id)
         await backend.write_file(rec, path, data, mode)
 
     async def list_dir(self, sandbox_id: str, path: str) -> list[FileEntry]:
@@ -246,19 +274,64 @@ class SandboxManager:
 
     async def remove(self, sandbox_id: str, path: str, recursive: bool = False) -> None:
         rec, backend = self._running(sandbox_id)
+        await self._not_packing(rec.id)
         await backend.remove(rec, path, recursive)
 
     async def mkdir(self, sandbox_id: str, path: str) -> None:
         rec, backend = self._running(sandbox_id)
+        await self._not_packing(rec.id)
         await backend.mkdir(rec, path)
 
     async def upload_tar(self, sandbox_id: str, path: str, data: bytes) -> None:
         rec, backend = self._running(sandbox_id)
+        await self._not_packing(rec.id)
         await self._checked(rec, backend.upload_tar(rec, path, data))
 
     async def download_tar(self, sandbox_id: str, path: str) -> bytes:
         rec, backend = self._running(sandbox_id)
         return await self._checked(rec, backend.download_tar(rec, path))
+
+    async def _not_packing(self, sandbox_id: str) -> None:
+        packing = self._packing.get(sandbox_id)
+        if packing is not None:
+            await packing.wait()
+
+    # ---- images ------------------------------------------------------------------------------------
+
+    def images_in_use(self) -> set[str]:
+        return {r.image_digest for r in self._live.values() if r.image_digest}
+
+    async def snapshot(self, sandbox_id: str, req: SnapshotRequest) -> ImageInfo:
+        """pack_diff: freeze the sandbox, pack its writable layer, thaw it, publish a new image version.
+
+        Only the freeze-and-pack part holds the sandbox still; uploading happens after it runs again.
+        Allowed in: running.
+        """
+        rec, backend = self._running(sandbox_id)
+        name = await self.images.check_free(req.name)
+        rules = ScrubRules.of(req.scrub, defaults=req.scrub_defaults)
+        parent = await self.images.resolve(rec.image)
+        if rec.image_digest and parent.digest != rec.image_digest:
+            raise InvalidState(f"image {rec.image} now names another version than sandbox {rec.id} runs on")
+        async with self._lock(rec.id):
+            rec, backend = self._running(sandbox_id)
+            done = self._packing[rec.id] = asyncio.Event()
+            try:
+                async with backend.frozen_upper(rec) as upper:
+                    staged = await self.images.pack(upper, rules)
+            finally:
+                done.set()
+                self._packing.pop(rec.id, None)
+        log.info("sandbox %s packed in %.1f ms (%d entries)", rec.id, staged.seconds * 1000, staged.scan.entries)
+        return await self.images.publish_diff(
+            staged, name=name, parent=parent, source_sandbox=rec.id, description=req.description
+        )
+
+    async def remove_image(self, name: str) -> None:
+        await self.images.remove(name, self.images_in_use())
+
+    async def gc_images(self) -> GcResult:
+        return await self.images.gc(self.images_in_use())
 
     def list(self, labels: dict[str, str] | None = None, include_finished: bool = False) -> list[SandboxInfo]:
         recs = self.store.all() if include_finished else sorted(self._live.values(), key=lambda r: r.created_at)

@@ -1,40 +1,61 @@
-"""The minimal image store: built-in images built once from Debian packages and cached on disk.
+"""The node's image service: names → versions → mounted layers, and everything that makes new versions.
 
-An image resolves to an ``ImageRef``: ordered read-only layers (lowest first) and a config. The
-layered, lazily fetched store of issue 3 replaces the internals behind this same interface.
+An image resolves to an ``ImageRef``: its version digest, its layers (lowest first) as mounted
+directories, and its config. New versions come from built-in builders, snapshots of sandboxes
+(pack_diff) and imports; each packs directories into EROFS layers, scrubs residue, uploads only the
+chunks the repository lacks, and publishes an immutable version.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
+import builtins
+import contextlib
 import logging
-import os
 import re
+import secrets
 import shutil
-import subprocess
 import time
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
 from pathlib import Path
 
-from ..errors import BackendError, ImageNotFound, InvalidRequest
-from ..models import ImageInfo
-from ..proc import run
+from ..errors import ImageExists, ImageNotFound, InvalidRequest
+from ..models import GcResult, ImageInfo, ImageStats, LayerInfo, LayerStats
+from . import erofs
+from .builtin import BUILTIN
+from .catalog import Catalog
+from .layers import NodeLayers
+from .lazy import Fetcher
+from .model import DEFAULT_PATH, ImageConfig, ImageVersion, LayerRef, LayerRole
+from .repository import open_repository
+from .scrub import ScrubRules
 
 log = logging.getLogger("dsec.images")
 
+__all__ = ["BUILTIN", "DEFAULT_PATH", "ImageRef", "ImageStore", "StagedLayer", "normalize"]
+
 _NAME_RE = re.compile(r"^[a-z0-9][a-z0-9._-]*(/[a-z0-9][a-z0-9._-]*)*(:[A-Za-z0-9_][A-Za-z0-9._-]{0,127})?$")
-DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+DEFAULT_CACHE = 20 << 30
 
 
 @dataclass(frozen=True)
 class ImageRef:
     name: str
-    layers: tuple[Path, ...]
+    layers: tuple[Path, ...]  # mounted layer directories (or layer files when not mounted), lowest first
     env: dict[str, str] = field(default_factory=dict)
     workdir: str = "/"
+    digest: str = ""
+    layer_digests: tuple[str, ...] = ()
+    user: str = "root"
+
+
+@dataclass
+class StagedLayer:
+    """A packed layer on the node's disk, not yet published."""
+
+    blob: Path
+    scan: erofs.TreeScan
+    seconds: float
 
 
 def normalize(name: str) -> str:
@@ -43,196 +64,330 @@ def normalize(name: str) -> str:
     return name if ":" in name.rsplit("/", 1)[-1] else f"{name}:latest"
 
 
-def _dir_name(name: str) -> str:
-    # '+' and '@' cannot appear in a valid name, so this mapping is one to one
-    return name.replace("/", "+").replace(":", "@")
-
-
-def _du(path: Path) -> int:
-    total = 0
-    for root, _dirs, files in os.walk(path):
-        for f in files:
-            try:
-                total += os.lstat(os.path.join(root, f)).st_blocks * 512
-            except OSError:
-                pass
-    return total
-
-
-def _build_busybox(target: Path) -> None:
-    busybox = shutil.which("busybox")
-    if busybox is None:
-        raise BackendError("busybox is not installed (apt-get install busybox-static)")
-    target.mkdir()
-    for d in (
-        "bin",
-        "sbin",
-        "usr/bin",
-        "usr/sbin",
-        "etc",
-        "root",
-        "home",
-        "tmp",
-        "proc",
-        "sys",
-        "dev",
-        "var/tmp",
-    ):
-        (target / d).mkdir(parents=True, exist_ok=True)
-    os.chmod(target / "tmp", 0o1777)
-    os.chmod(target / "var/tmp", 0o1777)
-    shutil.copy2(busybox, target / "bin/busybox")
-    applets = subprocess.run([busybox, "--list"], check=True, capture_output=True, text=True).stdout.split()
-    for applet in applets:
-        link = target / "bin" / applet
-        if applet != "busybox" and not link.exists():
-            link.symlink_to("busybox")
-    (target / "etc/passwd").write_text("root:x:0:0:root:/root:/bin/sh\nnobody:x:65534:65534:nobody:/:/bin/false\n")
-    (target / "etc/group").write_text("root:x:0:\nnogroup:x:65534:\n")
-    (target / "etc/hostname").write_text("sandbox\n")
-
-
-async def _build_debian(target: Path) -> None:
-    mmdebstrap = shutil.which("mmdebstrap")
-    if mmdebstrap is None:
-        raise BackendError("mmdebstrap is not installed (apt-get install mmdebstrap)")
-    argv = [
-        mmdebstrap,
-        "--variant=minbase",
-        "--include=bash,coreutils,python3,git,ca-certificates",
-        "--dpkgopt=path-exclude=/usr/share/doc/*",
-        "--dpkgopt=path-exclude=/usr/share/man/*",
-        "--dpkgopt=path-exclude=/usr/share/locale/*",
-        "bookworm",
-        str(target),
-    ]
-    status, out = await run(argv, timeout=1800)
-    if status != 0:
-        tail = out.decode(errors="replace")[-2000:]
-        raise BackendError(f"mmdebstrap failed with status {status}: {tail}")
-
-
-# Each builder creates its target directory itself (mmdebstrap insists on doing so).
-BUILTIN: dict[str, tuple[str, Callable[[Path], Awaitable[None]]]] = {}
-
-
-async def _busybox(target: Path) -> None:
-    await asyncio.to_thread(_build_busybox, target)
-
-
-BUILTIN["dsec/busybox:latest"] = ("busybox-static userland (fast tests)", _busybox)
-BUILTIN["dsec/debian:12"] = (
-    "Debian 12 minbase + bash, coreutils, python3, git, ca-certificates",
-    _build_debian,
-)
+def _info(name: str, digest: str, version: ImageVersion) -> ImageInfo:
+    return ImageInfo(
+        name=name,
+        size=version.size,
+        created_at=version.created_at,
+        ready=True,
+        description=version.description,
+        digest=digest,
+        layers=[LayerInfo(**ref.model_dump(mode="json")) for ref in version.layers],
+        parent=version.parent,
+        source_sandbox=version.source_sandbox,
+        scrubbed=version.scrubbed,
+    )
 
 
 class ImageStore:
-    def __init__(self, root: Path) -> None:
+    def __init__(
+        self,
+        root: Path,
+        repository: str | Path | None = None,
+        *,
+        lazy: bool = True,
+        cache_max: int = DEFAULT_CACHE,
+        mount: bool = True,
+        scrub: ScrubRules | None = None,
+    ) -> None:
         self.root = root
-        self.root.mkdir(parents=True, exist_ok=True)
-        self._locks: dict[str, asyncio.Lock] = {}
-        # A built image never changes, so a resolved one is not read from disk again (every create).
+        root.mkdir(parents=True, exist_ok=True)
+        self.repository = str(repository or root / "repository")
+        self.catalog = Catalog(open_repository(self.repository))
+        self.lazy = lazy and mount
+        self.fetcher = Fetcher(root / "fetcher", self.repository, cache_max) if self.lazy else None
+        self.layers = NodeLayers(root, self.catalog, self.fetcher)
+        self.mount = mount  # False: layers are handed out as files (unit tests; kinds that attach files)
+        self.scrub = scrub or ScrubRules()
+        self._build_locks: dict[str, asyncio.Lock] = {}
         self._refs: dict[str, ImageRef] = {}
+        self._traced: set[str] = set()
 
-    def _dir(self, name: str) -> Path:
-        return self.root / _dir_name(name)
+    async def start(self) -> list[str]:
+        notes = []
+        restarted = False
+        if self.fetcher is not None:
+            adopted = await self.fetcher.ping() is not None  # still running from before a daemon restart
+            await self.fetcher.start()
+            restarted = not adopted
+            notes.append(f"lazy layers through the fetcher ({'adopted' if adopted else 'started'})")
+        else:
+            notes.append("layers fetched whole before use (eager)")
+        if self.mount:
+            await self.layers.start(fetcher_restarted=restarted)
+        return notes
 
-    def _meta(self, name: str) -> dict[str, object] | None:
-        return self._meta_from_dir(self._dir(name))
-
-    def is_ready(self, name: str) -> bool:
-        return self._meta(normalize(name)) is not None
+    # ---- resolving ---------------------------------------------------------------------------------
 
     async def resolve(self, name: str, *, build: bool = True) -> ImageRef:
-        """The image's layers, building a built-in image on first use."""
+        """The image's layers, ready to use; a built-in image is built on first use."""
         norm = normalize(name)
         if norm in self._refs:
             return self._refs[norm]
-        meta = self._meta(norm)
-        if meta is None:
+        try:
+            digest, version = await self.catalog.resolve(norm)
+        except ImageNotFound:
             if norm not in BUILTIN:
-                raise ImageNotFound(f"image {name!r} not found; `dsec images` lists the available ones")
+                raise
             if not build:
-                raise ImageNotFound(f"image {name!r} is not built yet")
+                raise ImageNotFound(f"image {name!r} is not built yet") from None
             await self.ensure(norm)
-            meta = self._meta(norm) or {}
-        env = meta.get("env")
+            digest, version = await self.catalog.resolve(norm)
+        digests = tuple(ref.digest for ref in version.layers)
+        if self.mount:
+            layers = tuple(await asyncio.gather(*(self.layers.mount(d) for d in digests)))
+        else:
+            layers = tuple(self.layers.blobs / d for d in digests)
         ref = ImageRef(
             name=norm,
-            layers=(self._dir(norm) / "rootfs",),
-            env=dict(env) if isinstance(env, dict) else {"PATH": DEFAULT_PATH},
-            workdir=str(meta.get("workdir") or "/"),
+            layers=layers,
+            env=dict(version.config.env),
+            workdir=version.config.workdir,
+            digest=digest,
+            layer_digests=digests,
+            user=version.config.user,
         )
         self._refs[norm] = ref
         return ref
 
     async def ensure(self, name: str) -> ImageInfo:
+        """Build a built-in image unless it is published already."""
         norm = normalize(name)
-        lock = self._locks.setdefault(norm, asyncio.Lock())
-        async with lock:
-            if self._meta(norm) is None:
+        async with self._build_locks.setdefault(norm, asyncio.Lock()):
+            if await self.catalog.tag(norm) is None:
                 if norm not in BUILTIN:
                     raise ImageNotFound(f"image {name!r} not found and not a built-in image")
-                await self._build(norm)
-        return self.info(norm)
+                await self._build_builtin(norm)
+        return await self.info(norm)
 
-    async def _build(self, name: str) -> None:
+    async def _build_builtin(self, name: str) -> None:
         description, builder = BUILTIN[name]
-        final = self._dir(name)
-        tmp = self.root / f".build-{_dir_name(name)}-{os.getpid()}-{time.monotonic_ns()}"
-        rootfs = tmp / "rootfs"
+        work = self.layers.tmp / f"build-{secrets.token_hex(4)}"
         log.info("building image %s (%s)", name, description)
         started = time.monotonic()
         try:
-            tmp.mkdir(parents=True)
-            await builder(rootfs)
-            meta = {
-                "name": name,
-                "description": description,
-                "created_at": time.time(),
-                "env": {"PATH": DEFAULT_PATH},
-                "workdir": "/",
-                "size": _du(rootfs),
-            }
-            (tmp / "image.json").write_text(json.dumps(meta))
-            if final.exists():
-                shutil.rmtree(final)
-            tmp.rename(final)
+            work.mkdir(parents=True)
+            await builder(work / "rootfs")
+            staged = await self.pack(work / "rootfs", self.scrub, drop_devices=True)
+            async with self.catalog.publishing():
+                ref = await self.publish_layer(staged, LayerRole.base, f"built-in {name}")
+                version = ImageVersion(name=name, layers=[ref], description=description, scrubbed=staged.scan.scrubbed)
+                await self.catalog.publish(version)
         finally:
-            if tmp.exists():
-                await asyncio.to_thread(shutil.rmtree, tmp, True)
+            await asyncio.to_thread(shutil.rmtree, work, True)
         log.info("built image %s in %.1fs", name, time.monotonic() - started)
 
-    def info(self, name: str) -> ImageInfo:
+    # ---- packing and publishing --------------------------------------------------------------------
+
+    async def pack(self, src: Path, rules: ScrubRules | None, *, drop_devices: bool = False) -> StagedLayer:
+        """Scan and pack a directory (overlayfs format) into an EROFS image on the node's disk."""
+        started = time.monotonic()
+        scanned = await asyncio.to_thread(erofs.scan, src, rules, drop_devices=drop_devices)
+        blob = self.layers.tmp / f"pack-{secrets.token_hex(8)}.erofs"
+        await erofs.mkfs(src, blob, scanned)
+        return StagedLayer(blob=blob, scan=scanned, seconds=time.monotonic() - started)
+
+    async def publish_layer(self, staged: StagedLayer, role: LayerRole, created_by: str) -> LayerRef:
+        try:
+            manifest, _stats = await self.catalog.publish_layer(staged.blob)
+        except BaseException:
+            staged.blob.unlink(missing_ok=True)
+            raise
+        self.layers.adopt_blob(staged.blob, manifest.digest)  # sandboxes on this node start without a fetch
+        return LayerRef(digest=manifest.digest, role=role, size=manifest.size, created_by=created_by)
+
+    async def check_free(self, name: str) -> str:
+        """Fail early, before a sandbox is frozen, if a new version could not take this name."""
         norm = normalize(name)
-        meta = self._meta(norm)
-        if meta is None:
-            desc = BUILTIN[norm][0] if norm in BUILTIN else ""
-            return ImageInfo(name=norm, size=0, ready=False, description=desc)
-        created = meta.get("created_at")
-        size = meta.get("size")
-        return ImageInfo(
+        tag = await self.catalog.tag(norm)
+        if tag is not None:
+            raise ImageExists(f"image {norm} already exists; published images are immutable: choose another tag")
+        return norm
+
+    async def publish_diff(
+        self, staged: StagedLayer, *, name: str, parent: ImageRef, source_sandbox: str, description: str = ""
+    ) -> ImageInfo:
+        """pack_diff's second half: the sandbox's staged upper layer on top of its image, as a new version."""
+        norm = normalize(name)
+        parent_version = await self.catalog.version(parent.digest)
+        async with self.catalog.publishing():
+            layers = list(parent_version.layers)
+            if staged.scan.entries:
+                layers.append(await self.publish_layer(staged, LayerRole.diff, f"snapshot of {source_sandbox}"))
+            else:
+                staged.blob.unlink(missing_ok=True)  # nothing changed: the new version shares every layer
+            version = ImageVersion(
+                name=norm,
+                layers=layers,
+                config=parent_version.config,
+                parent=parent.digest,
+                source_sandbox=source_sandbox,
+                description=description or f"snapshot of {source_sandbox} on {parent.name}",
+                scrubbed=staged.scan.scrubbed,
+            )
+            digest = await self.catalog.publish(version)
+        return _info(norm, digest, version)
+
+    async def publish_layers(
+        self,
+        name: str,
+        staged: list[tuple[StagedLayer, LayerRole, str]],
+        *,
+        config: ImageConfig | None = None,
+        parent: str | None = None,
+        description: str = "",
+    ) -> ImageInfo:
+        """A new version made of freshly packed layers (imports)."""
+        norm = await self.check_free(name)
+        async with self.catalog.publishing():
+            refs = [await self.publish_layer(s, role, by) for s, role, by in staged]
+            scrubbed = [p for s, _, _ in staged for p in s.scan.scrubbed]
+            return await self.publish_version(
+                norm, refs, config=config, parent=parent, description=description, scrubbed=scrubbed
+            )
+
+    async def publish_version(
+        self,
+        name: str,
+        layers: builtins.list[LayerRef],
+        *,
+        config: ImageConfig | None = None,
+        parent: str | None = None,
+        description: str = "",
+        scrubbed: builtins.list[str] | None = None,
+    ) -> ImageInfo:
+        """Publish layers already in the repository as a new version named ``name`` (call in publishing())."""
+        norm = normalize(name)
+        version = ImageVersion(
             name=norm,
-            size=int(size) if isinstance(size, int) else 0,
-            created_at=datetime.fromtimestamp(float(created), UTC) if isinstance(created, int | float) else None,
-            ready=True,
-            description=str(meta.get("description", "")),
+            layers=layers,
+            config=config or ImageConfig(),
+            parent=parent,
+            description=description,
+            scrubbed=scrubbed or [],
+        )
+        digest = await self.catalog.publish(version)
+        return _info(norm, digest, version)
+
+    async def import_image(self, path: str, name: str, reference: str | None = None) -> ImageInfo:
+        """Import an OCI image layout directory or a `docker save` tarball on this node as a new image."""
+        from . import oci
+
+        norm = await self.check_free(name)
+        src = Path(path)
+        if not src.is_absolute():
+            raise InvalidRequest(f"import path {path!r} must be absolute (it is read on the daemon's node)")
+        if not await asyncio.to_thread(src.exists):
+            raise InvalidRequest(f"nothing to import at {path} on the daemon's node")
+        image = await asyncio.to_thread(oci.read_image, src, reference=reference)
+        work = self.layers.tmp / f"import-{secrets.token_hex(4)}"
+        staged: list[tuple[StagedLayer, LayerRole, str]] = []
+        try:
+            for i, layer in enumerate(image.layers):
+                dest = work / f"layer-{i}"
+                dest.mkdir(parents=True)
+                await asyncio.to_thread(oci.extract_layer, layer, dest)
+                # each layer scrubbed on its own: residue a later layer deletes is still gone from this one
+                packed = await self.pack(dest, self.scrub, drop_devices=True)
+                role = LayerRole.base if i == 0 else LayerRole.toolkit
+                staged.append((packed, role, f"import of {src.name}, layer {i + 1}/{len(image.layers)}"))
+                await asyncio.to_thread(shutil.rmtree, dest, True)
+            return await self.publish_layers(norm, staged, config=image.config, description=f"imported from {src}")
+        finally:
+            await asyncio.to_thread(shutil.rmtree, work, True)
+            for packed, _, _ in staged:
+                packed.blob.unlink(missing_ok=True)  # published ones were moved to blobs/ already
+
+    # ---- listing, history, removal, gc, stats ------------------------------------------------------
+
+    async def info(self, name: str) -> ImageInfo:
+        norm = normalize(name)
+        tag = await self.catalog.tag(norm)
+        if tag is None:
+            if norm in BUILTIN:
+                return ImageInfo(name=norm, size=0, ready=False, description=BUILTIN[norm][0])
+            raise ImageNotFound(f"image {name!r} not found")
+        return _info(norm, tag.digest, await self.catalog.version(tag.digest))
+
+    async def list(self) -> list[ImageInfo]:
+        found = {}
+        for tag in await self.catalog.tags():
+            with contextlib.suppress(ImageNotFound):
+                found[tag.name] = _info(tag.name, tag.digest, await self.catalog.version(tag.digest))
+        for name, (description, _) in BUILTIN.items():
+            found.setdefault(name, ImageInfo(name=name, size=0, ready=False, description=description))
+        return [found[n] for n in sorted(found)]
+
+    async def history(self, name: str) -> builtins.list[ImageInfo]:
+        norm = normalize(name)
+        return [_info(v.name, d, v) for d, v in await self.catalog.history(norm)]
+
+    async def remove(self, name: str, in_use: set[str]) -> None:
+        norm = normalize(name)
+        await self.catalog.untag(norm, in_use)
+        self._refs.pop(norm, None)
+
+    async def gc(self, in_use_versions: set[str]) -> GcResult:
+        in_use_layers: set[str] = set()
+        for digest in in_use_versions:
+            with contextlib.suppress(ImageNotFound):
+                in_use_layers.update(r.digest for r in (await self.catalog.version(digest)).layers)
+        report = await self.catalog.gc(in_use_versions, in_use_layers)
+        still_there = {
+            key.removeprefix("layers/").removesuffix(".json") for key in await self.catalog.repo.list("layers/")
+        }
+        if self.mount:
+            await self.layers.unmount_unused(still_there | in_use_layers)
+        self._refs.clear()
+        return GcResult(
+            images_deleted=report.images_deleted,
+            layers_deleted=report.layers_deleted,
+            chunks_deleted=report.chunks_deleted,
+            bytes_freed=report.bytes_freed,
+            kept_layers=report.kept_layers,
+            kept_chunks=report.kept_chunks,
+            in_use=report.in_use,
         )
 
-    def list(self) -> list[ImageInfo]:
-        names = set(BUILTIN)
-        for d in self.root.iterdir():
-            if not d.name.startswith(".") and (d / "image.json").exists():
-                meta = self._meta_from_dir(d)
-                if meta:
-                    names.add(str(meta["name"]))
-        return [self.info(n) for n in sorted(names)]
+    async def stats(self, name: str) -> ImageStats:
+        """How much of the image this node has fetched, and how reads fared."""
+        norm = normalize(name)
+        _digest, version = await self.catalog.resolve(norm)
+        per_layer = await self.fetcher.stats() if self.fetcher is not None else {}
+        fields = set(LayerStats.model_fields) - {"digest", "size"}
+        layers = []
+        for ref in version.layers:
+            s = per_layer.get(ref.digest)
+            if isinstance(s, dict):
+                counters = {k: v for k, v in s.items() if k in fields}
+                layers.append(LayerStats(digest=ref.digest, size=ref.size, **counters))
+            else:
+                local = (self.layers.blobs / ref.digest).exists()
+                layers.append(LayerStats(digest=ref.digest, size=ref.size, fetched_bytes=ref.size if local else 0))
+        fetched = sum(s.fetched_bytes for s in layers)
+        hits = sum(s.chunk_hits for s in layers)
+        misses = sum(s.chunk_misses for s in layers)
+        return ImageStats(
+            name=norm,
+            size=version.size,
+            fetched_bytes=fetched,
+            exposed_fraction=fetched / version.size if version.size else 0.0,
+            chunk_hit_rate=hits / (hits + misses) if hits + misses else None,
+            fetch_wait_seconds=sum(s.fetch_wait_seconds for s in layers),
+            mode="lazy" if self.fetcher is not None else "eager",
+            layers=layers,
+        )
 
-    @staticmethod
-    def _meta_from_dir(d: Path) -> dict[str, object] | None:
+    async def save_traces(self, version_digest: str) -> None:
+        """Record which chunks a first run read, so later starts of the image prefetch them (the fetcher
+        keeps the first trace stored for a layer and ignores later ones)."""
+        if self.fetcher is None or not version_digest or version_digest in self._traced:
+            return
+        self._traced.add(version_digest)
         try:
-            data = json.loads((d / "image.json").read_text())
-            return data if isinstance(data, dict) else None
-        except (OSError, ValueError):
-            return None
+            version = await self.catalog.version(version_digest)
+            for ref in version.layers:
+                if not (self.layers.blobs / ref.digest).exists():  # packed here: nothing was fetched
+                    await self.fetcher.save_trace(ref.digest)
+        except Exception as e:  # a trace is an optimisation: never let it fail a kill
+            log.warning("could not save access traces of %s: %s", version_digest[:12], e)

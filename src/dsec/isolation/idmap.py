@@ -74,8 +74,13 @@ class UidSlots:
         self._taken.discard((base - FIRST_BASE) // RANGE)
 
 
-async def make_userns(helper: list[str], base: int) -> int:
-    """An fd of a new user namespace mapping 0…65535 to base…base+65535 (uids and gids)."""
+async def make_userns(helper: list[str], base: int, *, inverse: bool = False) -> int:
+    """An fd of a new user namespace mapping 0…65535 to base…base+65535 (uids and gids).
+
+    ``inverse`` maps base…base+65535 to 0…65535 instead: an idmapped mount through it shows files a
+    sandbox wrote (owned by its host range) with the ids the sandbox itself sees, which is how they are
+    packed into a layer.
+    """
     in_r, in_w = os.pipe()
     out_r, out_w = os.pipe()
     try:
@@ -87,7 +92,7 @@ async def make_userns(helper: list[str], base: int) -> int:
         line = await asyncio.wait_for(read_line(out_r), 10)
         if line != b"\n":
             raise OSError(f"user namespace helper failed: {line.decode(errors='replace').strip()!r}")
-        _write_maps(pid, base)
+        _write_maps(pid, f"{base} 0 {RANGE}\n" if inverse else f"0 {base} {RANGE}\n")
         return os.open(f"/proc/{pid}/ns/user", os.O_RDONLY | os.O_CLOEXEC)
     finally:
         os.close(out_r)
@@ -96,11 +101,11 @@ async def make_userns(helper: list[str], base: int) -> int:
             await asyncio.wait_for(wait(pid), 10)
 
 
-def _write_maps(pid: int, base: int) -> None:
+def _write_maps(pid: int, line: str) -> None:
     for name in ("uid_map", "gid_map"):
         fd = os.open(f"/proc/{pid}/{name}", os.O_WRONLY | os.O_CLOEXEC)
         try:
-            os.write(fd, f"0 {base} {RANGE}\n".encode())
+            os.write(fd, line.encode())
         finally:
             os.close(fd)
 

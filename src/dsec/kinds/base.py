@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
 
+from ..errors import InvalidRequest
 from ..images.store import ImageRef
 from ..models import ExecRequest, ExecResult, FileEntry
 from ..store.records import SandboxRecord
@@ -78,3 +80,8 @@ class Backend(ABC):
     @abstractmethod
     async def download_tar(self, rec: SandboxRecord, path: str) -> bytes:
         """A tar archive of directory ``path``."""
+
+    def frozen_upper(self, rec: SandboxRecord) -> contextlib.AbstractAsyncContextManager[Path]:
+        """The sandbox's writable layer in overlayfs format, ids as the sandbox sees them, while every
+        process in it is frozen (pack_diff). Kinds that cannot snapshot yet keep this default."""
+        raise InvalidRequest(f"sandboxes of kind {self.kind!r} cannot be snapshotted yet")

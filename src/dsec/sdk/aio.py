@@ -13,16 +13,20 @@ from types import TracebackType
 from typing import Any
 
 from ..errors import InvalidRequest, error_from_wire, validation_message
+from ..images.buildspec import BuildSpec, ImageSpec, load_spec
 from ..models import (
+    BuildResult,
     CreateSandbox,
     ExecEvent,
     ExecRequest,
     ExecResult,
     FileEntry,
     FileList,
+    GcResult,
     Health,
     ImageInfo,
     ImageList,
+    ImageStats,
     Limits,
     SandboxInfo,
     SandboxList,
@@ -30,6 +34,21 @@ from ..models import (
 from .transport import Transport
 
 CREATE_TIMEOUT = 1800.0  # the first use of a built-in image builds it
+BUILD_TIMEOUT = 6 * 3600.0
+
+
+def _tar_of(src: Path) -> bytes:
+    """A copy step's source as a tar: a directory's contents, or one file."""
+    if not src.exists():
+        raise InvalidRequest(f"copy source {src} does not exist")
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tar:
+        if src.is_dir():
+            for child in sorted(src.iterdir()):
+                tar.add(child, arcname=child.name)
+        else:
+            tar.add(src, arcname=src.name)
+    return buf.getvalue()
 
 
 class AsyncClient:
@@ -52,6 +71,68 @@ class AsyncClient:
 
     async def build_image(self, name: str) -> ImageInfo:
         reply = await self._transport.request("POST", "/v1/images/build", params={"name": name}, timeout=CREATE_TIMEOUT)
+        return ImageInfo.model_validate_json(reply.content)
+
+    async def image(self, name: str) -> ImageInfo:
+        reply = await self._transport.request("GET", "/v1/image", params={"name": name})
+        return ImageInfo.model_validate_json(reply.content)
+
+    async def image_history(self, name: str) -> list[ImageInfo]:
+        """The version ``name`` points at, then its ancestors (lineage), newest first."""
+        reply = await self._transport.request("GET", "/v1/image/history", params={"name": name})
+        return ImageList.model_validate_json(reply.content).images
+
+    async def image_stats(self, name: str) -> ImageStats:
+        """Bytes this node fetched of the image versus its size, chunk hit rate, time waited on fetches."""
+        reply = await self._transport.request("GET", "/v1/image/stats", params={"name": name})
+        return ImageStats.model_validate_json(reply.content)
+
+    async def remove_image(self, name: str) -> None:
+        """Free the name (refused while a live sandbox runs on it); ``gc_images`` reclaims the space."""
+        await self._transport.request("DELETE", "/v1/image", params={"name": name})
+
+    async def gc_images(self) -> GcResult:
+        reply = await self._transport.request("POST", "/v1/images/gc", timeout=CREATE_TIMEOUT)
+        return GcResult.model_validate_json(reply.content)
+
+    async def build(
+        self,
+        spec: BuildSpec | ImageSpec | str | Path,
+        name: str | None = None,
+        *,
+        args: dict[str, str] | None = None,
+        secrets: dict[str, str] | None = None,
+    ) -> BuildResult:
+        """Build an image from a spec file (TOML), a ``BuildSpec`` or an ``ImageSpec`` builder.
+
+        Copy steps' sources are read here and uploaded; steps run on the daemon's node in builder
+        sandboxes. ``secrets`` reach only the steps that name them and are never packed into a layer.
+        """
+        resolved: BuildSpec
+        if isinstance(spec, ImageSpec):
+            if name is None:
+                raise InvalidRequest("building an ImageSpec needs the name of the image to publish")
+            resolved = spec.spec(name)  # noqa: ASYNC240 - an ImageSpec (ruff sees the Path in the union)
+        elif isinstance(spec, BuildSpec):
+            resolved = spec
+        else:
+            resolved = await asyncio.to_thread(load_spec, Path(spec))
+        if name is not None:
+            resolved = resolved.model_copy(update={"name": name})
+        resolved = resolved.model_copy(deep=True)
+        for step in resolved.steps:
+            if step.copy_ is not None and step.copy_.context is None:
+                data = await asyncio.to_thread(_tar_of, Path(step.copy_.src))
+                reply = await self._transport.request("PUT", "/v1/build-contexts", content=data)
+                step.copy_.context = str(reply.json()["context"])
+        body = {"spec": resolved.model_dump(mode="json", by_alias=True), "args": args or {}, "secrets": secrets or {}}
+        reply = await self._transport.request("POST", "/v1/images/builds", json=body, timeout=BUILD_TIMEOUT)
+        return BuildResult.model_validate_json(reply.content)
+
+    async def import_image(self, path: str | Path, name: str, reference: str | None = None) -> ImageInfo:
+        """Import an OCI layout directory or `docker save` tarball that is on the daemon's node."""
+        body = {"path": str(path), "name": name, "reference": reference}
+        reply = await self._transport.request("POST", "/v1/images/import", json=body, timeout=CREATE_TIMEOUT)
         return ImageInfo.model_validate_json(reply.content)
 
     async def list(self, labels: dict[str, str] | None = None, include_finished: bool = False) -> list[SandboxInfo]:
@@ -291,6 +372,19 @@ class AsyncSandbox:
                 if event.type == "error" and event.error is not None:
                     raise error_from_wire(event.error.code, event.error.message, event.error.detail)
                 yield event
+
+    async def snapshot(
+        self, name: str, *, scrub: builtins.list[str] | None = None, scrub_defaults: bool = True, description: str = ""
+    ) -> ImageInfo:
+        """Pack this sandbox's changes into a new image ``name`` (repo:tag) on top of its image (pack_diff).
+
+        The sandbox is frozen while its writable layer is packed and runs on afterwards. Residue (package
+        caches, /tmp, shell history, credentials; plus ``scrub`` globs such as ``"work/answers/*"``) is
+        left out. New sandboxes can start from ``name`` at once.
+        """
+        body = {"name": name, "scrub": scrub or [], "scrub_defaults": scrub_defaults, "description": description}
+        reply = await self._t.request("POST", f"/v1/sandboxes/{self.id}/snapshot", json=body, timeout=CREATE_TIMEOUT)
+        return ImageInfo.model_validate_json(reply.content)
 
     async def kill(self) -> None:
         """Stop the sandbox and free everything it holds. Killing a stopped sandbox is not an error."""

@@ -26,7 +26,18 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from ..models import ExecEvent, ExecResult, FileEntry, Health, ImageInfo, SandboxInfo
+from ..images.buildspec import BuildSpec, ImageSpec
+from ..models import (
+    BuildResult,
+    ExecEvent,
+    ExecResult,
+    FileEntry,
+    GcResult,
+    Health,
+    ImageInfo,
+    ImageStats,
+    SandboxInfo,
+)
 """
 
 EXTRA = {

@@ -7,6 +7,7 @@ import logging
 import os
 import secrets
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
@@ -16,6 +17,7 @@ from fastapi import FastAPI
 from .. import __version__
 from ..core.manager import SandboxManager
 from ..errors import InvalidRequest
+from ..images.store import ImageStore
 from . import errors, routes
 from .limits import BodyLimit
 
@@ -84,7 +86,14 @@ def parse_listen(listen: str) -> dict[str, Any]:
     raise InvalidRequest(f"--listen {listen!r}: use unix:///path or http://HOST:PORT")
 
 
-def serve(state_dir: Path, listen: str | None, images_dir: Path | None = None, log_level: str = "info") -> None:
+@dataclass(frozen=True)
+class ImageOptions:
+    repository: str | None = None  # default: STATE_DIR/images/repository
+    cache_max: int = 20 << 30
+    lazy: bool = True
+
+
+def serve(state_dir: Path, listen: str | None, images: ImageOptions | None = None, log_level: str = "info") -> None:
     import uvicorn
 
     state_dir = state_dir.resolve()
@@ -99,7 +108,9 @@ def serve(state_dir: Path, listen: str | None, images_dir: Path | None = None, l
         os.unlink(uds)  # a stale socket from a killed daemon
     token = ensure_token(state_dir)
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    manager = SandboxManager(state_dir, images_dir)
+    images = images or ImageOptions()
+    store = ImageStore(state_dir / "images", images.repository, lazy=images.lazy, cache_max=images.cache_max)
+    manager = SandboxManager(state_dir, store)
     app = create_app(manager, token)
     # Keep idle connections well past the SDK's own keep-alive expiry: a server that closes first races
     # with a request sent on the same connection, which the client then sees as a dropped read.

@@ -9,7 +9,7 @@ from .errors import error_response
 
 MAX_JSON_BODY = 32 << 20  # create/exec bodies: stdin is capped at 16 MiB, commands at 1 MiB
 MAX_UPLOAD_BODY = 256 << 20  # file and archive uploads
-UPLOAD_SUFFIXES = ("/files", "/archive")
+UPLOAD_SUFFIXES = ("/files", "/archive", "/build-contexts")
 
 
 class BodyLimit:

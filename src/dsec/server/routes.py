@@ -19,6 +19,8 @@ from ..core.output import StreamForwarder
 from ..errors import DsecError, InvalidRequest, Unauthorized
 from ..kinds import registry
 from ..models import (
+    BuildRequest,
+    BuildResult,
     CreateSandbox,
     ErrorBody,
     ErrorResponse,
@@ -26,11 +28,15 @@ from ..models import (
     ExecRequest,
     ExecResult,
     FileList,
+    GcResult,
     Health,
     ImageInfo,
     ImageList,
+    ImageStats,
+    ImportRequest,
     SandboxInfo,
     SandboxList,
+    SnapshotRequest,
 )
 
 log = logging.getLogger("dsec.server")
@@ -57,7 +63,7 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
         (400, "invalid request"),
         (401, "missing or wrong token"),
         (404, "no such sandbox, image or file"),
-        (409, "the sandbox's state does not allow this"),
+        (409, "the sandbox's state does not allow this, or the image name is taken"),
         (410, "the sandbox is stopped, failed or lost"),
         (413, "a size limit was exceeded"),
         (500, "the runtime failed"),
@@ -202,15 +208,75 @@ async def download_archive(sandbox_id: str, path: PathQ, mgr: Mgr) -> Response:
     return Response(content=data, media_type="application/x-tar")
 
 
+@api.post("/sandboxes/{sandbox_id}/snapshot", response_model=ImageInfo, status_code=201)
+async def snapshot(sandbox_id: str, body: SnapshotRequest, mgr: Mgr) -> ImageInfo:
+    """pack_diff: the sandbox's changes become a new immutable image version on top of its image."""
+    return await mgr.snapshot(sandbox_id, body)
+
+
+ImageName = Annotated[str, Query(min_length=1, max_length=256, description="repo:tag")]
+
+
 @api.get("/images", response_model=ImageList)
 async def list_images(mgr: Mgr) -> ImageList:
-    return ImageList(images=mgr.images.list())
+    return ImageList(images=await mgr.images.list())
+
+
+@api.get("/image", response_model=ImageInfo)
+async def image_info(mgr: Mgr, name: ImageName) -> ImageInfo:
+    return await mgr.images.info(name)
+
+
+@api.get("/image/history", response_model=ImageList)
+async def image_history(mgr: Mgr, name: ImageName) -> ImageList:
+    """The version a name points at, then its ancestors (lineage), newest first."""
+    return ImageList(images=await mgr.images.history(name))
+
+
+@api.get("/image/stats", response_model=ImageStats)
+async def image_stats(mgr: Mgr, name: ImageName) -> ImageStats:
+    return await mgr.images.stats(name)
+
+
+@api.delete("/image", status_code=204)
+async def remove_image(mgr: Mgr, name: ImageName) -> Response:
+    """Free the name; its layers go at the next gc unless another image shares them."""
+    await mgr.remove_image(name)
+    return Response(status_code=204)
+
+
+@api.post("/images/gc", response_model=GcResult)
+async def gc_images(mgr: Mgr) -> GcResult:
+    """Delete versions, layers and chunks no image references; never one in use."""
+    return await mgr.gc_images()
 
 
 @api.post("/images/build", response_model=ImageInfo)
-async def build_image(mgr: Mgr, name: Annotated[str, Query(min_length=1, max_length=256)]) -> ImageInfo:
+async def build_image(mgr: Mgr, name: ImageName) -> ImageInfo:
     """Build a built-in image if it is not built yet (minutes for dsec/debian:12 on first use)."""
     return await mgr.images.ensure(name)
+
+
+@api.post("/images/builds", response_model=BuildResult, status_code=201)
+async def build(body: BuildRequest, mgr: Mgr) -> BuildResult:
+    """Build an image from a spec: each step a layer, cached by its inputs (minutes for apt steps)."""
+    return await mgr.builds.build(body)
+
+
+class ContextRef(BaseModel):
+    context: str
+
+
+@api.put("/build-contexts", response_model=ContextRef)
+async def put_context(request: Request, mgr: Mgr) -> ContextRef:
+    """Upload a tar archive for a build's copy step; answered with its content digest."""
+    return ContextRef(context=await mgr.builds.put_context(await request.body()))
+
+
+@api.post("/images/import", response_model=ImageInfo, status_code=201)
+async def import_image(mgr: Mgr, body: ImportRequest) -> ImageInfo:
+    """Import an OCI image layout directory or a `docker save` tarball that is on the daemon's node."""
+    return await mgr.images.import_image(body.path, body.name, body.reference)
 
 
 router.include_router(api)

@@ -22,6 +22,8 @@ class SandboxRecord:
     labels: dict[str, str] = field(default_factory=dict)
     reason: str | None = None
     runtime: dict[str, Any] = field(default_factory=dict)  # backend-owned (bundle path, cgroup path, ...)
+    image_digest: str = ""  # the image version it runs on: a name can be freed and reused, a version cannot
+    network: str = "none"  # "host" only for the daemon's own builder sandboxes; not persisted (used at create)
 
     def info(self) -> SandboxInfo:
         return SandboxInfo(

@@ -23,7 +23,8 @@ CREATE TABLE IF NOT EXISTS sandboxes (
     limits TEXT NOT NULL,
     env TEXT NOT NULL,
     labels TEXT NOT NULL,
-    runtime TEXT NOT NULL
+    runtime TEXT NOT NULL,
+    image_digest TEXT NOT NULL DEFAULT ''
 );
 CREATE INDEX IF NOT EXISTS sandboxes_state ON sandboxes(state);
 """
@@ -41,6 +42,9 @@ class SandboxStore:
         # NORMAL in WAL mode: a committed transaction survives a daemon crash; a power loss may drop the last ones.
         self._db.execute("PRAGMA synchronous=NORMAL")
         self._db.executescript(SCHEMA)
+        columns = {row[1] for row in self._db.execute("PRAGMA table_info(sandboxes)")}
+        if "image_digest" not in columns:  # a state database from before image versions
+            self._db.execute("ALTER TABLE sandboxes ADD COLUMN image_digest TEXT NOT NULL DEFAULT ''")
 
     def close(self) -> None:
         self._db.close()
@@ -48,7 +52,7 @@ class SandboxStore:
     def put(self, rec: SandboxRecord) -> None:
         with self._lock:
             self._db.execute(
-                "INSERT OR REPLACE INTO sandboxes VALUES (?,?,?,?,?,?,?,?,?,?,?)",
+                "INSERT OR REPLACE INTO sandboxes VALUES (?,?,?,?,?,?,?,?,?,?,?,?)",
                 (
                     rec.id,
                     rec.kind,
@@ -61,6 +65,7 @@ class SandboxStore:
                     json.dumps(rec.env),
                     json.dumps(rec.labels),
                     json.dumps(rec.runtime),
+                    rec.image_digest,
                 ),
             )
 
@@ -92,7 +97,7 @@ class SandboxStore:
 
 
 def _row(row: tuple[object, ...]) -> SandboxRecord:
-    (sid, kind, image, state, reason, created, expires, limits, env, labels, runtime) = row
+    (sid, kind, image, state, reason, created, expires, limits, env, labels, runtime, image_digest) = row
     return SandboxRecord(
         id=str(sid),
         kind=str(kind),
@@ -105,4 +110,5 @@ def _row(row: tuple[object, ...]) -> SandboxRecord:
         env=json.loads(str(env)),
         labels=json.loads(str(labels)),
         runtime=json.loads(str(runtime)),
+        image_digest=str(image_digest),
     )

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import hashlib
 import itertools
 import json
@@ -22,6 +23,7 @@ import shutil
 import socket
 import tempfile
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 from ...errors import BackendError, DsecError, InvalidRequest, SandboxGone
@@ -352,6 +354,37 @@ class ContainerBackend(Backend):
         base = rec.runtime.get("uid_base")
         owner = (base, base) if isinstance(base, int) else None
         return RootFS(str(self._bundle(rec) / "rootfs"), owner=owner)
+
+    @contextlib.asynccontextmanager
+    async def frozen_upper(self, rec: SandboxRecord) -> AsyncIterator[Path]:
+        bundle = self._bundle(rec)
+        upper = bundle / "disk" / "upper"
+        status, out = await run(self._runtime_argv("pause", rec.id), timeout=30)
+        if status != 0:
+            raise BackendError(f"cannot freeze sandbox {rec.id}: {out.decode(errors='replace')[-400:]}")
+        view = bundle / "pack-view"
+        base = rec.runtime.get("uid_base")
+        try:
+            if not isinstance(base, int):
+                yield upper
+            else:
+                # the upper holds files owned by the sandbox's host range; a layer must hold the ids the
+                # sandbox sees, which is what an inverse-idmapped view of it shows
+                userns_fd = await make_userns(self._userns_helper(), base, inverse=True)
+                try:
+                    view.mkdir(exist_ok=True)
+                    await asyncio.to_thread(idmapped_bind, upper, view, userns_fd)
+                finally:
+                    os.close(userns_fd)
+                yield view
+        finally:
+            if view.exists():
+                await asyncio.to_thread(umount, view, lazy=True)
+                with contextlib.suppress(OSError):
+                    view.rmdir()
+            status, out = await run(self._runtime_argv("resume", rec.id), timeout=30)
+            if status != 0:
+                log.error("cannot thaw sandbox %s: %s", rec.id, out.decode(errors="replace")[-400:])
 
     async def _userns_for(self, base: int) -> int:
         """A user namespace with this range's mapping, only to idmap layers: kept and reused per range."""

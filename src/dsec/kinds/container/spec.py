@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import resource
 from typing import Any
 
@@ -61,6 +62,17 @@ def sandbox_env(rec: SandboxRecord, image: ImageRef) -> dict[str, str]:
     return {"PATH": DEFAULT_PATH, "HOME": "/root", "TERM": "xterm", **image.env, **rec.env}
 
 
+NAMESPACES = ("pid", "network", "ipc", "uts", "mount", "cgroup")
+
+
+def _host_network_mounts(rec: SandboxRecord) -> list[dict[str, Any]]:
+    """A builder on the host's network resolves names as the host does (read-only; never packed)."""
+    if rec.network != "host" or not os.path.exists("/etc/resolv.conf"):
+        return []
+    source = os.path.realpath("/etc/resolv.conf")
+    return [{"destination": "/etc/resolv.conf", "type": "bind", "source": source, "options": ["bind", "ro"]}]
+
+
 def config(
     rec: SandboxRecord,
     image: ImageRef,
@@ -83,7 +95,9 @@ def config(
     # Raising a hard limit needs CAP_SYS_RESOURCE, which the daemon may lack (nested sandboxes).
     nofile = min(65536, resource.getrlimit(resource.RLIMIT_NOFILE)[1])
     annotations = {"run.oci.seccomp_bpf_data": seccomp_bpf} if seccomp_bpf else {}
-    namespaces = [{"type": t} for t in ("pid", "network", "ipc", "uts", "mount", "cgroup")]
+    # Builder sandboxes share the host's network (apt, pip); every other sandbox has only its loopback.
+    kinds = ("pid", "ipc", "uts", "mount", "cgroup") if rec.network == "host" else NAMESPACES
+    namespaces = [{"type": t} for t in kinds]
     id_maps: dict[str, Any] = {}
     if uid_base is not None:
         # root in the sandbox is uid_base on the host; the sandbox's 65536 ids are its own
@@ -159,6 +173,7 @@ def config(
                 "source": helper_dir,
                 "options": ["rbind", "ro", "nosuid", "nodev"],
             },
+            *_host_network_mounts(rec),
         ],
         "linux": {
             "cgroupsPath": cgroups_path,

@@ -1,0 +1,209 @@
+"""``dsec image …``: list, inspect, history, stats, remove, gc, import, build."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.table import Table
+
+from ..errors import DsecError, InvalidRequest
+from ..models import ImageInfo
+from ..units import format_size
+from .common import TokenOpt, UrlOpt, client, console, fail
+
+image_app = typer.Typer(help="Images: layered, versioned, lazily fetched.", no_args_is_help=True)
+
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")]
+
+
+def _short(digest: str | None) -> str:
+    return digest[:12] if digest else "-"
+
+
+def _table(items: list[ImageInfo]) -> Table:
+    table = Table("NAME", "VERSION", "LAYERS", "SIZE", "CREATED", "DESCRIPTION")
+    for i in items:
+        created = i.created_at.strftime("%Y-%m-%d %H:%M") if i.created_at else "-"
+        if not i.ready:
+            table.add_row(i.name, "-", "-", "-", "-", f"{i.description} (built on first use)")
+            continue
+        roles = ",".join(layer.role for layer in i.layers)
+        table.add_row(i.name, _short(i.digest), roles, format_size(i.size), created, i.description)
+    return table
+
+
+@image_app.command("ls")
+def ls(url: UrlOpt = None, token: TokenOpt = None, as_json: JsonOpt = False) -> None:
+    """List images."""
+    try:
+        items = client(url, token).images()
+    except DsecError as e:
+        fail(e)
+    if as_json:
+        console.print_json(data=[i.model_dump(mode="json") for i in items])
+    else:
+        console.print(_table(items))
+
+
+@image_app.command("inspect")
+def inspect(name: str, url: UrlOpt = None, token: TokenOpt = None) -> None:
+    """Show an image's version, layers, lineage and what residue was scrubbed, as JSON."""
+    try:
+        info = client(url, token).image(name)
+    except DsecError as e:
+        fail(e)
+    console.print_json(info.model_dump_json())
+
+
+@image_app.command("history")
+def history(name: str, url: UrlOpt = None, token: TokenOpt = None, as_json: JsonOpt = False) -> None:
+    """The version NAME points at, then its ancestors (the images it was built on or snapshotted from)."""
+    try:
+        items = client(url, token).image_history(name)
+    except DsecError as e:
+        fail(e)
+    if as_json:
+        console.print_json(data=[i.model_dump(mode="json") for i in items])
+        return
+    table = Table("VERSION", "PUBLISHED AS", "LAYERS", "SIZE", "FROM SANDBOX", "SCRUBBED")
+    for i in items:
+        table.add_row(
+            _short(i.digest),
+            i.name,
+            str(len(i.layers)),
+            format_size(i.size),
+            i.source_sandbox or "-",
+            str(len(i.scrubbed)),
+        )
+    console.print(table)
+
+
+@image_app.command("stats")
+def stats(name: str, url: UrlOpt = None, token: TokenOpt = None, as_json: JsonOpt = False) -> None:
+    """How much of the image this node fetched (the exposed fraction), chunk hit rate, time spent waiting."""
+    try:
+        s = client(url, token).image_stats(name)
+    except DsecError as e:
+        fail(e)
+    if as_json:
+        console.print_json(s.model_dump_json())
+        return
+    rate = f"{s.chunk_hit_rate:.1%}" if s.chunk_hit_rate is not None else "-"
+    console.print(
+        f"{s.name}: {format_size(s.fetched_bytes)} of {format_size(s.size)} fetched "
+        f"({s.exposed_fraction:.1%} exposed, {s.mode}); chunk hit rate {rate}; "
+        f"{s.fetch_wait_seconds:.2f}s waiting on fetches"
+    )
+    table = Table("LAYER", "SIZE", "FETCHED", "READ", "HITS", "MISSES", "WAIT", "ERRORS")
+    for layer in s.layers:
+        table.add_row(
+            _short(layer.digest),
+            format_size(layer.size),
+            format_size(layer.fetched_bytes),
+            format_size(layer.read_bytes),
+            str(layer.chunk_hits),
+            str(layer.chunk_misses),
+            f"{layer.fetch_wait_seconds:.2f}s",
+            str(layer.errors),
+        )
+    console.print(table)
+
+
+@image_app.command("rm")
+def rm(names: list[str], url: UrlOpt = None, token: TokenOpt = None) -> None:
+    """Free image names (refused while a live sandbox runs on one); `dsec image gc` reclaims the space."""
+    failed = False
+    c = client(url, token)
+    for name in names:
+        try:
+            c.remove_image(name)
+            console.print(name)
+        except DsecError as e:
+            console.print(f"[red]{name}[/red]: {e.message}")
+            failed = True
+    raise typer.Exit(2 if failed else 0)
+
+
+@image_app.command("gc")
+def gc(url: UrlOpt = None, token: TokenOpt = None) -> None:
+    """Delete versions, layers and chunks that no image references (never one in use)."""
+    try:
+        with console.status("collecting…"):
+            r = client(url, token).gc_images()
+    except DsecError as e:
+        fail(e)
+    console.print(
+        f"deleted {r.images_deleted} versions, {r.layers_deleted} layers, {r.chunks_deleted} chunks "
+        f"({format_size(r.bytes_freed)}); kept {r.kept_layers} layers, {r.kept_chunks} chunks"
+    )
+
+
+@image_app.command("import")
+def import_(
+    path: Annotated[Path, typer.Argument(help="OCI image layout directory or `docker save` tarball.")],
+    name: Annotated[str, typer.Argument(help="repo:tag of the new image.")],
+    reference: Annotated[str | None, typer.Option(help="Which image, when the input holds several.")] = None,
+    url: UrlOpt = None,
+    token: TokenOpt = None,
+) -> None:
+    """Import an image you already have (read on the daemon's node)."""
+    try:
+        with console.status(f"importing {path}…"):
+            info = client(url, token).import_image(path.resolve(), name, reference)
+    except DsecError as e:
+        fail(e)
+    console.print(_table([info]))
+
+
+@image_app.command("build")
+def build(
+    target: Annotated[str, typer.Argument(help="A build spec file (TOML), or a built-in image name (dsec/debian:12).")],
+    name: Annotated[str | None, typer.Option(help="Publish under this name instead of the spec's.")] = None,
+    arg: Annotated[list[str] | None, typer.Option("--arg", help="Build argument NAME=VALUE (repeatable).")] = None,
+    secret: Annotated[
+        list[str] | None,
+        typer.Option("--secret", help="Secret argument NAME, its value read from the environment variable NAME."),
+    ] = None,
+    url: UrlOpt = None,
+    token: TokenOpt = None,
+) -> None:
+    """Build an image: each step a layer in a builder sandbox, cached by its inputs, residue scrubbed."""
+    c = client(url, token)
+    try:
+        if not Path(target).is_file():
+            with console.status(f"building {target} (dsec/debian:12 takes about a minute)…"):
+                console.print(_table([c.build_image(target)]))
+            return
+        args = dict(_pair(a) for a in arg or [])
+        secrets = {}
+        for key in secret or []:
+            if key not in os.environ:
+                raise InvalidRequest(f"--secret {key}: no environment variable {key} holds its value")
+            secrets[key] = os.environ[key]
+        with console.status(f"building {target}…"):
+            result = c.build(Path(target), name, args=args, secrets=secrets)
+    except DsecError as e:
+        fail(e)
+    table = Table("STEP", "LAYER", "CACHED", "SECONDS", "SIZE", "SCRUBBED")
+    for step in result.steps:
+        layer = step.layer
+        table.add_row(
+            f"{step.index + 1}. {step.description}",
+            _short(layer.digest) if layer else "-",
+            "yes" if step.cached else "no",
+            f"{step.seconds:.1f}",
+            format_size(layer.size) if layer else "-",
+            str(len(step.scrubbed)),
+        )
+    console.print(table)
+    console.print(_table([result.image]))
+
+
+def _pair(text: str) -> tuple[str, str]:
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise InvalidRequest(f"--arg {text!r}: expected NAME=VALUE")
+    return key, value

@@ -1,0 +1,225 @@
+"""Image builds: each step runs in a fresh builder sandbox on the layers so far and is packed as one layer.
+
+Builder sandboxes run as the builder account: root in the sandbox, on the host's network (apt, pip),
+seeing the build's arguments and only the secrets a step names. The image they produce is started
+later as a runtime sandbox: no network, none of the build's arguments or secrets. Before a layer is
+packed, residue is scrubbed; after, the packed bytes are searched for every secret value, and a
+layer that holds one is refused rather than published.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import blake3
+
+from ..errors import BuildFailed, InvalidRequest
+from ..images.buildspec import BuildSpec, Step
+from ..images.model import CachedStep, ImageConfig, LayerRef
+from ..images.scrub import ScrubRules
+from ..images.store import ImageRef, StagedLayer, normalize
+from ..models import BuildRequest, BuildResult, BuildStepResult, CreateSandbox, ExecRequest, LayerInfo, Limits
+
+if TYPE_CHECKING:
+    from .manager import SandboxManager
+
+log = logging.getLogger("dsec.builds")
+
+BUILDER_LIMITS = Limits(cpu=2.0, memory=4 << 30, disk=16 << 30, pids=8192)
+# a resolver the builder borrowed from the host, never part of an image
+BUILD_SCRUB = ("etc/resolv.conf",)
+GIT_SCRUB = r"""
+for g in $(find / -xdev -type d -name .git -prune 2>/dev/null); do
+  d=${g%/.git}
+  head=$(git -C "$d" symbolic-ref -q HEAD || true)
+  git -C "$d" for-each-ref --format='%(refname)' | while read -r ref; do
+    [ "$ref" = "$head" ] || git -C "$d" update-ref -d "$ref"
+  done
+  git -C "$d" stash clear 2>/dev/null || true
+  git -C "$d" reflog expire --expire=now --all
+  git -C "$d" gc --prune=now --quiet
+done
+"""
+
+
+def _secret_in(blob: Path, values: list[bytes]) -> bool:
+    """Whether any secret's bytes appear in the packed layer (chunks overlap so none is split unseen)."""
+    values = [v for v in values if len(v) >= 4]
+    if not values:
+        return False
+    overlap = max(len(v) for v in values) - 1
+    tail = b""
+    with open(blob, "rb") as f:
+        while block := f.read(8 << 20):
+            window = tail + block
+            if any(v in window for v in values):
+                return True
+            tail = window[-overlap:] if overlap else b""
+    return False
+
+
+class Builder:
+    def __init__(self, manager: SandboxManager) -> None:
+        self.mgr = manager
+        self.images = manager.images
+        self.contexts = manager.images.root / "contexts"
+        self.contexts.mkdir(parents=True, exist_ok=True)
+
+    # ---- build contexts (what copy steps copy) -----------------------------------------------------
+
+    async def put_context(self, data: bytes) -> str:
+        digest = blake3.blake3(data).hexdigest()
+        path = self.contexts / f"{digest}.tar"
+        if not await asyncio.to_thread(path.exists):
+            tmp = path.with_suffix(f".{os.getpid()}.tmp")
+            await asyncio.to_thread(tmp.write_bytes, data)
+            await asyncio.to_thread(os.rename, tmp, path)
+        return digest
+
+    async def _context(self, step: Step) -> bytes:
+        assert step.copy_ is not None
+        if step.copy_.context is None:
+            raise InvalidRequest(f"copy step {step.copy_.src!r} has no uploaded context (the SDK uploads it)")
+        path = self.contexts / f"{step.copy_.context}.tar"
+        try:
+            return await asyncio.to_thread(path.read_bytes)
+        except FileNotFoundError:
+            raise InvalidRequest(f"build context {step.copy_.context} is not on this node; upload it again") from None
+
+    # ---- the build ---------------------------------------------------------------------------------
+
+    async def build(self, req: BuildRequest) -> BuildResult:
+        spec = req.spec
+        started = time.monotonic()
+        name = await self.images.check_free(spec.name)
+        for step in spec.steps:
+            unknown = set(step.secrets) - set(req.secrets)
+            if unknown:
+                raise InvalidRequest(f"step {step.describe()!r} names secrets that were not given: {sorted(unknown)}")
+        rules = ScrubRules.of([*spec.scrub, *BUILD_SCRUB], defaults=spec.scrub_defaults)
+        base = await self.images.resolve(normalize(spec.base))
+        base_version = await self.images.catalog.version(base.digest)
+        layers: list[LayerRef] = list(base_version.layers)
+        config = base_version.config.model_copy(deep=True)
+        config.env.update(spec.env)
+        if spec.workdir:
+            config.workdir = spec.workdir
+        if spec.entrypoint is not None:
+            config.entrypoint = spec.entrypoint
+        key = base.digest
+        results: list[BuildStepResult] = []
+        scrubbed: list[str] = []
+        async with self.images.catalog.publishing():
+            for index, step in enumerate(spec.steps):
+                t0 = time.monotonic()
+                if not step.makes_layer:
+                    config.env.update(step.env or {})
+                    config.workdir = step.workdir or config.workdir
+                    key = spec.step_key(key, step, req.args)
+                    results.append(BuildStepResult(index=index, description=step.describe(), cached=True, seconds=0))
+                    continue
+                key = spec.step_key(key, step, req.args)
+                cached_step = await self.images.catalog.cached_step(key)
+                if cached_step is None:
+                    staged = await self._run_step(spec, step, layers, config, req, rules)
+                    step_scrubbed = staged.scan.scrubbed
+                    if await asyncio.to_thread(_secret_in, staged.blob, [v.encode() for v in req.secrets.values()]):
+                        staged.blob.unlink(missing_ok=True)
+                        raise BuildFailed(
+                            f"step {index + 1} ({step.describe()}) wrote a secret's value into the image; "
+                            "refusing to publish it (use the secret without storing it, or scrub where it lands)"
+                        )
+                    ref = await self.images.publish_layer(staged, step.layer_role, step.describe())
+                    await self.images.catalog.cache_step(key, CachedStep(layer=ref, scrubbed=step_scrubbed))
+                    cached = False
+                else:
+                    ref, step_scrubbed, cached = cached_step.layer, cached_step.scrubbed, True
+                layers.append(ref)
+                scrubbed += step_scrubbed
+                seconds = time.monotonic() - t0
+                log.info(
+                    "build %s: step %d/%d %s (%s, %.1fs)",
+                    name,
+                    index + 1,
+                    len(spec.steps),
+                    step.describe(),
+                    "cached" if cached else "built",
+                    seconds,
+                )
+                results.append(
+                    BuildStepResult(
+                        index=index,
+                        description=step.describe(),
+                        cached=cached,
+                        seconds=round(seconds, 3),
+                        layer=LayerInfo(**ref.model_dump(mode="json")),
+                        scrubbed=step_scrubbed,
+                    )
+                )
+            info = await self.images.publish_version(
+                name,
+                layers,
+                config=config,
+                parent=base.digest,
+                description=spec.description or f"built from {base.name}",
+                scrubbed=list(dict.fromkeys(scrubbed)),
+            )
+        return BuildResult(image=info, steps=results, seconds=round(time.monotonic() - started, 3))
+
+    async def _run_step(
+        self,
+        spec: BuildSpec,
+        step: Step,
+        layers: list[LayerRef],
+        config: ImageConfig,
+        req: BuildRequest,
+        rules: ScrubRules,
+    ) -> StagedLayer:
+        digests = tuple(layer.digest for layer in layers)
+        mounted = tuple(await asyncio.gather(*(self.images.layers.mount(d) for d in digests)))
+        ref = ImageRef(
+            name=normalize(spec.base),
+            layers=mounted,
+            env=dict(config.env),
+            workdir=config.workdir,
+            layer_digests=digests,
+        )
+        env = {**req.args, **{k: req.secrets[k] for k in step.secrets}}
+        create = CreateSandbox(
+            image=ref.name,
+            limits=BUILDER_LIMITS,
+            timeout=step.timeout + 600,
+            env=env,
+            labels={"dsec.build": normalize(spec.name)},
+        )
+        rec = await self.mgr.create_on(create, ref, network="host")
+        backend = self.mgr.backends[rec.kind]
+        try:
+            if step.copy_ is not None:
+                await backend.upload_tar(rec, step.copy_.dest, await self._context(step))
+            else:
+                command = step.command()
+                assert command is not None
+                result = await backend.exec(
+                    rec,
+                    ExecRequest(
+                        cmd=["/bin/sh", "-c", command], timeout=step.timeout, env=env, cwd=config.workdir or "/"
+                    ),
+                )
+                if result.exit_code != 0 or result.timed_out:
+                    why = "timed out" if result.timed_out else f"exited with status {result.exit_code}"
+                    tail = (result.stdout[-1500:] + result.stderr[-1500:]).strip()
+                    raise BuildFailed(f"build step {step.describe()!r} {why}: {tail}")
+            if spec.scrub_git:
+                await backend.exec(rec, ExecRequest(cmd=["/bin/sh", "-c", GIT_SCRUB], timeout=600))
+            async with backend.frozen_upper(rec) as upper:
+                return await self.images.pack(upper, rules)
+        finally:
+            with contextlib.suppress(Exception):
+                await self.mgr.kill(rec.id)

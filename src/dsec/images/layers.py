@@ -1,0 +1,155 @@
+"""Layers on this node: each layer's EROFS mounted once, read-only, and shared by every sandbox using it.
+
+A layer is mounted from one of two sources:
+
+- a complete local copy in ``blobs/<digest>`` (a layer packed on this node, or fetched eagerly), or
+- the lazy fetcher's file for it (chunks fetched on first read, cached on local disk).
+
+Mounts live in the host's mount namespace under ``mnt/<digest>`` and outlive a daemon restart, as the
+sandboxes using them do. Lazy mounts depend on the fetcher that served them: when a new fetcher had to
+be started, mounts of the old one are detached so that new sandboxes get working ones.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import time
+from pathlib import Path
+
+import blake3
+
+from ..errors import BackendError
+from ..isolation.mounts import is_mountpoint, umount
+from .catalog import Catalog
+from .lazy import Fetcher, mount_layer
+
+log = logging.getLogger("dsec.images")
+
+
+def _mount_sources() -> dict[str, str]:
+    """Mount point → source, from this process's mount table."""
+    found = {}
+    with open("/proc/self/mountinfo", encoding="utf-8", errors="replace") as f:
+        for line in f:
+            left, _, right = line.partition(" - ")
+            fields, rfields = left.split(), right.split()
+            if len(fields) > 4 and len(rfields) > 1:
+                found[fields[4].replace("\\040", " ")] = rfields[1]
+    return found
+
+
+class NodeLayers:
+    def __init__(self, root: Path, catalog: Catalog, fetcher: Fetcher | None) -> None:
+        self.root = root
+        self.blobs = root / "blobs"
+        self.mnt = root / "mnt"
+        self.tmp = root / "tmp"
+        for d in (self.blobs, self.mnt, self.tmp):
+            d.mkdir(parents=True, exist_ok=True)
+        self.catalog = catalog
+        self.fetcher = fetcher  # None: eager, every layer fetched whole before it is mounted
+        self._locks: dict[str, asyncio.Lock] = {}
+        self._mounted: set[str] = set()
+        self.eager_bytes_fetched = 0
+
+    async def start(self, fetcher_restarted: bool) -> None:
+        """Adopt the layer mounts a previous daemon left; detach lazy ones whose fetcher is gone."""
+        sources = await asyncio.to_thread(_mount_sources)
+        lazy_root = str(self.root / "fetcher") + "/"
+        for d in self.mnt.iterdir():
+            source = sources.get(str(d))
+            if source is None:
+                continue
+            if source.startswith(lazy_root) and (fetcher_restarted or self.fetcher is None):
+                log.info("detaching layer mount %s of a fetcher that is gone", d.name)
+                await asyncio.to_thread(umount, d, lazy=True)
+            else:
+                self._mounted.add(d.name)
+
+    def path(self, digest: str) -> Path:
+        return self.mnt / digest
+
+    async def mount(self, digest: str) -> Path:
+        """The layer's mounted directory, mounting it on first use."""
+        target = self.mnt / digest
+        if digest in self._mounted:
+            return target
+        async with self._locks.setdefault(digest, asyncio.Lock()):
+            if digest in self._mounted:
+                return target
+            if await asyncio.to_thread(is_mountpoint, target):
+                self._mounted.add(digest)
+                return target
+            blob = self.blobs / digest
+            if not blob.exists():
+                if self.fetcher is not None:
+                    await self.catalog.layer(digest)  # a missing layer is ImageNotFound, not a mount error
+                    blob = self.fetcher.path(digest)
+                else:
+                    await self.fetch_full(digest)
+            target.mkdir(exist_ok=True)
+            await asyncio.to_thread(mount_layer, blob, target)
+            self._mounted.add(digest)
+            return target
+
+    async def fetch_full(self, digest: str) -> Path:
+        """Fetch every chunk of a layer into ``blobs/<digest>``, verified as a whole (the eager path)."""
+        final = self.blobs / digest
+        if final.exists():
+            return final
+        manifest = await self.catalog.layer(digest)
+        tmp = self.tmp / f"{digest}.{os.getpid()}.{time.monotonic_ns()}"
+        gate = asyncio.Semaphore(8)
+        whole = blake3.blake3()
+
+        async def get(d: str) -> bytes:
+            async with gate:
+                return await self.catalog.chunks.get_chunk(d)
+
+        try:
+            f = await asyncio.to_thread(open, tmp, "wb")
+            with f:
+                window = 16
+                for start in range(0, len(manifest.chunks), window):
+                    parts = await asyncio.gather(*(get(d) for d in manifest.chunks[start : start + window]))
+                    for part in parts:
+                        whole.update(part)
+                        await asyncio.to_thread(f.write, part)
+                        self.eager_bytes_fetched += len(part)
+                await asyncio.to_thread(os.fsync, f.fileno())
+            if whole.hexdigest() != digest:
+                raise BackendError(f"layer {digest} fetched from the repository does not hash to its name")
+            os.rename(tmp, final)
+        except OSError as e:
+            raise BackendError(f"cannot store layer {digest} on this node: {e}") from e
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                tmp.unlink()
+        return final
+
+    def adopt_blob(self, blob: Path, digest: str) -> None:
+        """Keep a layer packed on this node as its local copy: sandboxes start on it without a fetch."""
+        final = self.blobs / digest
+        if final.exists():
+            blob.unlink(missing_ok=True)
+        else:
+            os.rename(blob, final)
+
+    async def unmount_unused(self, keep: set[str]) -> int:
+        """Detach layer mounts not in ``keep`` and drop their local copies (gc)."""
+        dropped = 0
+        for d in list(self.mnt.iterdir()):
+            if d.name in keep:
+                continue
+            await asyncio.to_thread(umount, d, lazy=True)
+            with contextlib.suppress(OSError):
+                d.rmdir()
+            self._mounted.discard(d.name)
+            dropped += 1
+        for blob in list(self.blobs.iterdir()):
+            if blob.name not in keep:
+                blob.unlink(missing_ok=True)
+        return dropped
