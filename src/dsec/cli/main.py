@@ -267,6 +267,27 @@ def demo(
     raise typer.Exit(demo_main(n=n, concurrency=concurrency, state_dir=state_dir, url=url, token=token))
 
 
+@bench_app.command("images")
+def bench_images(
+    n: Annotated[int, typer.Option("--n", help="Sandboxes in each cold burst.", min=1, max=1024)] = 64,
+    json_out: Annotated[Path, typer.Option("--json", help="Where to write the JSON results.")] = Path(
+        "bench-images.json"
+    ),
+    state_dir: Annotated[Path, typer.Option(help="Where the bench's nodes keep their state.")] = Path(
+        "/var/lib/dsec-bench-images"
+    ),
+    latency_ms: Annotated[float, typer.Option(help="Simulated link: latency per repository request.")] = 5.0,
+    bandwidth: Annotated[float, typer.Option(help="Simulated link: bandwidth in MB/s, shared.")] = 100.0,
+) -> None:
+    """Lazy vs eager layer loading: a cold burst on a >= 500 MB image over a simulated link, plus warm reads,
+    pack_diff and snapshot -> new sandbox."""
+    from ..bench.images import main as images_main
+
+    raise typer.Exit(
+        images_main(n=n, json_out=json_out, state_dir=state_dir, latency_ms=latency_ms, bandwidth_mb_s=bandwidth)
+    )
+
+
 @bench_app.command("lifecycle")
 def bench_lifecycle(
     n: Annotated[int, typer.Option("--n", help="Sequential iterations per system.", min=5)] = 100,
