@@ -9,6 +9,7 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 
 from .images.buildspec import BuildSpec
+from .isolation.users import USER_SPEC
 from .units import parse_size
 
 Kind = Literal["container", "function", "microvm", "vm"]
@@ -126,6 +127,12 @@ class ExecRequest(_Strict):
     cwd: str | None = Field(None, max_length=4096, description="Working directory (absolute).")
     env: dict[str, str] = Field(default_factory=dict)
     stdin: str | None = Field(None, max_length=MAX_STDIN, description="Text fed to standard input.")
+    user: str | None = Field(
+        None,
+        pattern=USER_SPEC,
+        description="Run as this account of the image (NAME, UID, NAME:GROUP, UID:GID; 'root'); "
+        "default: the image's runtime user.",
+    )
     output_limit: int = Field(
         DEFAULT_OUTPUT_CAP, ge=1024, le=MAX_OUTPUT_CAP, description="Bytes kept per stream (head and tail)."
     )

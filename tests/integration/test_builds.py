@@ -138,3 +138,31 @@ def test_spec_file_with_apt_on_the_builder_network(daemon: Daemon, tmp_path: Pat
         assert sb.exec("python3 -c 'import six; print(six.__name__)'; cat /six-ok").stdout == "six\nok\n"
         # the runtime sandbox has no network: only its loopback
         assert sb.exec("ls /sys/class/net").stdout.split() == ["lo"]
+
+
+def test_runtime_account_is_not_the_builder(daemon: Daemon) -> None:
+    client = daemon.client()
+    spec = (
+        ImageSpec("dsec/busybox")
+        .run(
+            "id -u > /built-as && echo agent:x:1000:1000::/home/agent:/bin/sh >> /etc/passwd"
+            " && echo agent:x:1000: >> /etc/group && mkdir -p /home/agent /work && chown 1000:1000 /home/agent /work"
+        )
+        .user("agent")
+        .workdir("/work")
+    )
+    built = client.build(spec, unique("account"))
+    with dsec.Sandbox.create(image=built.image.name, client=client) as sb:
+        assert sb.exec("cat /built-as; id -u; id -g; echo $HOME; pwd").stdout == "0\n1000\n1000\n/home/agent\n/work\n"
+        denied = sb.exec("echo x >> /etc/passwd")
+        assert denied.exit_code != 0 and "Permission denied" in denied.stderr
+        assert sb.exec("id -u", user="root").stdout == "0\n"
+        sb.files.write("/work/from-api.txt", b"hi")
+        assert sb.exec("stat -c %u /work/from-api.txt && echo more >> /work/from-api.txt").exit_code == 0
+        assert sb.exec("stat -c %u /work/from-api.txt").stdout == "1000\n"
+        with pytest.raises(dsec.InvalidRequest, match="not in the image"):
+            sb.exec("true", user="nobody-here")
+    broken = ImageSpec("dsec/busybox").run("true").user("ghost")
+    ghost = client.build(broken, unique("ghost")).image.name
+    with pytest.raises(dsec.InvalidRequest, match="ghost"):
+        dsec.Sandbox.create(image=ghost, client=client)

@@ -55,3 +55,10 @@ def test_archives_without_agent(rsb: dsec.Sandbox) -> None:
     tar = rsb.files.download_tar("/d")
     rsb.files.upload_tar("/e", tar)
     assert rsb.files.read("/e/a.txt") == b"a"
+
+
+def test_exec_as_another_account_without_agent(rsb: dsec.Sandbox) -> None:
+    rsb.exec("echo agent:x:1000:1000::/:/bin/sh >> /etc/passwd")
+    assert rsb.exec("id -u; id -g", user="agent").stdout == "1000\n1000\n"
+    assert rsb.exec("id -u", user="2000:3000").stdout == "2000\n"
+    assert rsb.exec("id -u").stdout == "0\n"

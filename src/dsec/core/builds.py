@@ -112,6 +112,8 @@ class Builder:
             config.workdir = spec.workdir
         if spec.entrypoint is not None:
             config.entrypoint = spec.entrypoint
+        if spec.user is not None:
+            config.user = spec.user
         key = base.digest
         results: list[BuildStepResult] = []
         scrubbed: list[str] = []

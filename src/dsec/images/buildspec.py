@@ -31,6 +31,7 @@ import blake3
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from ..errors import InvalidRequest, validation_message
+from ..isolation.users import USER_SPEC
 from .model import LayerRole
 
 _ARG_NAME = r"^[A-Za-z_][A-Za-z0-9_]{0,127}$"
@@ -119,6 +120,11 @@ class BuildSpec(BaseModel):
     base: str = Field(alias="from", min_length=1, max_length=256, description="The image to build on.")
     env: dict[str, str] = Field(default_factory=dict)
     workdir: str | None = Field(default=None, pattern=r"^/")
+    user: str | None = Field(
+        default=None,
+        pattern=USER_SPEC,
+        description="The runtime account sandboxes of the image run as (steps always run as the builder, root).",
+    )
     entrypoint: list[str] | None = None
     steps: list[Step] = Field(default_factory=list, max_length=256)
     scrub: list[str] = Field(default_factory=list, description="Residue rules on top of the node's defaults.")
@@ -166,6 +172,7 @@ class ImageSpec:
         self._workdir: str | None = None
         self._scrub: list[str] = []
         self._scrub_git = False
+        self._user: str | None = None
 
     def _add(self, **kw: object) -> ImageSpec:
         try:
@@ -194,6 +201,11 @@ class ImageSpec:
         self._workdir = path
         return self
 
+    def user(self, account: str) -> ImageSpec:
+        """The runtime account (it must exist in the image, e.g. made by a run step)."""
+        self._user = account
+        return self
+
     def scrub(self, *rules: str, git: bool = False) -> ImageSpec:
         self._scrub.extend(rules)
         self._scrub_git = self._scrub_git or git
@@ -207,6 +219,7 @@ class ImageSpec:
                     "from": self._base,
                     "env": self._env,
                     "workdir": self._workdir,
+                    "user": self._user,
                     "steps": [s.model_dump(by_alias=True, exclude_none=True) for s in self._steps],
                     "scrub": self._scrub,
                     "scrub_git": self._scrub_git,

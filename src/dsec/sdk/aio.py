@@ -322,10 +322,13 @@ class AsyncSandbox:
         env: dict[str, str] | None,
         stdin: str | None,
         output_limit: int | None,
+        user: str | None = None,
     ) -> dict[str, Any]:
         body: dict[str, Any] = {"cmd": cmd, "timeout": timeout, "cwd": cwd, "env": env or {}, "stdin": stdin}
         if output_limit is not None:
             body["output_limit"] = output_limit
+        if user is not None:
+            body["user"] = user
         try:
             ExecRequest.model_validate(body)
         except ValueError as e:
@@ -341,13 +344,15 @@ class AsyncSandbox:
         env: dict[str, str] | None = None,
         stdin: str | None = None,
         output_limit: int | None = None,
+        user: str | None = None,
     ) -> ExecResult:
         """Run ``cmd`` (a string runs under ``/bin/sh -c``; a list is the argv) and return its result.
 
         A command still running after ``timeout`` seconds is killed with its whole process tree and
-        the result has ``timed_out=True``.
+        the result has ``timed_out=True``. It runs as the image's runtime user unless ``user`` says
+        otherwise (``"root"``, a name or uid of the image).
         """
-        body = self._exec_body(cmd, timeout, cwd, env, stdin, output_limit)
+        body = self._exec_body(cmd, timeout, cwd, env, stdin, output_limit, user)
         reply = await self._t.request("POST", f"/v1/sandboxes/{self.id}/exec", json=body, timeout=timeout + 60)
         return ExecResult.model_validate_json(reply.content)
 
@@ -360,9 +365,10 @@ class AsyncSandbox:
         env: dict[str, str] | None = None,
         stdin: str | None = None,
         output_limit: int | None = None,
+        user: str | None = None,
     ) -> AsyncIterator[ExecEvent]:
         """Like ``exec``, yielding ``stdout``/``stderr`` events as output arrives, then one ``result`` event."""
-        body = self._exec_body(cmd, timeout, cwd, env, stdin, output_limit)
+        body = self._exec_body(cmd, timeout, cwd, env, stdin, output_limit, user)
         url = f"/v1/sandboxes/{self.id}/exec/stream"
         async with self._t.stream("POST", url, json=body, timeout=timeout + 60) as reply:
             async for line in reply.aiter_lines():

@@ -10,6 +10,8 @@
  * Protocol on fd 3 (a stream socket whose other end the daemon holds); all integers little endian.
  *   daemon -> agent: u32 len | 'E' u32 id u32 argc u32 envc | cwd\0 argv...\0 env...\0
  *                    with SCM_RIGHTS [stdin, stdout, stderr, cgroup.procs of the exec's cgroup]
+ *                    u32 len | 'U' u32 id u32 argc u32 envc u32 uid u32 gid | (as 'E')
+ *                    the same, run as uid:gid (the image's runtime account) instead of root
  *                    u32 len | 'H' u32 0          (hello from a daemon that re-attached)
  *   agent -> daemon: u32 len | type u32 id i64 value
  *                    'R' ready (value = 0), 'S' started (value = pid in the sandbox),
@@ -30,6 +32,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <grp.h>
 #include <sys/prctl.h>
 #include <sys/signalfd.h>
 #include <sys/socket.h>
@@ -128,7 +131,7 @@ static void park(void) {
     parked = 1;
 }
 
-static void child(const char *cwd, char **argv, char **envp, int fds[4]) {
+static void child(const char *cwd, char **argv, char **envp, int fds[4], int as_user, uint32_t uid, uint32_t gid) {
     sigset_t none;
     sigemptyset(&none);
     sigprocmask(SIG_SETMASK, &none, NULL);
@@ -139,6 +142,10 @@ static void child(const char *cwd, char **argv, char **envp, int fds[4]) {
         _exit(125);
     }
     if (dup2(fds[0], 0) < 0 || dup2(fds[1], 1) < 0 || dup2(fds[2], 2) < 0) _exit(125);
+    if (as_user && (setgroups(0, NULL) < 0 || setgid(gid) < 0 || setuid(uid) < 0)) {
+        dprintf(2, "dsec: cannot switch to user %u:%u: %s\n", uid, gid, strerror(errno));
+        _exit(125);
+    }
     close_range(3, ~0U, 0);
     if (cwd[0] && chdir(cwd) < 0) {
         dprintf(2, "dsec: cannot change directory to %s: %s\n", cwd, strerror(errno));
@@ -196,19 +203,24 @@ static int serve_one(void) {
     }
     uint32_t id;
     memcpy(&id, body + 1, 4);
-    if (body[0] != 'E' || len < 17 || nfds != 4) {
+    int as_user = body[0] == 'U';
+    if ((body[0] != 'E' && !as_user) || len < (as_user ? 25u : 17u) || nfds != 4) {
         if (body[0] == 'H') reply('R', 0, 0);
         close_fds(fds, nfds);
         free(body);
         return 0;
     }
-    uint32_t argc, envc;
+    uint32_t argc, envc, uid = 0, gid = 0;
     memcpy(&argc, body + 5, 4);
     memcpy(&envc, body + 9, 4);
-    /* strings start at offset 13: cwd, then argc argv strings, then envc env strings */
+    if (as_user) {
+        memcpy(&uid, body + 13, 4);
+        memcpy(&gid, body + 17, 4);
+    }
+    /* then the strings: cwd, then argc argv strings, then envc env strings */
     char **argv = calloc((size_t)argc + 1, sizeof(char *));
     char **envp = calloc((size_t)envc + 1, sizeof(char *));
-    char *p = body + 13, *end = body + len;
+    char *p = body + (as_user ? 21 : 13), *end = body + len;
     char *cwd = p;
     int ok = argv && envp && argc > 0 && argc < (1u << 20) && envc < (1u << 20);
     p += strnlen(p, (size_t)(end - p)) + 1;
@@ -224,7 +236,7 @@ static int serve_one(void) {
         reply('F', id, EINVAL);
     } else {
         pid_t pid = fork();
-        if (pid == 0) child(cwd, argv, envp, fds);
+        if (pid == 0) child(cwd, argv, envp, fds, as_user, uid, gid);
         if (pid < 0) reply('F', id, errno);
         else {
             track(pid, id);

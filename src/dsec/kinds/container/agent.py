@@ -86,13 +86,18 @@ class AgentChannel:
         await self._send(struct.pack("<IcI", 5, b"H", 0), [])
         await self.wait_ready(timeout)
 
-    async def spawn(self, argv: list[str], env: list[str], cwd: str, fds: list[int]) -> asyncio.Future[int]:
-        """Start a command; returns a future of its raw wait status."""
+    async def spawn(
+        self, argv: list[str], env: list[str], cwd: str, fds: list[int], user: tuple[int, int] | None = None
+    ) -> asyncio.Future[int]:
+        """Start a command (as root, or as ``user`` = (uid, gid)); returns a future of its raw wait status."""
         if self.closed:
             raise SandboxGone("the sandbox's agent is gone")
         exec_id = next(self._ids)
         strings = b"".join(s.encode() + b"\0" for s in [cwd, *argv, *env])
-        body = struct.pack("<cIII", b"E", exec_id, len(argv), len(env)) + strings
+        if user is None or user == (0, 0):
+            body = struct.pack("<cIII", b"E", exec_id, len(argv), len(env)) + strings
+        else:
+            body = struct.pack("<cIIIII", b"U", exec_id, len(argv), len(env), *user) + strings
         loop = asyncio.get_running_loop()
         started: asyncio.Future[int] = loop.create_future()
         exited: asyncio.Future[int] = loop.create_future()

@@ -28,7 +28,7 @@ from pathlib import Path
 
 from ...errors import BackendError, DsecError, InvalidRequest, SandboxGone
 from ...images.store import ImageRef
-from ...isolation import cgroups, seccomp
+from ...isolation import cgroups, seccomp, users
 from ...isolation.idmap import UidSlots, idmapped_bind, make_userns
 from ...isolation.mounts import umount
 from ...isolation.rootpath import RootFS, clean_path
@@ -193,6 +193,12 @@ class ContainerBackend(Backend):
             await asyncio.to_thread(mount_rootfs, bundle, image.layers, rec.limits.disk, uid_base, userns_fd)
         except OSError as e:
             raise BackendError(f"cannot prepare the root filesystem: {e}") from e
+        account = await asyncio.to_thread(self._account, rec, image.user)
+        if not account.is_root:
+            # the image's runtime account runs every exec and owns what the file API writes
+            rec.runtime["user"] = [account.uid, account.gid]
+            if "HOME" not in rec.env and "HOME" not in image.env:
+                rec.runtime["env"]["HOME"] = account.home
         init = [f"{spec.HELPER_MOUNT}/agent"] if use_agent else [f"{spec.HELPER_MOUNT}/catatonit", "-P"]
         cfg = spec.config(
             rec, image, str(rootfs), str(self.helper_dir), self._cg_path(rec), init, self.seccomp_bpf, uid_base
@@ -280,6 +286,12 @@ class ContainerBackend(Backend):
 
     async def exec(self, rec: SandboxRecord, req: ExecRequest, on_output: OutputCallback | None = None) -> ExecResult:
         stdin = req.stdin.encode() if req.stdin is not None else None
+        if req.user is None:
+            default = rec.runtime.get("user")
+            user = (int(default[0]), int(default[1])) if isinstance(default, list) else None
+        else:
+            account = await asyncio.to_thread(self._account, rec, req.user)
+            user = None if account.is_root else (account.uid, account.gid)
         plan = ExecPlan(
             argv=req.argv(),
             stdin=stdin,
@@ -288,8 +300,22 @@ class ContainerBackend(Backend):
             cwd=req.cwd,
             env=dict(req.env),
             on_output=on_output,
+            user=user,
         )
         return await self._run(rec, plan)
+
+    def _account(self, rec: SandboxRecord, user: str) -> users.Account:
+        """A user spec resolved against the sandbox's own /etc/passwd and /etc/group."""
+        if user in ("", "root", "0", "0:0"):
+            return users.ROOT
+        fs = RootFS(str(self._bundle(rec) / "rootfs"))
+        texts = []
+        for path in ("/etc/passwd", "/etc/group"):
+            try:
+                texts.append(fs.read(path, 1 << 20).decode(errors="replace"))
+            except DsecError:
+                texts.append("")
+        return users.resolve(user, texts[0], texts[1])
 
     async def _run(self, rec: SandboxRecord, plan: ExecPlan) -> ExecResult:
         layout = self._layout()
@@ -352,7 +378,12 @@ class ContainerBackend(Backend):
 
     def _fs(self, rec: SandboxRecord) -> RootFS:
         base = rec.runtime.get("uid_base")
-        owner = (base, base) if isinstance(base, int) else None
+        account = rec.runtime.get("user")
+        uid, gid = (int(account[0]), int(account[1])) if isinstance(account, list) else (0, 0)
+        if isinstance(base, int):
+            owner: tuple[int, int] | None = (base + uid, base + gid)
+        else:
+            owner = (uid, gid) if uid or gid else None
         return RootFS(str(self._bundle(rec) / "rootfs"), owner=owner)
 
     @contextlib.asynccontextmanager

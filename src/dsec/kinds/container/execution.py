@@ -43,6 +43,7 @@ class ExecPlan:
     env: dict[str, str] = field(default_factory=dict)
     on_output: OutputCallback | None = None
     raw: bytearray | None = None  # keep all of stdout (archives), bounded by MAX_ARCHIVE
+    user: tuple[int, int] | None = None  # (uid, gid) in the sandbox; None: root
 
 
 class _Capture:
@@ -180,7 +181,7 @@ async def run_via_agent(
         env = [f"{k}={v}" for k, v in {**base_env, **plan.env}.items()]
         oom_before = layout.oom_kills(cg_path)
         started = time.monotonic()
-        exited = await chan.spawn(plan.argv, env, plan.cwd or default_cwd, [*cap.child_fds(), procs_fd])
+        exited = await chan.spawn(plan.argv, env, plan.cwd or default_cwd, [*cap.child_fds(), procs_fd], plan.user)
         _close(procs_fd)
         procs_fd = -1
         cap.close_child_ends()
@@ -211,6 +212,8 @@ async def run_via_runtime(
     cmd = [*runtime_argv, "exec", "--preserve-fds=2", "--no-new-privs"]
     if plan.cwd:
         cmd += ["--cwd", plan.cwd]
+    if plan.user is not None:
+        cmd += ["--user", f"{plan.user[0]}:{plan.user[1]}"]
     for k, v in plan.env.items():
         cmd += ["-e", f"{k}={v}"]
     cmd += [sandbox_id, helper, "sh", "-c", LAUNCH, "dsec-exec", *plan.argv]
