@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import secrets
 import socket
 from collections.abc import Callable
@@ -122,20 +123,32 @@ def _resolves(host: str) -> bool:
 
 
 @pytest.mark.skipif(not _resolves("deb.debian.org"), reason="no route to the Debian archive from this machine")
-def test_spec_file_with_apt_on_the_builder_network(daemon: Daemon, tmp_path: Path) -> None:
+def test_spec_file_with_apt_pip_and_git_scrub_on_the_builder_network(daemon: Daemon, tmp_path: Path) -> None:
     spec = tmp_path / "env.toml"
     name = unique("apt")
+    git = (
+        "set -e; git config --global user.email b@x; git config --global user.name b; "
+        "mkdir /repo; cd /repo; git init -q; echo ok > kept; git add kept; git commit -qm kept; "
+        "echo answer-key > answer; git add answer; git commit -qm answer; git hash-object answer > /answer-sha; "
+        "git reset -q --hard HEAD~1"
+    )
     spec.write_text(
-        f'name = "{name}"\nfrom = "dsec/debian:12"\n\n[[steps]]\napt = ["python3-six"]\n\n'
-        "[[steps]]\nrun = \"python3 -c 'import six' && echo ok > /six-ok\"\n"
+        f'name = "{name}"\nfrom = "dsec/debian:12"\nscrub_git = true\n\n'
+        '[[steps]]\napt = ["python3-pip"]\n\n'
+        '[[steps]]\npip = ["iniconfig==2.0.0"]\n\n'
+        f"[[steps]]\nrun = {json.dumps(git)}\n"
     )
     client = daemon.client()
     built = client.build(spec)
     assert built.image.name == name
-    assert [layer.role for layer in built.image.layers][-2:] == ["toolkit", "workspace"]
+    assert [layer.role for layer in built.image.layers][-3:] == ["toolkit", "toolkit", "workspace"]
     assert any(p.startswith("var/lib/apt/lists/") for p in built.image.scrubbed)
     with dsec.Sandbox.create(image=name, client=client) as sb:
-        assert sb.exec("python3 -c 'import six; print(six.__name__)'; cat /six-ok").stdout == "six\nok\n"
+        assert sb.exec("python3 -c 'import iniconfig; print(iniconfig.__name__)'").stdout == "iniconfig\n"
+        # the commit that was reset away is gone from the object store, not only from the history
+        assert sb.exec("cat /repo/kept; git -C /repo log --format=%s").stdout == "ok\nkept\n"
+        gone = sb.exec("git -C /repo cat-file -e $(cat /answer-sha)")
+        assert gone.exit_code != 0
         # the runtime sandbox has no network: only its loopback
         assert sb.exec("ls /sys/class/net").stdout.split() == ["lo"]
 

@@ -1,8 +1,10 @@
 from __future__ import annotations
 
 import os
+import secrets
 import subprocess
 import sys
+from pathlib import Path
 
 import dsec
 
@@ -18,7 +20,7 @@ def dsec_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.Comple
 
 
 def test_help_for_every_command(daemon: object) -> None:
-    for cmd in ("serve", "run", "ps", "exec", "rm", "images", "version", "demo", "bench"):
+    for cmd in ("serve", "run", "ps", "exec", "rm", "images", "version", "demo", "bench", "snapshot", "image"):
         res = dsec_cli(cmd, "--help")
         assert res.returncode == 0, res.stderr
         assert "Usage" in res.stdout
@@ -47,3 +49,39 @@ def test_images_lists_builtins(daemon: object) -> None:
     res = dsec_cli("images")
     assert res.returncode == 0
     assert "dsec/busybox:latest" in res.stdout and "dsec/debian:12" in res.stdout
+
+
+def test_image_commands(daemon: object, tmp_path: Path) -> None:
+    tag = secrets.token_hex(4)
+    sb = dsec.Sandbox.create(image="dsec/busybox")
+    try:
+        sb.exec("echo from-cli > /marker && echo h > /root/.ash_history")
+        snap = dsec_cli("snapshot", sb.id, f"test/cli-snap:{tag}", "--scrub", "marker-none")
+        assert snap.returncode == 0, snap.stderr
+        assert f"test/cli-snap:{tag}" in snap.stdout and "paths scrubbed" in snap.stdout
+    finally:
+        sb.kill()
+    ls = dsec_cli("image", "ls", "--json")
+    assert ls.returncode == 0 and f"test/cli-snap:{tag}" in ls.stdout
+    history = dsec_cli("image", "history", f"test/cli-snap:{tag}", "--json")
+    assert history.returncode == 0 and '"source_sandbox"' in history.stdout and sb.id in history.stdout
+    stats = dsec_cli("image", "stats", f"test/cli-snap:{tag}", "--json")
+    assert stats.returncode == 0 and '"exposed_fraction"' in stats.stdout
+    spec = tmp_path / "spec.toml"
+    spec.write_text(
+        f'name = "test/cli-built:{tag}"\nfrom = "test/cli-snap:{tag}"\n\n[[steps]]\nrun = "cat /marker > /copied"\n'
+    )
+    built = dsec_cli("image", "build", str(spec))
+    assert built.returncode == 0, built.stderr
+    with dsec.Sandbox.create(image=f"test/cli-built:{tag}") as child:
+        assert child.exec("cat /copied").stdout == "from-cli\n"
+    again = dsec_cli("image", "build", str(spec))
+    assert again.returncode == 2 and "image_exists" in again.stderr and "Traceback" not in again.stderr
+    for name in (f"test/cli-built:{tag}", f"test/cli-snap:{tag}"):
+        assert dsec_cli("image", "rm", name).returncode == 0
+    gc = dsec_cli("image", "gc")
+    assert gc.returncode == 0 and "deleted" in gc.stdout
+    missing = dsec_cli("image", "inspect", f"test/cli-snap:{tag}")
+    assert missing.returncode == 2 and "image_not_found" in missing.stderr
+    bad = dsec_cli("image", "import", str(tmp_path / "nothing.tar"), "test/x:1")
+    assert bad.returncode == 2 and "nothing to import" in bad.stderr

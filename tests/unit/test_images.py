@@ -231,3 +231,12 @@ async def test_packing_a_missing_directory_is_a_clear_error(tmp_path: Path) -> N
     with pytest.raises(Exception, match="cannot read"):
         await store.pack(tmp_path / "nope", ScrubRules())
     assert LayerRole.diff.value == "diff"
+
+
+def test_node_rules_extend_the_defaults_and_calls_extend_the_node() -> None:
+    node = ScrubRules.of(["srv/keys/*"])
+    assert node.matches("srv/keys/k") and node.matches("tmp/x")
+    call = node.plus(["work/answers/*"])
+    assert call.matches("srv/keys/k") and call.matches("work/answers/a") and call.matches("tmp/x")
+    only = node.plus(["work/answers/*"], defaults=False)
+    assert only.patterns == ("work/answers/*",) and not only.matches("tmp/x")

@@ -59,6 +59,10 @@ def serve(
     image_cache: Annotated[
         str, typer.Option(help="Size cap of the node's cache of fetched layer chunks (LRU), e.g. 20G.")
     ] = "20G",
+    scrub: Annotated[
+        list[str] | None,
+        typer.Option("--scrub", help="A residue rule (glob under /) for every layer this node packs (repeatable)."),
+    ] = None,
     eager_layers: Annotated[
         bool, typer.Option("--eager-layers", help="Fetch every layer whole before use instead of lazily.")
     ] = False,
@@ -74,7 +78,9 @@ def serve(
             cache_max = parse_size(image_cache)
         except ValueError as e:
             raise InvalidRequest(f"--image-cache: {e}") from None
-        options = ImageOptions(repository=repository, cache_max=cache_max, lazy=not eager_layers)
+        options = ImageOptions(
+            repository=repository, cache_max=cache_max, lazy=not eager_layers, scrub=tuple(scrub or ())
+        )
         run_server(state_dir, listen, options, log_level)
     except DsecError as e:
         _fail(e)

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 import blake3
 
 from ..errors import BuildFailed, InvalidRequest
-from ..images.buildspec import BuildSpec, Step
+from ..images.buildspec import BUILDER_CA, HOST_CA_BUNDLE, BuildSpec, Step
 from ..images.model import CachedStep, ImageConfig, LayerRef
 from ..images.scrub import ScrubRules
 from ..images.store import ImageRef, StagedLayer, normalize
@@ -32,8 +32,10 @@ if TYPE_CHECKING:
 log = logging.getLogger("dsec.builds")
 
 BUILDER_LIMITS = Limits(cpu=2.0, memory=4 << 30, disk=16 << 30, pids=8192)
-# a resolver the builder borrowed from the host, never part of an image
-BUILD_SCRUB = ("etc/resolv.conf",)
+# the resolver and CA bundle the builder borrowed from the host, never part of an image
+BUILD_SCRUB = ("etc/resolv.conf", "etc/dsec-build")
+# tools that take a CA bundle from the environment find the host's (see spec.BUILDER_CA)
+CA_ENV = ("SSL_CERT_FILE", "PIP_CERT", "REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE", "GIT_SSL_CAINFO")
 GIT_SCRUB = r"""
 for g in $(find / -xdev -type d -name .git -prune 2>/dev/null); do
   d=${g%/.git}
@@ -70,6 +72,7 @@ class Builder:
         self.images = manager.images
         self.contexts = manager.images.root / "contexts"
         self.contexts.mkdir(parents=True, exist_ok=True)
+        self.host_ca = os.path.exists(HOST_CA_BUNDLE)
 
     # ---- build contexts (what copy steps copy) -----------------------------------------------------
 
@@ -102,7 +105,7 @@ class Builder:
             unknown = set(step.secrets) - set(req.secrets)
             if unknown:
                 raise InvalidRequest(f"step {step.describe()!r} names secrets that were not given: {sorted(unknown)}")
-        rules = ScrubRules.of([*spec.scrub, *BUILD_SCRUB], defaults=spec.scrub_defaults)
+        rules = self.images.scrub.plus([*spec.scrub, *BUILD_SCRUB], defaults=spec.scrub_defaults)
         base = await self.images.resolve(normalize(spec.base))
         base_version = await self.images.catalog.version(base.digest)
         layers: list[LayerRef] = list(base_version.layers)
@@ -193,6 +196,8 @@ class Builder:
             layer_digests=digests,
         )
         env = {**req.args, **{k: req.secrets[k] for k in step.secrets}}
+        if self.host_ca:
+            env = {**dict.fromkeys(CA_ENV, BUILDER_CA), **env}
         create = CreateSandbox(
             image=ref.name,
             limits=BUILDER_LIMITS,

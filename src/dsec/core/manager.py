@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import TypeVar
 
 from ..errors import BackendError, DsecError, InvalidRequest, InvalidState, SandboxGone, SandboxNotFound
-from ..images.scrub import ScrubRules
 from ..images.store import ImageRef, ImageStore
 from ..kinds import registry
 from ..kinds.base import Backend, BackendContext, OutputCallback
@@ -309,7 +308,7 @@ class SandboxManager:
         """
         rec, backend = self._running(sandbox_id)
         name = await self.images.check_free(req.name)
-        rules = ScrubRules.of(req.scrub, defaults=req.scrub_defaults)
+        rules = self.images.scrub.plus(req.scrub, defaults=req.scrub_defaults)
         parent = await self.images.resolve(rec.image)
         if rec.image_digest and parent.digest != rec.image_digest:
             raise InvalidState(f"image {rec.image} now names another version than sandbox {rec.id} runs on")

@@ -34,7 +34,8 @@ from ..errors import InvalidRequest, validation_message
 from ..isolation.users import USER_SPEC
 from .model import LayerRole
 
-_ARG_NAME = r"^[A-Za-z_][A-Za-z0-9_]{0,127}$"
+HOST_CA_BUNDLE = "/etc/ssl/certs/ca-certificates.crt"
+BUILDER_CA = "/etc/dsec-build/ca-certificates.crt"  # where a builder finds the host's CAs (scrubbed from layers)
 
 
 class CopyStep(BaseModel):

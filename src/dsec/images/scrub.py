@@ -85,5 +85,9 @@ class ScrubRules:
         base: Sequence[str] = DEFAULT_RULES if defaults else ()
         return cls(tuple(dict.fromkeys([*base, *extra])))
 
+    def plus(self, extra: Iterable[str], *, defaults: bool = True) -> ScrubRules:
+        """These rules (the node's) and ``extra`` (a call's); ``defaults=False`` keeps only ``extra``."""
+        return ScrubRules(tuple(dict.fromkeys([*(self.patterns if defaults else ()), *extra])))
+
     def matches(self, relpath: str) -> bool:
         return any(p.match(relpath) for p in self._compiled)

@@ -17,6 +17,7 @@ from fastapi import FastAPI
 from .. import __version__
 from ..core.manager import SandboxManager
 from ..errors import InvalidRequest
+from ..images.scrub import ScrubRules
 from ..images.store import ImageStore
 from . import errors, routes
 from .limits import BodyLimit
@@ -91,6 +92,7 @@ class ImageOptions:
     repository: str | None = None  # default: STATE_DIR/images/repository
     cache_max: int = 20 << 30
     lazy: bool = True
+    scrub: tuple[str, ...] = ()  # residue rules on top of the defaults, for every layer this node packs
 
 
 def serve(state_dir: Path, listen: str | None, images: ImageOptions | None = None, log_level: str = "info") -> None:
@@ -109,7 +111,13 @@ def serve(state_dir: Path, listen: str | None, images: ImageOptions | None = Non
     token = ensure_token(state_dir)
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     images = images or ImageOptions()
-    store = ImageStore(state_dir / "images", images.repository, lazy=images.lazy, cache_max=images.cache_max)
+    store = ImageStore(
+        state_dir / "images",
+        images.repository,
+        lazy=images.lazy,
+        cache_max=images.cache_max,
+        scrub=ScrubRules.of(images.scrub),
+    )
     manager = SandboxManager(state_dir, store)
     app = create_app(manager, token)
     # Keep idle connections well past the SDK's own keep-alive expiry: a server that closes first races

@@ -6,6 +6,7 @@ import os
 import resource
 from typing import Any
 
+from ...images.buildspec import BUILDER_CA, HOST_CA_BUNDLE
 from ...images.store import DEFAULT_PATH, ImageRef
 from ...isolation.seccomp import oci_profile
 from ...store.records import SandboxRecord
@@ -66,11 +67,16 @@ NAMESPACES = ("pid", "network", "ipc", "uts", "mount", "cgroup")
 
 
 def _host_network_mounts(rec: SandboxRecord) -> list[dict[str, Any]]:
-    """A builder on the host's network resolves names as the host does (read-only; never packed)."""
-    if rec.network != "host" or not os.path.exists("/etc/resolv.conf"):
+    """A builder on the host's network resolves names as the host does and trusts the CAs the host
+    trusts (a TLS-intercepting proxy's, say), both read-only and never packed into a layer."""
+    if rec.network != "host":
         return []
-    source = os.path.realpath("/etc/resolv.conf")
-    return [{"destination": "/etc/resolv.conf", "type": "bind", "source": source, "options": ["bind", "ro"]}]
+    mounts = []
+    for source, destination in (("/etc/resolv.conf", "/etc/resolv.conf"), (HOST_CA_BUNDLE, BUILDER_CA)):
+        if os.path.exists(source):
+            real = os.path.realpath(source)
+            mounts.append({"destination": destination, "type": "bind", "source": real, "options": ["bind", "ro"]})
+    return mounts
 
 
 def config(
