@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
 import secrets
 import shutil
+import signal
 import tempfile
 import threading
 import time
@@ -269,3 +271,18 @@ def test_sandboxes_cold_starting_together_share_each_fetch(
     finally:
         for b in boxes:
             b.kill()
+
+
+def test_a_fetcher_killed_under_a_running_daemon_is_replaced(
+    make_sandbox: Callable[..., dsec.Sandbox], second_node: Daemon
+) -> None:
+    info, expected, _ = _image_with_big_file(make_sandbox, "refetch")
+    client = second_node.client()
+    with dsec.Sandbox.create(image=info.name, client=client) as first:
+        assert first.exec("echo up").stdout == "up\n"
+        pid_file = second_node.state_dir / "images" / "fetcher" / "fetcher.pid"
+        os.kill(int(pid_file.read_text()), signal.SIGKILL)
+        broken = first.exec("md5sum /data/big", timeout=60)
+        assert broken.exit_code != 0 and expected not in broken.stdout  # an error, never zeros passed off as data
+        with dsec.Sandbox.create(image=info.name, client=client) as second:
+            assert second.exec("md5sum /data/big").stdout.split()[0] == expected

@@ -66,6 +66,7 @@ class NodeLayers:
             if source.startswith(lazy_root) and (fetcher_restarted or self.fetcher is None):
                 log.info("detaching layer mount %s of a fetcher that is gone", d.name)
                 await asyncio.to_thread(umount, d, lazy=True)
+                self._mounted.discard(d.name)
             else:
                 self._mounted.add(d.name)
 

@@ -141,6 +141,10 @@ class Fetcher:
         finally:
             os.close(log_fd)
 
+    def alive(self) -> bool:
+        """Whether the fetcher this handle started or adopted still runs (cheap: no round trip)."""
+        return not self._exited()
+
     def _exited(self) -> bool:
         if self.pid is None:
             return True

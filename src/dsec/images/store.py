@@ -102,6 +102,7 @@ class ImageStore:
         self._build_locks: dict[str, asyncio.Lock] = {}
         self._refs: dict[str, ImageRef] = {}
         self._traced: set[str] = set()
+        self._fetcher_lock = asyncio.Lock()
 
     async def start(self) -> list[str]:
         notes = []
@@ -119,8 +120,23 @@ class ImageStore:
 
     # ---- resolving ---------------------------------------------------------------------------------
 
+    async def _check_fetcher(self) -> None:
+        """A fetcher that died under a running daemon is replaced, and the layer mounts it served are
+        detached so new sandboxes get working ones (running sandboxes see read errors, not zeros)."""
+        if self.fetcher is None or self.fetcher.alive():
+            return
+        async with self._fetcher_lock:
+            if self.fetcher.alive():
+                return
+            log.warning("the layer fetcher is gone: starting a new one and remounting lazy layers")
+            await self.fetcher.start()
+            self._refs.clear()
+            if self.mount:
+                await self.layers.start(fetcher_restarted=True)
+
     async def resolve(self, name: str, *, build: bool = True) -> ImageRef:
         """The image's layers, ready to use; a built-in image is built on first use."""
+        await self._check_fetcher()
         norm = normalize(name)
         if norm in self._refs:
             return self._refs[norm]
