@@ -115,6 +115,9 @@ class SandboxInfo(BaseModel):
     limits: Limits
     labels: dict[str, str] = Field(default_factory=dict)
     env: dict[str, str] = Field(default_factory=dict)
+    accelerator: Literal["kvm", "tcg"] | None = Field(
+        default=None, description="For VM kinds: hardware virtualisation (kvm) or software emulation (tcg)."
+    )
 
 
 class SandboxList(BaseModel):

@@ -44,7 +44,9 @@ def workdir(tmp_path: Path) -> Iterator[Path]:
 def new_manager(root: Path) -> tuple[SandboxManager, FakeBackend]:
     images = root / "images"
     make_image(images, IMAGE, env={"PATH": "/usr/bin:/bin", "FROM_IMAGE": "1"})
-    mgr = SandboxManager(state_dir=root / "state", images=ImageStore(images, lazy=False, mount=False))
+    mgr = SandboxManager(
+        state_dir=root / "state", images=ImageStore(images, lazy=False, mount=False), kinds=["container"]
+    )
     backend = FakeBackend(mgr.ctx)
     mgr.backends["container"] = backend
     return mgr, backend

@@ -90,7 +90,7 @@ async def test_create_unknown_image(core: Core) -> None:
     assert backend.created == []
 
 
-@pytest.mark.parametrize("kind", ["microvm", "vm", "function"])
+@pytest.mark.parametrize("kind", ["vm", "function"])
 async def test_create_planned_kind_is_not_available(core: Core, kind: str) -> None:
     mgr, _ = core
     with pytest.raises(InvalidRequest, match="not available"):
@@ -396,5 +396,35 @@ async def test_readopt_when_alive_raises(fresh: Core) -> None:
     await mgr.start()
     try:
         assert state_of(mgr, "sb-x")[0] == State.lost
+    finally:
+        await mgr.close()
+
+
+async def test_create_a_kind_this_manager_did_not_start(core: Core) -> None:
+    mgr, _ = core
+    with pytest.raises(InvalidRequest, match="not enabled on this node"):
+        await mgr.create(req(kind="microvm"))
+    assert mgr.store.all() == []
+
+
+async def test_an_optional_kind_that_cannot_start_is_reported_not_fatal(
+    fresh: tuple[SandboxManager, FakeBackend], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    mgr, _ = fresh
+    mgr.kinds = ["container", "microvm"]
+
+    class Broken:
+        def __init__(self, ctx: object) -> None:
+            pass
+
+        async def start(self) -> list[str]:
+            raise BackendError("qemu-system-x86_64 is not installed")
+
+    monkeypatch.setattr(manager_module.registry, "load", lambda kind, ctx: Broken(ctx))
+    await mgr.start()
+    try:
+        assert "microvm" in mgr.unavailable and "microvm" not in mgr.backends
+        with pytest.raises(InvalidRequest, match="not available on this node: qemu"):
+            await mgr.create(req(kind="microvm"))
     finally:
         await mgr.close()

@@ -12,7 +12,7 @@ import logging
 import os
 import secrets
 import time
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Sequence
 from pathlib import Path
 from typing import TypeVar
 
@@ -50,7 +50,9 @@ def _host_memory() -> int:
 
 
 class SandboxManager:
-    def __init__(self, state_dir: Path, images: ImageStore | None = None) -> None:
+    def __init__(
+        self, state_dir: Path, images: ImageStore | None = None, kinds: Sequence[str] | None = None
+    ) -> None:
         self.state_dir = state_dir
         state_dir.mkdir(parents=True, exist_ok=True)
         self.store = SandboxStore(state_dir / "state.db")
@@ -64,6 +66,8 @@ class SandboxManager:
         self._create_slots = asyncio.Semaphore(MAX_CONCURRENT_CREATES)
         self._reaper: asyncio.Task[None] | None = None
         self.notes: list[str] = []
+        self.unavailable: dict[str, str] = {}  # kind -> why this node cannot run it
+        self.kinds = list(kinds) if kinds is not None else registry.available()  # the kinds to start
         # Set while a sandbox's writable layer is being packed: host-side file writes wait for it.
         self._packing: dict[str, asyncio.Event] = {}
         self.builds = Builder(self)
@@ -73,11 +77,20 @@ class SandboxManager:
 
     async def start(self) -> None:
         self.notes += await self.images.start()
-        for kind in registry.available():
+        for kind in self.kinds:
             if kind in self.backends:  # injected (tests, embedding)
                 continue
-            backend = registry.load(kind, self.ctx)
-            self.notes += await backend.start()
+            try:
+                backend = registry.load(kind, self.ctx)
+                self.notes += await backend.start()
+            except Exception as e:
+                if kind == "container":
+                    raise
+                # an optional kind this node cannot run (no QEMU, say) must not stop the others
+                why = e.message if isinstance(e, DsecError) else f"{type(e).__name__}: {e}"
+                self.unavailable[kind] = why
+                self.notes.append(f"{kind} kind unavailable: {why}")
+                continue
             self.backends[kind] = backend
         await self.readopt()
         self._reaper = asyncio.create_task(self._reap_forever())
@@ -172,7 +185,10 @@ class SandboxManager:
 
     async def create(self, req: CreateSandbox) -> SandboxInfo:
         if req.kind not in self.backends:
+            if req.kind in self.unavailable:
+                raise InvalidRequest(f"kind {req.kind!r} is not available on this node: {self.unavailable[req.kind]}")
             registry.load(req.kind, self.ctx)  # raises the precise "not available" / "unknown" error
+            raise InvalidRequest(f"kind {req.kind!r} is not enabled on this node")
         if req.limits.memory > _host_memory():
             raise InvalidRequest(f"memory limit {req.limits.memory} exceeds this node's {_host_memory()} bytes")
         image = await self.images.resolve(req.image)

@@ -73,6 +73,13 @@ class NodeLayers:
     def path(self, digest: str) -> Path:
         return self.mnt / digest
 
+    def file(self, digest: str) -> Path:
+        """The layer's EROFS image as a file: the node's complete copy, else the fetcher's lazy file."""
+        blob = self.blobs / digest
+        if blob.exists() or self.fetcher is None:
+            return blob
+        return self.fetcher.path(digest)
+
     async def mount(self, digest: str) -> Path:
         """The layer's mounted directory, mounting it on first use."""
         target = self.mnt / digest

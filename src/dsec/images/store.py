@@ -47,6 +47,7 @@ class ImageRef:
     digest: str = ""
     layer_digests: tuple[str, ...] = ()
     user: str = "root"
+    layer_files: tuple[Path, ...] = ()  # each layer's EROFS image as a file (VMs attach them as disks)
 
 
 @dataclass
@@ -162,6 +163,7 @@ class ImageStore:
             digest=digest,
             layer_digests=digests,
             user=version.config.user,
+            layer_files=tuple(self.layers.file(d) for d in digests),
         )
         self._refs[norm] = ref
         return ref

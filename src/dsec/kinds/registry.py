@@ -9,10 +9,10 @@ from .base import Backend, BackendContext
 
 _KINDS: dict[str, str] = {
     "container": "dsec.kinds.container.backend:ContainerBackend",
+    "microvm": "dsec.kinds.microvm.backend:MicroVMBackend",
 }
 _PLANNED = {
     "function": "issue 6 (warm pools)",
-    "microvm": "issue 4 (QEMU microvm)",
     "vm": "issue 4 (QEMU q35)",
 }
 

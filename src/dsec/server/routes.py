@@ -17,7 +17,6 @@ from .. import __version__
 from ..core.manager import SandboxManager
 from ..core.output import StreamForwarder
 from ..errors import DsecError, InvalidRequest, Unauthorized
-from ..kinds import registry
 from ..models import (
     BuildRequest,
     BuildResult,
@@ -74,8 +73,9 @@ api = APIRouter(dependencies=[Depends(authorize)])
 
 
 @router.get("/health", response_model=Health)
-async def health() -> Health:
-    return Health(ok=True, version=__version__, kinds=registry.available())
+async def health(mgr: Mgr) -> Health:
+    """Liveness, version, and the kinds this node can run now."""
+    return Health(ok=True, version=__version__, kinds=sorted(mgr.backends))
 
 
 @api.post("/sandboxes", response_model=SandboxInfo, status_code=201)

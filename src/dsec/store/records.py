@@ -37,4 +37,5 @@ class SandboxRecord:
             limits=self.limits,
             labels=dict(self.labels),
             env=dict(self.env),
+            accelerator=self.runtime.get("accel"),
         )

@@ -1,0 +1,1 @@
+"""The ``microvm`` and ``vm`` kinds: sandboxes that are QEMU virtual machines driven by a guest agent."""

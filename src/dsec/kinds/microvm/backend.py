@@ -1,0 +1,277 @@
+"""The ``microvm`` kind: a QEMU micro-VM per sandbox, booted from the image's own layers.
+
+The VM's disks are the image's EROFS layers (read-only; the lazily fetched file or the node's local
+copy, the same bytes a container mounts) and a helper disk with the guest agent; the guest stacks
+them with overlayfs over a tmpfs sized to the disk limit. Execs and files go through the agent on a
+virtio-serial port. The host owns the timeouts: it kills the exec's tree through the agent, and the
+VM itself when the agent stops answering. QEMU runs in a session of its own and outlives a daemon
+restart; a restarted daemon re-attaches to the agent's socket.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import shutil
+import signal
+import time
+from pathlib import Path
+from typing import ClassVar
+
+from ...errors import BackendError, DsecError, InvalidRequest, SandboxGone
+from ...images.store import ImageRef
+from ...isolation import users
+from ...models import ExecRequest, ExecResult, FileEntry
+from ...proc import wait
+from ...store.records import SandboxRecord
+from ..base import Backend, BackendContext, OutputCallback
+from . import accel, guest, qemu
+from .agent_build import build_agent
+from .channel import GuestChannel
+from .files import GuestFiles
+
+log = logging.getLogger("dsec.microvm")
+
+BOOT_TIMEOUT = {"kvm": 30.0, "tcg": 120.0}
+MAX_CONCURRENT_BOOTS = max(1, (os.cpu_count() or 1))  # 16 TCG boots at once livelocked 2 cores here
+VM_CACHE = Path(os.environ.get("DSEC_VM_CACHE", "/var/cache/dsec/vm"))
+
+
+class MicroVMBackend(Backend):
+    kind: ClassVar[str] = "microvm"
+    machine: ClassVar[str] = "microvm"
+
+    def __init__(self, ctx: BackendContext) -> None:
+        super().__init__(ctx)
+        self.vm_dir = ctx.state_dir / "vms"
+        self.assets: guest.GuestAssets | None = None
+        self.accel = "tcg"
+        self._boots = asyncio.Semaphore(MAX_CONCURRENT_BOOTS)
+        self._channels: dict[str, GuestChannel] = {}
+        self._attach: dict[str, asyncio.Lock] = {}
+        self._stops: dict[str, asyncio.Event] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._exited: dict[str, str] = {}  # sandbox id -> why its QEMU is gone
+        self._prepare_lock = asyncio.Lock()
+
+    async def start(self) -> list[str]:
+        if shutil.which(qemu.QEMU) is None:
+            raise BackendError(f"{qemu.QEMU} is not installed (apt-get install qemu-system-x86)")
+        self.vm_dir.mkdir(parents=True, exist_ok=True)
+        return [f"{self.kind} kind: QEMU {self.machine}; guest kernel, initramfs and accelerator probe on first use"]
+
+    async def _prepare(self) -> guest.GuestAssets:
+        """Guest kernel, initramfs, helper disk and the accelerator verdict: once, on the first create."""
+        async with self._prepare_lock:
+            if self.assets is None:
+                await asyncio.to_thread(VM_CACHE.mkdir, parents=True, exist_ok=True)
+                agent = await build_agent(VM_CACHE / "agent")
+                assets = await guest.prepare(VM_CACHE, agent)
+                self.accel, why = await accel.choose(VM_CACHE, assets)
+                log.info(
+                    "%s kind: accelerator %s (%s), guest kernel %s", self.kind, self.accel, why, assets.kernel_version
+                )
+                self.assets = assets
+            return self.assets
+
+    def _bundle(self, rec: SandboxRecord) -> Path:
+        return self.vm_dir / rec.id
+
+    def _spec(self, rec: SandboxRecord, image: ImageRef) -> qemu.VMSpec:
+        if self.assets is None:
+            raise BackendError(f"{self.kind} backend used before start()")
+        if not image.layer_files:
+            raise InvalidRequest(f"image {image.name} has no layer files to boot a VM from")
+        return qemu.VMSpec(
+            name=rec.id,
+            machine=self.machine,
+            accel=self.accel,
+            memory_mib=qemu.memory_mib(rec.limits.memory),
+            cpus=qemu.vcpus(rec.limits.cpu, rec.limits.cpu_limit),
+            kernel=self.assets.kernel,
+            initrd=self.assets.initrd,
+            helper=self.assets.helper,
+            layers=image.layer_files,
+            disk_bytes=rec.limits.disk,
+            bundle=self._bundle(rec),
+        )
+
+    # ---- lifecycle ---------------------------------------------------------------------------------
+
+    async def create(self, rec: SandboxRecord, image: ImageRef) -> None:
+        await self._prepare()
+        spec = self._spec(rec, image)
+        spec.bundle.mkdir(parents=True)
+        env = {
+            "PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+            "HOME": "/root",
+            "TERM": "xterm",
+            **image.env,
+            **rec.env,
+        }
+        rec.runtime = {"env": env, "cwd": image.workdir or "/", "accel": self.accel, "user_spec": image.user}
+        async with self._boots:
+            started = time.monotonic()
+            pid = qemu.start(spec)
+            rec.runtime["pid"] = pid
+            self._watch(rec.id, pid)
+            try:
+                chan = await self._connect(rec, BOOT_TIMEOUT[self.accel])
+            except (TimeoutError, DsecError, OSError) as e:
+                why = self._exited.get(rec.id) or f"{type(e).__name__}: {e}"
+                tail = qemu.console_tail(spec.bundle)
+                raise BackendError(f"the VM did not come up ({why}); console ends with: {tail[-800:]}") from e
+            rec.runtime["boot_s"] = round(time.monotonic() - started, 3)
+        if image.user not in ("", "root"):
+            account = await self._account(rec, chan, image.user)
+            if not account.is_root:
+                rec.runtime["user"] = [account.uid, account.gid]
+                if "HOME" not in rec.env and "HOME" not in image.env:
+                    env["HOME"] = account.home
+
+    def _watch(self, sandbox_id: str, pid: int) -> None:
+        stop = self._stops[sandbox_id] = asyncio.Event()
+        bundle = self.vm_dir / sandbox_id
+
+        async def reap() -> None:
+            status = await wait(pid)
+            self._exited[sandbox_id] = f"QEMU exited with status {status}"
+            stop.set()
+
+        for coro in (reap(), qemu.drain_console(bundle / "console.sock", bundle / "console.log", stop)):
+            task = asyncio.create_task(coro)
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    async def _connect(self, rec: SandboxRecord, timeout: float) -> GuestChannel:
+        deadline = time.monotonic() + timeout
+        sock = self._bundle(rec) / "agent.sock"
+        while True:
+            if rec.id in self._exited:
+                raise SandboxGone(self._exited[rec.id])
+            try:
+                chan = await GuestChannel.connect_unix(sock, timeout=2.0)
+                try:
+                    await chan.wait_ready(max(0.1, deadline - time.monotonic()))
+                except BaseException:
+                    await chan.aclose()
+                    raise
+                self._channels[rec.id] = chan
+                return chan
+            except (OSError, TimeoutError, BackendError):
+                if time.monotonic() >= deadline:
+                    raise TimeoutError(f"no answer from the guest agent within {timeout:g}s") from None
+                await asyncio.sleep(0.1)
+
+    async def _channel(self, rec: SandboxRecord) -> GuestChannel:
+        chan = self._channels.get(rec.id)
+        if chan is not None and not chan.closed:
+            return chan
+        async with self._attach.setdefault(rec.id, asyncio.Lock()):
+            chan = self._channels.get(rec.id)
+            if chan is not None and not chan.closed:
+                return chan
+            if not await self.alive(rec):
+                raise SandboxGone(self._exited.get(rec.id) or f"the VM of sandbox {rec.id} is gone")
+            try:
+                return await self._connect(rec, 10.0)
+            except (TimeoutError, OSError) as e:
+                raise SandboxGone(f"the guest agent of {rec.id} stopped answering: {e}") from e
+
+    async def destroy(self, rec: SandboxRecord) -> None:
+        chan = self._channels.pop(rec.id, None)
+        if chan is not None:
+            await chan.aclose()
+        pid = rec.runtime.get("pid")
+        if isinstance(pid, int) and qemu.is_ours(pid, rec.id):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+            for _ in range(100):
+                if not qemu.is_ours(pid, rec.id):
+                    break
+                await asyncio.sleep(0.02)
+        stop = self._stops.pop(rec.id, None)
+        if stop is not None:
+            stop.set()
+        self._attach.pop(rec.id, None)
+        self._exited.pop(rec.id, None)
+        await asyncio.to_thread(shutil.rmtree, self._bundle(rec), True)
+
+    async def alive(self, rec: SandboxRecord) -> bool:
+        pid = rec.runtime.get("pid")
+        return isinstance(pid, int) and rec.id not in self._exited and qemu.is_ours(pid, rec.id)
+
+    # ---- exec and files ----------------------------------------------------------------------------
+
+    def _user(self, rec: SandboxRecord) -> tuple[int, int] | None:
+        account = rec.runtime.get("user")
+        return (int(account[0]), int(account[1])) if isinstance(account, list) else None
+
+    async def exec(self, rec: SandboxRecord, req: ExecRequest, on_output: OutputCallback | None = None) -> ExecResult:
+        chan = await self._channel(rec)
+        user = self._user(rec)
+        if req.user is not None:
+            account = await self._account(rec, chan, req.user)
+            user = None if account.is_root else (account.uid, account.gid)
+        env = {**dict(rec.runtime.get("env") or {}), **req.env}
+        result = await chan.run(
+            req.argv(),
+            env=env,
+            cwd=req.cwd or str(rec.runtime.get("cwd") or "/"),
+            stdin=req.stdin.encode() if req.stdin is not None else None,
+            timeout=req.timeout,
+            output_limit=req.output_limit,
+            on_output=on_output,
+            user=user,
+        )
+        if result.timed_out and result.exit_code is None and result.signal is None:
+            # the agent did not confirm the kill: the host's word is final, and the VM goes
+            await self._kill_vm(rec, "the guest agent stopped answering after a timeout; the VM was killed")
+            raise SandboxGone(self._exited[rec.id])
+        return result
+
+    async def _kill_vm(self, rec: SandboxRecord, why: str) -> None:
+        self._exited[rec.id] = why
+        pid = rec.runtime.get("pid")
+        if isinstance(pid, int) and qemu.is_ours(pid, rec.id):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+    async def _account(self, rec: SandboxRecord, chan: GuestChannel, spec: str) -> users.Account:
+        if spec in ("", "root", "0", "0:0"):
+            return users.ROOT
+        texts = []
+        for path in ("/etc/passwd", "/etc/group"):
+            status, out, _ = await chan.run_bytes(["/.dsec/busybox", "cat", path], None, 30.0)
+            texts.append(out.decode(errors="replace") if status == 0 else "")
+        return users.resolve(spec, texts[0], texts[1])
+
+    def _files(self, rec: SandboxRecord) -> GuestFiles:
+        async def runner(argv: list[str], stdin: bytes | None, timeout: float) -> tuple[int, bytes, str]:
+            chan = await self._channel(rec)
+            return await chan.run_bytes(argv, stdin, timeout, user=self._user(rec))
+
+        return GuestFiles(runner)
+
+    async def read_file(self, rec: SandboxRecord, path: str) -> bytes:
+        return await self._files(rec).read(path)
+
+    async def write_file(self, rec: SandboxRecord, path: str, data: bytes, mode: int = 0o644) -> None:
+        await self._files(rec).write(path, data, mode)
+
+    async def list_dir(self, rec: SandboxRecord, path: str) -> list[FileEntry]:
+        return await self._files(rec).list(path)
+
+    async def remove(self, rec: SandboxRecord, path: str, recursive: bool = False) -> None:
+        await self._files(rec).remove(path, recursive)
+
+    async def mkdir(self, rec: SandboxRecord, path: str) -> None:
+        await self._files(rec).mkdir(path)
+
+    async def upload_tar(self, rec: SandboxRecord, path: str, data: bytes) -> None:
+        await self._files(rec).upload_tar(path, data)
+
+    async def download_tar(self, rec: SandboxRecord, path: str) -> bytes:
+        return await self._files(rec).download_tar(path)

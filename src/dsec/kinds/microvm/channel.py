@@ -1,0 +1,330 @@
+"""The host's side of the guest agent (guest_agent.c): frames over one stream, commands multiplexed on it.
+
+Every frame is ``u32 len | u8 type | u32 id | payload`` (little endian, ``len`` counts type, id and
+payload). The agent announces itself with ``'R'`` on every new connection; nothing is sent before that,
+because the agent drops whatever the port held before it announced itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import errno
+import itertools
+import logging
+import os
+import struct
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from ...core.output import CappedBuffer
+from ...errors import BackendError, InvalidRequest, LimitExceeded, SandboxGone, SandboxTimeout
+from ...models import ExecResult
+from ..base import MAX_ARCHIVE, OutputCallback
+
+log = logging.getLogger("dsec.microvm.channel")
+
+MAX_FRAME = 8 << 20
+STDIN_CHUNK = 1 << 20
+# After a timeout's SIGKILL, how long the exit status may take to come back before we stop waiting.
+KILL_GRACE = 2.0
+# A command sent before the agent announced itself waits this long for it (boot is normally done).
+READY_TIMEOUT = 30.0
+SIGKILL = 9
+# run_bytes: the environment of the daemon's own helper commands, and how much of their stderr is kept
+HELPER_ENV = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"}
+HELPER_STDERR = 64 << 10
+FLAG_STDIN = 1
+
+_HEADER = struct.Struct("<IcI")
+_EXEC = struct.Struct("<IIIII")
+_STREAMS = {b"O": "stdout", b"e": "stderr"}
+
+
+def _frame(kind: bytes, ident: int, payload: bytes = b"") -> bytes:
+    return _HEADER.pack(5 + len(payload), kind, ident) + payload
+
+
+@dataclass
+class _Exec:
+    caps: dict[str, CappedBuffer]
+    on_output: OutputCallback | None
+    # the raw wait status; None when the agent could not start the command (see ``failure``)
+    exited: asyncio.Future[int | None]
+    pid: int | None = None
+    failure: tuple[int, str] | None = None
+    callback_error: Exception | None = None
+    stdin_task: asyncio.Task[None] | None = field(default=None, repr=False)
+
+
+class GuestChannel:
+    """One connection to a guest agent. Any number of commands may run on it at once."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self._reader = reader
+        self._writer = writer
+        loop = asyncio.get_running_loop()
+        self._ready: asyncio.Future[str] = loop.create_future()
+        self._execs: dict[int, _Exec] = {}
+        self._pings: dict[int, asyncio.Future[bytes]] = {}
+        self._ids = itertools.count(1)  # 0 is the agent's own id ('R')
+        self.closed = False
+        self.version: str | None = None
+        self._task = asyncio.create_task(self._read_loop())
+
+    @classmethod
+    async def connect_unix(cls, path: str | os.PathLike[str], timeout: float) -> GuestChannel:
+        """Connect to the unix socket QEMU exposes for the port; retries while QEMU has not made it yet."""
+        deadline = time.monotonic() + timeout
+        while True:
+            remaining = deadline - time.monotonic()
+            try:
+                reader, writer = await asyncio.wait_for(asyncio.open_unix_connection(path), max(remaining, 0.001))
+                return cls(reader, writer)
+            except (FileNotFoundError, ConnectionRefusedError) as e:
+                if remaining <= 0:
+                    raise BackendError(f"cannot connect to the guest agent at {path}: {e}") from None
+                await asyncio.sleep(min(0.05, remaining))
+            except TimeoutError:
+                raise BackendError(f"cannot connect to the guest agent at {path}: timed out") from None
+            except OSError as e:
+                raise BackendError(f"cannot connect to the guest agent at {path}: {e}") from None
+
+    async def wait_ready(self, timeout: float) -> str:
+        """Wait for the agent's ``'R'``; returns its version string."""
+        try:
+            return await asyncio.wait_for(asyncio.shield(self._ready), timeout)
+        except TimeoutError:
+            raise SandboxTimeout(f"the guest agent did not report ready within {timeout:g}s") from None
+
+    async def ping(self, timeout: float) -> float:
+        """Round-trip time to the agent, in seconds."""
+        ping_id = next(self._ids)
+        token = struct.pack("<Q", time.monotonic_ns())
+        fut: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
+        self._pings[ping_id] = fut
+        started = time.monotonic()
+        try:
+            await self._send(_frame(b"P", ping_id, token))
+            echoed = await asyncio.wait_for(asyncio.shield(fut), timeout)
+        except TimeoutError:
+            raise SandboxTimeout(f"the guest agent did not answer a ping within {timeout:g}s") from None
+        finally:
+            self._pings.pop(ping_id, None)
+        if echoed != token:
+            raise BackendError("the guest agent echoed a different ping")
+        return time.monotonic() - started
+
+    async def run(
+        self,
+        argv: list[str],
+        env: dict[str, str],
+        cwd: str,
+        stdin: bytes | None,
+        timeout: float,
+        output_limit: int,
+        on_output: OutputCallback | None = None,
+        user: tuple[int, int] | None = None,
+    ) -> ExecResult:
+        """Run a command in the guest; ``env`` is its whole environment, ``user`` (uid, gid), None: root."""
+        if not argv:
+            raise InvalidRequest("the command is empty")
+        if self.closed:
+            raise SandboxGone("the guest agent's channel is closed")
+        if not self._ready.done():
+            await self.wait_ready(READY_TIMEOUT)
+        exec_id = next(self._ids)
+        envs = [f"{k}={v}" for k, v in env.items()]
+        strings = b"".join(s.encode() + b"\0" for s in [cwd, *argv, *envs])
+        uid, gid = user if user is not None else (0, 0)
+        flags = FLAG_STDIN if stdin is not None else 0
+        payload = _EXEC.pack(len(argv), len(envs), flags, uid, gid) + strings
+        if 5 + len(payload) > MAX_FRAME:
+            raise InvalidRequest(f"the command line and environment exceed {MAX_FRAME} bytes")
+        ex = _Exec(
+            caps={"stdout": CappedBuffer(output_limit), "stderr": CappedBuffer(output_limit)},
+            on_output=on_output,
+            exited=asyncio.get_running_loop().create_future(),
+        )
+        self._execs[exec_id] = ex
+        started = time.monotonic()
+        try:
+            await self._send(_frame(b"E", exec_id, payload))
+            if stdin is not None:
+                ex.stdin_task = asyncio.create_task(self._feed_stdin(exec_id, stdin))
+            timed_out = False
+            status: int | None
+            try:
+                status = await asyncio.wait_for(asyncio.shield(ex.exited), max(0.001, timeout))
+            except TimeoutError:
+                timed_out = True
+                self._kill_nowait(exec_id)
+                try:
+                    status = await asyncio.wait_for(asyncio.shield(ex.exited), KILL_GRACE)
+                except TimeoutError:
+                    log.warning("exec %d did not report its exit within %gs of SIGKILL", exec_id, KILL_GRACE)
+                    status = None
+            if ex.callback_error is not None:
+                raise ex.callback_error
+            return _result(ex, status, started, timed_out)
+        except asyncio.CancelledError:  # the caller went away (a streaming client disconnected)
+            if not ex.exited.done():
+                self._kill_nowait(exec_id)
+            raise
+        finally:
+            self._execs.pop(exec_id, None)
+            if ex.stdin_task is not None:
+                ex.stdin_task.cancel()
+                with contextlib.suppress(asyncio.CancelledError, SandboxGone):
+                    await ex.stdin_task
+
+    async def run_bytes(
+        self, argv: list[str], stdin: bytes | None, timeout: float, user: tuple[int, int] | None = None
+    ) -> tuple[int, bytes, str]:
+        """Run a helper command of the daemon's (file API): (exit code, all of stdout, stderr text).
+
+        stdout is kept whole up to MAX_ARCHIVE bytes; beyond that the command is killed and
+        LimitExceeded raised. A timeout raises SandboxTimeout.
+        """
+        out = bytearray()
+
+        def collect(stream: str, data: bytes) -> None:
+            if stream == "stdout":
+                out.extend(data)
+                if len(out) > MAX_ARCHIVE:
+                    raise LimitExceeded(f"output exceeds {MAX_ARCHIVE} bytes")
+
+        res = await self.run(argv, HELPER_ENV, "/", stdin, timeout, HELPER_STDERR, collect, user)
+        if res.timed_out or res.exit_code is None:
+            raise SandboxTimeout(f"{argv[0]} did not finish within {timeout:g}s")
+        return res.exit_code, bytes(out), res.stderr
+
+    async def aclose(self) -> None:
+        self.closed = True
+        self._writer.close()
+        self._task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._task
+        with contextlib.suppress(OSError):
+            await self._writer.wait_closed()
+
+    # ---- sending ---------------------------------------------------------------------------------
+
+    async def _send(self, frame: bytes) -> None:
+        # One write per frame: the transport never interleaves two writes, so no lock is needed.
+        if self.closed or self._writer.is_closing():
+            raise SandboxGone("the guest agent's channel is closed")
+        try:
+            self._writer.write(frame)
+            await self._writer.drain()
+        except (ConnectionError, OSError) as e:
+            raise SandboxGone(f"the guest agent's channel broke: {e}") from None
+
+    def _kill_nowait(self, exec_id: int) -> None:
+        if self.closed or self._writer.is_closing():
+            return
+        with contextlib.suppress(ConnectionError, OSError):
+            self._writer.write(_frame(b"K", exec_id, struct.pack("<I", SIGKILL)))
+
+    async def _feed_stdin(self, exec_id: int, data: bytes) -> None:
+        view = memoryview(data)
+        for off in range(0, len(view), STDIN_CHUNK):
+            await self._send(_frame(b"I", exec_id, bytes(view[off : off + STDIN_CHUNK])))
+        await self._send(_frame(b"I", exec_id))  # EOF
+
+    # ---- receiving -------------------------------------------------------------------------------
+
+    async def _read_loop(self) -> None:
+        try:
+            while True:
+                size, kind, ident = _HEADER.unpack(await self._reader.readexactly(_HEADER.size))
+                if size < 5 or size > MAX_FRAME:
+                    log.warning("the guest agent sent a frame of length %d; dropping the channel", size)
+                    break
+                payload = await self._reader.readexactly(size - 5) if size > 5 else b""
+                self._dispatch(kind, ident, payload)
+        except (asyncio.IncompleteReadError, ConnectionError, OSError) as e:
+            log.debug("guest agent channel closed: %r", e)
+        finally:
+            self._fail_all()
+
+    def _dispatch(self, kind: bytes, ident: int, payload: bytes) -> None:
+        if kind == b"R":
+            if not self._ready.done():
+                self.version = payload.decode(errors="replace")
+                self._ready.set_result(self.version)
+            return
+        if kind == b"p":
+            ping = self._pings.get(ident)
+            if ping is not None and not ping.done():
+                ping.set_result(payload)
+            return
+        ex = self._execs.get(ident)
+        if ex is None:  # a command whose caller already gave up on it
+            return
+        if kind in _STREAMS:
+            self._output(ident, ex, _STREAMS[kind], payload)
+        elif kind == b"S" and len(payload) >= 8:
+            (ex.pid,) = struct.unpack_from("<q", payload)
+        elif kind == b"X" and len(payload) >= 4:
+            if not ex.exited.done():
+                ex.exited.set_result(struct.unpack_from("<i", payload)[0])
+        elif kind == b"F" and len(payload) >= 4:
+            (err,) = struct.unpack_from("<I", payload)
+            ex.failure = (err, payload[4:].decode(errors="replace"))
+            if not ex.exited.done():
+                ex.exited.set_result(None)
+
+    def _output(self, ident: int, ex: _Exec, stream: str, data: bytes) -> None:
+        ex.caps[stream].feed(data)
+        if ex.on_output is None or ex.callback_error is not None:
+            return
+        try:
+            ex.on_output(stream, data)
+        except Exception as e:  # the consumer is gone: stop the command, report the error from run()
+            ex.callback_error = e
+            self._kill_nowait(ident)
+
+    def _fail_all(self) -> None:
+        self.closed = True
+        gone = SandboxGone("the guest agent went away (the sandbox stopped)")
+        futures: list[asyncio.Future[Any]] = [
+            self._ready,
+            *(ex.exited for ex in self._execs.values()),
+            *self._pings.values(),
+        ]
+        for fut in futures:
+            if not fut.done():
+                fut.set_exception(gone)
+                fut.exception()  # consumed: nobody may be waiting any more
+
+
+def _result(ex: _Exec, status: int | None, started: float, timed_out: bool) -> ExecResult:
+    """``status`` is a raw wait status, or None if unknown (a start failure, or an unconfirmed kill)."""
+    signal: int | None = None
+    code: int | None
+    if ex.failure is not None:
+        err, message = ex.failure
+        # the same codes a shell (and the container kind) gives a command that cannot be run
+        code = 127 if err == errno.ENOENT else 126
+        ex.caps["stderr"].feed(f"dsec: {message}\n".encode())
+    elif status is None:
+        code = None
+    elif os.WIFSIGNALED(status):
+        signal = os.WTERMSIG(status)
+        code = 128 + signal
+    else:
+        code = os.WEXITSTATUS(status)
+    out, err_cap = ex.caps["stdout"], ex.caps["stderr"]
+    return ExecResult(
+        exit_code=code,
+        signal=signal,
+        stdout=out.text(),
+        stderr=err_cap.text(),
+        truncated=out.truncated or err_cap.truncated,
+        stdout_bytes=out.total,
+        stderr_bytes=err_cap.total,
+        timed_out=timed_out,
+        duration=time.monotonic() - started,
+    )

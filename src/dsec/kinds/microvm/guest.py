@@ -1,0 +1,219 @@
+"""What a VM boots: a Debian kernel, an initramfs dsec builds, and a read-only helper disk.
+
+- The kernel and its modules come from Debian's ``linux-image-*-cloud-amd64-unsigned`` package
+  (downloaded once with ``apt-get download`` and unpacked, never installed on the host).
+- The initramfs holds busybox, ``/init`` and the few modules the guest needs (virtio transports,
+  block, console, rng; EROFS; overlayfs), dependencies resolved from each module's own modinfo.
+- The helper disk is an EROFS image of the guest agent and a static busybox. ``/init`` mounts the
+  image's layers (read-only disks, EROFS) under overlayfs with a tmpfs upper, mounts the helper disk
+  read-only at ``/.dsec`` and switches root to the agent there: the workload cannot replace the agent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gzip
+import hashlib
+import io
+import lzma
+import os
+import re
+import shutil
+import stat
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+from ...errors import BackendError
+
+KERNEL_FLAVOUR = "cloud-amd64"
+MODULES = ("virtio_mmio", "virtio_pci", "virtio_blk", "virtio_console", "virtio_rng", "erofs", "overlay")
+_DEPENDS = re.compile(rb"depends=([^\0]*)\0")
+
+INIT = r"""#!/bin/busybox sh
+# dsec's initramfs: mount the image's layers, stack them, hand over to the agent on the helper disk.
+/bin/busybox --install -s /bin
+mount -t proc proc /proc
+mount -t sysfs sysfs /sys
+mount -t devtmpfs devtmpfs /dev
+case " $(cat /proc/cmdline) " in *" dsec.probe=1 "*) echo dsec-probe-ok > /dev/console; poweroff -f;; esac
+for m in $(cat /modules.order); do insmod "/modules/$m.ko" 2>/dev/null; done
+fail() { echo "dsec-init: $*" > /dev/console; sleep 1; poweroff -f; }
+arg() { for w in $(cat /proc/cmdline); do case "$w" in "$1="*) echo "${w#*=}";; esac; done; }
+layers=$(arg dsec.layers)
+disk=$(arg dsec.disk)
+# disks are found by their serial (dsec-l0 .. dsec-lN, dsec-helper), whatever order they probed in
+find_disk() {
+  for i in $(seq 1 100); do
+    for d in /sys/block/vd*; do
+      [ -e "$d/serial" ] && [ "$(cat "$d/serial")" = "$1" ] && { echo "/dev/${d##*/}"; return 0; }
+    done
+    sleep 0.05
+  done
+  return 1
+}
+lower=""
+i=0
+while [ "$i" -lt "$layers" ]; do
+  dev=$(find_disk "dsec-l$i") || fail "layer disk $i is missing"
+  mkdir -p "/layers/$i"
+  mount -t erofs -o ro "$dev" "/layers/$i" || fail "cannot mount layer $i"
+  lower="/layers/$i${lower:+:$lower}"
+  i=$((i + 1))
+done
+mkdir -p /rw /newroot
+mount -t tmpfs -o "size=$disk,mode=0755" tmpfs /rw || fail "cannot make the writable layer"
+mkdir -p /rw/upper /rw/work
+mount -t overlay overlay -o "lowerdir=$lower,upperdir=/rw/upper,workdir=/rw/work" /newroot || fail "overlay failed"
+helper=$(find_disk dsec-helper) || fail "helper disk is missing"
+mkdir -p /newroot/.dsec /newroot/proc /newroot/sys /newroot/dev
+mount -t erofs -o ro "$helper" /newroot/.dsec || fail "cannot mount the helper disk"
+umount /proc /sys /dev
+exec switch_root /newroot /.dsec/agent
+"""
+
+
+@dataclass(frozen=True)
+class GuestAssets:
+    kernel: Path
+    initrd: Path
+    helper: Path  # EROFS image: agent + busybox
+    kernel_version: str
+
+
+def _module_files(root: Path) -> dict[str, Path]:
+    found = {}
+    for path in [*root.rglob("*.ko"), *root.rglob("*.ko.xz")]:
+        found[path.name.split(".ko")[0].replace("-", "_")] = path
+    return found
+
+
+def _module_bytes(path: Path) -> bytes:
+    """A module as insmod takes it (newer Debian kernels ship them xz-compressed)."""
+    data = path.read_bytes()
+    return lzma.decompress(data) if path.name.endswith(".xz") else data
+
+
+def _load_order(files: dict[str, Path], wanted: tuple[str, ...]) -> list[str]:
+    """Modules to insmod, dependencies first."""
+    order: list[str] = []
+
+    def visit(name: str, chain: tuple[str, ...]) -> None:
+        if name in order or name in chain:
+            return
+        path = files.get(name)
+        if path is None:
+            return  # built into this kernel
+        match = _DEPENDS.search(_module_bytes(path))
+        for dep in match.group(1).decode().split(",") if match and match.group(1) else []:
+            visit(dep.replace("-", "_"), (*chain, name))
+        order.append(name)
+
+    for name in wanted:
+        visit(name, ())
+    return order
+
+
+def _cpio(entries: list[tuple[str, int, bytes]]) -> bytes:
+    """A newc cpio archive of (path, mode, data); symlinks carry their target as data."""
+    out = io.BytesIO()
+    for ino, (name, mode, data) in enumerate([*entries, ("TRAILER!!!", 0, b"")], start=1):
+        encoded = name.encode() + b"\0"
+        fields = [ino, mode, 0, 0, 1, 0, len(data), 0, 0, 0, 0, len(encoded), 0]
+        out.write(b"070701" + b"".join(f"{v:08x}".encode() for v in fields) + encoded)
+        out.write(b"\0" * (-(110 + len(encoded)) % 4))
+        out.write(data)
+        out.write(b"\0" * (-len(data) % 4))
+    return out.getvalue()
+
+
+def _tool(name: str) -> str:
+    path = shutil.which(name)
+    if path is None:
+        raise BackendError(f"{name} is not installed; VMs need it to fetch their kernel from Debian's packages")
+    return path
+
+
+def _sh(argv: list[str], what: str) -> str:
+    result = subprocess.run(argv, capture_output=True, text=True, timeout=600, stdin=subprocess.DEVNULL)
+    if result.returncode != 0:
+        raise BackendError(f"{what} failed: {(result.stdout + result.stderr)[-800:]}")
+    return result.stdout
+
+
+def _fetch_kernel(root: Path) -> tuple[Path, Path, str]:
+    """Unpack Debian's cloud kernel package under ``root`` (once); returns (vmlinuz, modules dir, version)."""
+    done = root / "unpacked"
+    if not done.exists():
+        root.mkdir(parents=True, exist_ok=True)
+        pattern = f"^linux-image-.*-{KERNEL_FLAVOUR}-unsigned$"
+        out = _sh([_tool("apt-cache"), "search", "--names-only", pattern], "apt-cache search")
+        names = sorted(line.split()[0] for line in out.splitlines() if line.strip())
+        if not names:
+            raise BackendError(f"no linux-image-*-{KERNEL_FLAVOUR}-unsigned package is available from apt")
+        work = root / "download"
+        shutil.rmtree(work, ignore_errors=True)
+        work.mkdir()
+        _sh(
+            [_tool("sh"), "-c", 'cd "$1" && exec apt-get download "$2"', "sh", str(work), names[-1]],
+            f"apt-get download {names[-1]}",
+        )
+        debs = list(work.glob("*.deb"))
+        if not debs:
+            raise BackendError(f"apt-get download {names[-1]} left no package")
+        tmp = root / "unpacking"
+        shutil.rmtree(tmp, ignore_errors=True)
+        _sh([_tool("dpkg-deb"), "-x", str(debs[0]), str(tmp)], f"unpacking {debs[0].name}")
+        shutil.rmtree(work, ignore_errors=True)
+        os.rename(tmp, done)
+    kernels = sorted((done / "boot").glob("vmlinuz-*"))
+    if not kernels:
+        raise BackendError(f"the kernel package unpacked in {done} holds no vmlinuz")
+    version = kernels[-1].name.removeprefix("vmlinuz-")
+    return kernels[-1], done / "lib" / "modules" / version, version
+
+
+async def prepare(root: Path, agent: Path) -> GuestAssets:
+    """Kernel, initramfs and helper disk under ``root``, rebuilt only when an input changed."""
+    kernel, modules_dir, version = await asyncio.to_thread(_fetch_kernel, root / "kernel")
+    return await asyncio.to_thread(_build, root, agent, kernel, modules_dir, version)
+
+
+def _build(root: Path, agent: Path, kernel: Path, modules_dir: Path, version: str) -> GuestAssets:
+    busybox = shutil.which("busybox")
+    if busybox is None:
+        raise BackendError("busybox is not installed (apt-get install busybox-static)")
+    files = _module_files(modules_dir)
+    order = _load_order(files, MODULES)
+    missing = [m for m in ("virtio_blk", "virtio_console", "erofs", "overlay") if m not in order]
+    if missing and not (modules_dir.parent / version / "modules.builtin").exists():
+        raise BackendError(f"the guest kernel {version} lacks modules {missing}")
+    bb = Path(busybox).read_bytes()
+    entries: list[tuple[str, int, bytes]] = [
+        (d, stat.S_IFDIR | 0o755, b"") for d in ("bin", "sbin", "proc", "sys", "dev", "modules", "layers", "rw")
+    ]
+    entries += [("bin/busybox", stat.S_IFREG | 0o755, bb), ("bin/sh", stat.S_IFLNK | 0o777, b"busybox")]
+    entries += [("init", stat.S_IFREG | 0o755, INIT.encode())]
+    entries += [("modules.order", stat.S_IFREG | 0o644, "\n".join(order).encode() + b"\n")]
+    entries += [(f"modules/{m}.ko", stat.S_IFREG | 0o644, _module_bytes(files[m])) for m in order]
+    archive = _cpio(entries)
+    digest = hashlib.sha256(archive + agent.read_bytes()).hexdigest()[:16]
+    initrd = root / f"initrd-{digest}.gz"
+    helper = root / f"helper-{digest}.erofs"
+    if not initrd.exists():
+        tmp = initrd.with_suffix(".tmp")
+        tmp.write_bytes(gzip.compress(archive, compresslevel=6))
+        os.rename(tmp, initrd)
+    if not helper.exists():
+        src = root / f"helper-src-{digest}"
+        shutil.rmtree(src, ignore_errors=True)
+        src.mkdir()
+        shutil.copy2(agent, src / "agent")
+        shutil.copy2(busybox, src / "busybox")
+        tmp = helper.with_suffix(".tmp")
+        result = subprocess.run(["mkfs.erofs", "--quiet", str(tmp), str(src)], capture_output=True, text=True)
+        shutil.rmtree(src, ignore_errors=True)
+        if result.returncode != 0:
+            raise BackendError(f"cannot build the VM helper disk: {result.stderr[-500:]}")
+        os.rename(tmp, helper)
+    return GuestAssets(kernel=kernel, initrd=initrd, helper=helper, kernel_version=version)

@@ -1,0 +1,59 @@
+"""One suite, every kind: the same calls must give the same observable results.
+
+A daemon of its own; one sandbox per kind per module (VMs boot in seconds under TCG, so they are few
+and shared). A kind this node cannot run is skipped with the daemon's stated reason.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+import dsec
+
+from ..integration.conftest import SKIP, Daemon, release_node, start_daemon
+
+KINDS = ("container", "microvm")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if "contract" in str(item.fspath):
+            item.add_marker(pytest.mark.integration)
+            if SKIP:
+                item.add_marker(pytest.mark.skip(reason=SKIP))
+
+
+@pytest.fixture(scope="session")
+def contract_daemon() -> Iterator[Daemon]:
+    state = Path(tempfile.mkdtemp(prefix="dsec-contract-"))
+    d = start_daemon(state)
+    try:
+        yield d
+    finally:
+        client = d.client()
+        try:
+            for info in client.list():
+                dsec.Sandbox.connect(info.id, client=client).kill()
+        except dsec.DsecError:
+            pass
+        d.stop()
+        release_node(state)
+        shutil.rmtree(state, ignore_errors=True)
+
+
+@pytest.fixture(scope="module", params=KINDS)
+def sb(request: pytest.FixtureRequest, contract_daemon: Daemon) -> Iterator[dsec.Sandbox]:
+    kind = str(request.param)
+    try:
+        box = dsec.Sandbox.create(image="dsec/busybox", kind=kind, client=contract_daemon.client(), timeout=1800)
+    except dsec.InvalidRequest as e:
+        if "not available on this node" in str(e):
+            pytest.skip(f"{kind}: {e}")
+        raise
+    yield box
+    box.kill()

@@ -1,0 +1,78 @@
+"""The microvm kind: real QEMU guests (TCG here), so few of them, each doing several checks."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+import dsec
+
+from .conftest import Daemon
+
+
+@pytest.fixture(scope="module")
+def vm(daemon: Daemon) -> Iterator[dsec.Sandbox]:
+    try:
+        sb = dsec.Sandbox.create(image="dsec/busybox", kind="microvm", client=daemon.client(), memory="256Mi")
+    except dsec.InvalidRequest as e:
+        pytest.skip(f"microvm: {e}")
+    yield sb
+    sb.kill()
+
+
+def _qemu_pid(daemon: Daemon, sb: dsec.Sandbox) -> int:
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if f"dsec-{sb.id}".encode() in (entry / "cmdline").read_bytes().split(b"\0"):
+                    return int(entry.name)
+            except OSError:
+                continue
+    raise AssertionError(f"no QEMU process for {sb.id}")
+
+
+def test_a_microvm_is_its_own_machine(vm: dsec.Sandbox, daemon: Daemon) -> None:
+    info = vm.info()
+    assert info.kind == "microvm" and info.accelerator in ("kvm", "tcg")
+    res = vm.exec("cat /proc/1/comm; uname -r; ls /.dsec; grep -c processor /proc/cpuinfo")
+    lines = res.stdout.split()
+    assert lines[0] == "agent" and lines[1] != os.uname().release  # the guest's own kernel and init
+    marker = Path("/tmp") / f"host-only-{vm.id}"
+    marker.write_text("host")
+    try:
+        assert vm.exec(f"cat {marker}").exit_code != 0  # host files are not in the guest
+    finally:
+        marker.unlink()
+    # the agent and busybox come from a read-only disk: the workload cannot replace them
+    denied = vm.exec("echo x > /.dsec/agent")
+    assert denied.exit_code != 0 and "Read-only" in denied.stderr
+
+
+def test_console_flood_is_capped(vm: dsec.Sandbox, daemon: Daemon) -> None:
+    vm.exec("head -c 5000000 /dev/zero | tr '\\0' x > /dev/console", timeout=120)
+    time.sleep(1)
+    bundle = daemon.state_dir / "vms" / vm.id
+    sizes = [p.stat().st_size for p in bundle.glob("console.log*")]
+    assert sizes and all(s <= 1 << 20 for s in sizes) and sum(sizes) <= 2 << 20
+
+
+def test_killing_qemu_from_outside_fails_the_sandbox(daemon: Daemon) -> None:
+    client = daemon.client()
+    try:
+        sb = dsec.Sandbox.create(image="dsec/busybox", kind="microvm", client=client, memory="256Mi")
+    except dsec.InvalidRequest as e:
+        pytest.skip(f"microvm: {e}")
+    try:
+        os.kill(_qemu_pid(daemon, sb), signal.SIGKILL)
+        time.sleep(0.5)
+        with pytest.raises(dsec.SandboxGone):
+            sb.exec("true")
+        info = sb.info()
+        assert info.state == dsec.State.failed and "QEMU" in (info.reason or "")
+    finally:
+        sb.kill()
