@@ -118,6 +118,9 @@ class SandboxInfo(BaseModel):
     accelerator: Literal["kvm", "tcg"] | None = Field(
         default=None, description="For VM kinds: hardware virtualisation (kvm) or software emulation (tcg)."
     )
+    started_from: Literal["boot", "snapshot"] | None = Field(
+        default=None, description="For VM kinds: booted cold, or restored from a template's memory snapshot."
+    )
 
 
 class SandboxList(BaseModel):

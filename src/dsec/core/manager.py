@@ -50,9 +50,7 @@ def _host_memory() -> int:
 
 
 class SandboxManager:
-    def __init__(
-        self, state_dir: Path, images: ImageStore | None = None, kinds: Sequence[str] | None = None
-    ) -> None:
+    def __init__(self, state_dir: Path, images: ImageStore | None = None, kinds: Sequence[str] | None = None) -> None:
         self.state_dir = state_dir
         state_dir.mkdir(parents=True, exist_ok=True)
         self.store = SandboxStore(state_dir / "state.db")

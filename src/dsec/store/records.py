@@ -38,4 +38,5 @@ class SandboxRecord:
             labels=dict(self.labels),
             env=dict(self.env),
             accelerator=self.runtime.get("accel"),
+            started_from=("snapshot" if self.runtime["restored"] else "boot") if "restored" in self.runtime else None,
         )

@@ -12,13 +12,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import os
 import shutil
 import signal
 import time
+from collections.abc import Callable, Coroutine
 from pathlib import Path
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from ...errors import BackendError, DsecError, InvalidRequest, SandboxGone
 from ...images.store import ImageRef
@@ -27,7 +29,7 @@ from ...models import ExecRequest, ExecResult, FileEntry
 from ...proc import wait
 from ...store.records import SandboxRecord
 from ..base import Backend, BackendContext, OutputCallback
-from . import accel, guest, qemu
+from . import accel, guest, qemu, snapshots
 from .agent_build import build_agent
 from .channel import GuestChannel
 from .files import GuestFiles
@@ -35,8 +37,12 @@ from .files import GuestFiles
 log = logging.getLogger("dsec.microvm")
 
 BOOT_TIMEOUT = {"kvm": 30.0, "tcg": 120.0}
-MAX_CONCURRENT_BOOTS = max(1, (os.cpu_count() or 1))  # 16 TCG boots at once livelocked 2 cores here
+# Concurrent boots: software emulation needs a core per booting guest, and here (2 cores) 16 TCG boots at
+# once livelocked and 2 beside a busy guest sometimes never finished; hardware virtualisation boots cheaply.
+BOOTS = {"kvm": max(1, (os.cpu_count() or 1)), "tcg": max(1, (os.cpu_count() or 1) // 2)}
 VM_CACHE = Path(os.environ.get("DSEC_VM_CACHE", "/var/cache/dsec/vm"))
+# Memory-snapshot templates: on by default; DSEC_VM_TEMPLATES=0 makes every VM boot cold.
+TEMPLATES = os.environ.get("DSEC_VM_TEMPLATES", "1") != "0"
 
 
 class MicroVMBackend(Backend):
@@ -48,13 +54,16 @@ class MicroVMBackend(Backend):
         self.vm_dir = ctx.state_dir / "vms"
         self.assets: guest.GuestAssets | None = None
         self.accel = "tcg"
-        self._boots = asyncio.Semaphore(MAX_CONCURRENT_BOOTS)
+        self._boots = asyncio.Semaphore(1)  # sized when the accelerator is known
         self._channels: dict[str, GuestChannel] = {}
         self._attach: dict[str, asyncio.Lock] = {}
         self._stops: dict[str, asyncio.Event] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self._exited: dict[str, str] = {}  # sandbox id -> why its QEMU is gone
         self._prepare_lock = asyncio.Lock()
+        self.templates = ctx.state_dir / "vm-templates"
+        self._building: set[str] = set()
+        self._template_gate = asyncio.Semaphore(1)
 
     async def start(self) -> list[str]:
         if shutil.which(qemu.QEMU) is None:
@@ -73,6 +82,7 @@ class MicroVMBackend(Backend):
                 log.info(
                     "%s kind: accelerator %s (%s), guest kernel %s", self.kind, self.accel, why, assets.kernel_version
                 )
+                self._boots = asyncio.Semaphore(BOOTS[self.accel])
                 self.assets = assets
             return self.assets
 
@@ -112,24 +122,88 @@ class MicroVMBackend(Backend):
             **rec.env,
         }
         rec.runtime = {"env": env, "cwd": image.workdir or "/", "accel": self.accel, "user_spec": image.user}
+        key = snapshots.template_key(spec, image.layer_digests)
+        memory = self.templates / key / "memory.bin"
+        restore = TEMPLATES and await asyncio.to_thread(memory.exists)
         async with self._boots:
             started = time.monotonic()
-            pid = qemu.start(spec)
+            pid = qemu.start(spec, incoming=memory if restore else None)
             rec.runtime["pid"] = pid
             self._watch(rec.id, pid)
             try:
+                if restore:
+                    await asyncio.to_thread(snapshots.resume_restored, spec.qmp_sock)
                 chan = await self._connect(rec, BOOT_TIMEOUT[self.accel])
+                if restore:
+                    clock, rng = await chan.refresh(10.0)
+                    if not (clock and rng):
+                        raise BackendError(f"the restored guest could not refresh (clock {clock}, rng {rng})")
             except (TimeoutError, DsecError, OSError) as e:
                 why = self._exited.get(rec.id) or f"{type(e).__name__}: {e}"
                 tail = qemu.console_tail(spec.bundle)
-                raise BackendError(f"the VM did not come up ({why}); console ends with: {tail[-800:]}") from e
+                qlog = qemu.log_tail(spec.bundle)
+                raise BackendError(
+                    f"the VM did not come up ({why}); QEMU said: {qlog[-600:] or '-'}; console ends with: {tail[-800:]}"
+                ) from e
             rec.runtime["boot_s"] = round(time.monotonic() - started, 3)
+            rec.runtime["restored"] = restore
+        if TEMPLATES and not restore and key not in self._building:
+            self._building.add(key)
+            self._background(self._build_template(key, spec, image.layer_digests))
         if image.user not in ("", "root"):
             account = await self._account(rec, chan, image.user)
             if not account.is_root:
                 rec.runtime["user"] = [account.uid, account.gid]
                 if "HOME" not in rec.env and "HOME" not in image.env:
                     env["HOME"] = account.home
+
+    def _background(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _build_template(self, key: str, like: qemu.VMSpec, layer_digests: tuple[str, ...]) -> None:
+        """Boot a VM like ``like``, let it settle, save its memory as the template of ``key``; then new VMs
+        of this shape restore instead of booting."""
+        root = self.templates / key
+        bundle = root / "build"
+        name = f"tpl-{key[:16]}"
+        spec = dataclasses.replace(like, name=name, bundle=bundle)
+        pid = None
+        stop = asyncio.Event()
+        try:
+            await asyncio.to_thread(shutil.rmtree, bundle, True)
+            await asyncio.to_thread(bundle.mkdir, parents=True)
+            async with self._template_gate, self._boots:
+                started = time.monotonic()
+                pid = qemu.start(spec)
+                # a console nobody reads stalls the guest's serial writes, and with them its boot
+                self._background(qemu.drain_console(spec.console_sock, bundle / "console.log", stop))
+                chan = await connect_agent(spec.agent_sock, BOOT_TIMEOUT[self.accel], lambda: None)
+                try:
+                    await chan.run(["/.dsec/busybox", "sync"], {}, "/", None, 60.0, 4096)
+                finally:
+                    await chan.aclose()
+                await asyncio.sleep(0.3)  # the agent notices the hangup: a restored one greets its new host
+                size = await asyncio.to_thread(snapshots.save, spec.qmp_sock, root / "memory.bin")
+            log.info(
+                "template %s saved: %d MiB in %.1fs (layers %s)",
+                key[:12],
+                size >> 20,
+                time.monotonic() - started,
+                ",".join(d[:12] for d in layer_digests),
+            )
+        except (DsecError, OSError, TimeoutError) as e:
+            log.warning("could not build VM template %s: %s", key[:12], e)
+        finally:
+            stop.set()
+            if pid is not None and qemu.is_ours(pid, name):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            if pid is not None:
+                with contextlib.suppress(ChildProcessError):
+                    await wait(pid)
+            await asyncio.to_thread(shutil.rmtree, bundle, True)
 
     def _watch(self, sandbox_id: str, pid: int) -> None:
         stop = self._stops[sandbox_id] = asyncio.Event()
@@ -146,24 +220,9 @@ class MicroVMBackend(Backend):
             task.add_done_callback(self._tasks.discard)
 
     async def _connect(self, rec: SandboxRecord, timeout: float) -> GuestChannel:
-        deadline = time.monotonic() + timeout
-        sock = self._bundle(rec) / "agent.sock"
-        while True:
-            if rec.id in self._exited:
-                raise SandboxGone(self._exited[rec.id])
-            try:
-                chan = await GuestChannel.connect_unix(sock, timeout=2.0)
-                try:
-                    await chan.wait_ready(max(0.1, deadline - time.monotonic()))
-                except BaseException:
-                    await chan.aclose()
-                    raise
-                self._channels[rec.id] = chan
-                return chan
-            except (OSError, TimeoutError, BackendError):
-                if time.monotonic() >= deadline:
-                    raise TimeoutError(f"no answer from the guest agent within {timeout:g}s") from None
-                await asyncio.sleep(0.1)
+        chan = await connect_agent(self._bundle(rec) / "agent.sock", timeout, lambda: self._exited.get(rec.id))
+        self._channels[rec.id] = chan
+        return chan
 
     async def _channel(self, rec: SandboxRecord) -> GuestChannel:
         chan = self._channels.get(rec.id)
@@ -275,3 +334,33 @@ class MicroVMBackend(Backend):
 
     async def download_tar(self, rec: SandboxRecord, path: str) -> bytes:
         return await self._files(rec).download_tar(path)
+
+
+async def connect_agent(sock: Path, timeout: float, gone: Callable[[], str | None]) -> GuestChannel:
+    """A channel to a guest agent that has said 'R', retrying while the guest boots or restores.
+
+    An agent that does not greet within a second is asked to (``hello``): one restored from a memory
+    snapshot, or one whose greeting crossed the host's connection, may believe it already did.
+    """
+    deadline = time.monotonic() + timeout
+    while True:
+        if (why := gone()) is not None:
+            raise SandboxGone(why)
+        try:
+            chan = await GuestChannel.connect_unix(sock, timeout=2.0)
+            try:
+                while True:
+                    try:
+                        await chan.wait_ready(min(1.0, max(0.1, deadline - time.monotonic())))
+                        return chan
+                    except TimeoutError:
+                        if time.monotonic() >= deadline or (why := gone()) is not None:
+                            raise
+                        await chan.hello()
+            except BaseException:
+                await chan.aclose()
+                raise
+        except (OSError, TimeoutError, BackendError):
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"no answer from the guest agent within {timeout:g}s") from None
+            await asyncio.sleep(0.1)

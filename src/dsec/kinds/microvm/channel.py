@@ -91,6 +91,10 @@ class GuestChannel:
             except OSError as e:
                 raise BackendError(f"cannot connect to the guest agent at {path}: {e}") from None
 
+    async def hello(self) -> None:
+        """Ask for a fresh 'R': a restored guest's agent may still think it talks to its old host."""
+        await self._send(_frame(b"H", 0))
+
     async def wait_ready(self, timeout: float) -> str:
         """Wait for the agent's ``'R'``; returns its version string."""
         try:
@@ -115,6 +119,23 @@ class GuestChannel:
         if echoed != token:
             raise BackendError("the guest agent echoed a different ping")
         return time.monotonic() - started
+
+    async def refresh(self, timeout: float) -> tuple[bool, bool]:
+        """After a memory-snapshot restore: set the guest's clock from the host's and reseed its CRNG
+        with fresh host entropy. Returns (clock set, CRNG reseeded)."""
+        ident = next(self._ids)
+        fut: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
+        self._pings[ident] = fut
+        now = time.time_ns()
+        payload = struct.pack("<qq", now // 1_000_000_000, now % 1_000_000_000) + os.urandom(64)
+        try:
+            await self._send(_frame(b"T", ident, payload))
+            reply = await asyncio.wait_for(asyncio.shield(fut), timeout)
+        except TimeoutError:
+            raise SandboxTimeout(f"the guest agent did not answer a refresh within {timeout:g}s") from None
+        finally:
+            self._pings.pop(ident, None)
+        return bool(reply[:1] == b"\x01"), bool(reply[1:2] == b"\x01")
 
     async def run(
         self,
@@ -255,7 +276,7 @@ class GuestChannel:
                 self.version = payload.decode(errors="replace")
                 self._ready.set_result(self.version)
             return
-        if kind == b"p":
+        if kind in (b"p", b"t"):
             ping = self._pings.get(ident)
             if ping is not None and not ping.done():
                 ping.set_result(payload)

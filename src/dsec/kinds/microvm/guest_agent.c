@@ -11,6 +11,11 @@
  *                  'I' stdin     bytes; an empty payload closes the command's stdin
  *                  'K' kill      u32 signal, for the exec's whole tree (its cgroup, else its process group)
  *                  'P' ping      any payload, echoed back as 'p'
+ *                  'H' hello     re-announce: a VM restored from a memory snapshot may still believe it
+ *                                talks to the host it was saved with; answered with a fresh 'R'
+ *                  'T' refresh   i64 sec i64 nsec | entropy bytes: after a memory-snapshot restore, set the
+ *                                clock and reseed the kernel's CRNG (VMs restored from one snapshot must not
+ *                                share random output); answered 't' with u8 clock_ok u8 rng_ok
  *   agent -> host  'R' ready     id 0, the agent's version; first frame of every connection
  *                  'S' started   i64 pid          'F' not started   u32 errno | message
  *                  'O' stdout    'e' stderr       chunks of at most 64 KiB
@@ -38,6 +43,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <linux/random.h>
+#include <sys/ioctl.h>
 #include <sys/mount.h>
 #include <sys/prctl.h>
 #include <sys/signalfd.h>
@@ -647,6 +654,30 @@ static void flush_out(void) {
     prune_exits();
 }
 
+static void refresh(uint32_t id, const char *p, size_t n) {
+    int64_t sec, nsec;
+    char reply[2] = {0, 0};
+    if (n >= 16) {
+        memcpy(&sec, p, 8);
+        memcpy(&nsec, p + 8, 8);
+        struct timespec ts = {.tv_sec = (time_t)sec, .tv_nsec = (long)nsec};
+        reply[0] = clock_settime(CLOCK_REALTIME, &ts) == 0;
+        size_t m = n - 16 > 256 ? 256 : n - 16;
+        union {
+            struct rand_pool_info info;
+            char raw[sizeof(struct rand_pool_info) + 256];
+        } e;
+        e.info.entropy_count = (int)(m * 8);
+        e.info.buf_size = (int)m;
+        memcpy(e.raw + sizeof(struct rand_pool_info), p + 16, m);
+        int fd = open("/dev/urandom", O_WRONLY | O_CLOEXEC);
+        /* mixing alone would leave the CRNG's state as it was until its next scheduled reseed */
+        reply[1] = fd >= 0 && ioctl(fd, RNDADDENTROPY, &e.info) == 0 && ioctl(fd, RNDRESEEDCRNG) == 0;
+        if (fd >= 0) close(fd);
+    }
+    send_frame('t', id, reply, sizeof reply);
+}
+
 static void handle_frame(char type, uint32_t id, char *p, size_t n) {
     uint32_t sig;
     switch (type) {
@@ -663,6 +694,15 @@ static void handle_frame(char type, uint32_t id, char *p, size_t n) {
         break;
     case 'P':
         send_frame('p', id, p, n);
+        break;
+    case 'T':
+        refresh(id, p, n);
+        break;
+    case 'H': /* whatever was queued for the previous host is not this one's */
+        outq.off = outq.len = 0;
+        enq_total = sent_total = 0;
+        for (int i = 0; i < nexits; i++) exits[i].queued_end = 0;
+        announce();
         break;
     default: /* unknown types are skipped: a newer host may send more */
         break;

@@ -61,9 +61,7 @@ def vcpus(cpu: float, cpu_limit: float | None) -> int:
 def argv(spec: VMSpec) -> list[str]:
     mmio = spec.machine == "microvm"
     blk = "virtio-blk-device" if mmio else "virtio-blk-pci"
-    cmdline = (
-        f"console=ttyS0 panic=-1 reboot=t quiet loglevel=3 dsec.layers={len(spec.layers)} dsec.disk={spec.disk_bytes}"
-    )
+    cmdline = f"console=ttyS0 panic=-1 reboot=t quiet dsec.layers={len(spec.layers)} dsec.disk={spec.disk_bytes}"
     args = [
         binary(),
         "-name", f"dsec-{spec.name}",
@@ -85,20 +83,32 @@ def argv(spec: VMSpec) -> list[str]:
     ]  # fmt: skip
     disks = [*((f"dsec-l{i}", layer) for i, layer in enumerate(spec.layers)), ("dsec-helper", spec.helper)]
     for serial, path in disks:
-        args += ["-drive", f"id={serial},file={path},format=raw,if=none,readonly=on,cache=none,aio=threads"]
+        args += ["-drive", f"id={serial},file={path},format=raw,if=none,readonly=on"]
         args += ["-device", f"{blk},drive={serial},serial={serial}"]
     return args
 
 
-def start(spec: VMSpec) -> int:
-    """Start QEMU in a session of its own (it outlives the daemon, as containers do); returns its pid."""
+def start(spec: VMSpec, incoming: Path | None = None) -> int:
+    """Start QEMU in a session of its own (it outlives the daemon, as containers do); returns its pid.
+
+    ``incoming``: a memory snapshot to restore from instead of booting (handed over as fd 3).
+    """
     log_fd = os.open(spec.bundle / "qemu.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
     null = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+    fds = {0: null, 1: log_fd, 2: log_fd}
+    args = ["/usr/bin/setsid", *argv(spec)]
+    mem = -1
     try:
-        return spawn(["/usr/bin/setsid", *argv(spec)], {0: null, 1: log_fd, 2: log_fd})
+        if incoming is not None:
+            mem = os.open(incoming, os.O_RDONLY | os.O_CLOEXEC)
+            fds[3] = mem
+            args += ["-incoming", "fd:3"]
+        return spawn(args, fds)
     finally:
         os.close(log_fd)
         os.close(null)
+        if mem >= 0:
+            os.close(mem)
 
 
 def is_ours(pid: int, name: str) -> bool:
@@ -143,6 +153,13 @@ async def drain_console(sock: Path, log: Path, stop: asyncio.Event) -> None:
         writer.close()
         with contextlib.suppress(OSError):
             await writer.wait_closed()
+
+
+def log_tail(bundle: Path, limit: int = 2000) -> str:
+    try:
+        return (bundle / "qemu.log").read_bytes()[-limit:].decode(errors="replace").strip()
+    except OSError:
+        return ""
 
 
 def console_tail(bundle: Path, limit: int = 2000) -> str:
