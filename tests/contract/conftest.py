@@ -15,7 +15,7 @@ import pytest
 
 import dsec
 
-from ..integration.conftest import SKIP, Daemon, release_node, start_daemon
+from ..integration.conftest import SKIP, Daemon, shut_down, start_daemon
 
 KINDS = ("container", "microvm")
 
@@ -35,14 +35,7 @@ def contract_daemon() -> Iterator[Daemon]:
     try:
         yield d
     finally:
-        client = d.client()
-        try:
-            for info in client.list():
-                dsec.Sandbox.connect(info.id, client=client).kill()
-        except dsec.DsecError:
-            pass
-        d.stop()
-        release_node(state)
+        shut_down(d)
         shutil.rmtree(state, ignore_errors=True)
 
 

@@ -134,6 +134,18 @@ def start_daemon(state_dir: Path, *extra: str) -> Daemon:
     raise RuntimeError(f"daemon did not come up: {log.read_text()[-3000:]}")
 
 
+def shut_down(d: Daemon) -> None:
+    """Kill what the daemon still runs, stop it, and release what it leaves on the node."""
+    client = d.client()
+    try:
+        for info in client.list():
+            dsec.Sandbox.connect(info.id, client=client).kill()
+    except dsec.DsecError:
+        pass
+    d.stop()
+    release_node(d.state_dir)
+
+
 @pytest.fixture(scope="session")
 def daemon(request: pytest.FixtureRequest) -> Iterator[Daemon]:
     state = Path(tempfile.mkdtemp(prefix="dsec-it-"))
@@ -141,14 +153,7 @@ def daemon(request: pytest.FixtureRequest) -> Iterator[Daemon]:
     try:
         yield d
     finally:
-        client = d.client()
-        try:
-            for info in client.list():
-                dsec.Sandbox.connect(info.id, client=client).kill()
-        except dsec.DsecError:
-            pass
-        d.stop()
-        release_node(state)
+        shut_down(d)
         if request.session.testsfailed:
             print(f"\n[dsec] integration daemon log kept: {d.log}")
         else:

@@ -17,7 +17,7 @@ import pytest
 
 import dsec
 
-from .conftest import IMAGES_DIR, Daemon, layer_bytes, release_node, start_daemon
+from .conftest import IMAGES_DIR, Daemon, layer_bytes, shut_down, start_daemon
 
 REPO = IMAGES_DIR / "repository"
 
@@ -159,11 +159,7 @@ def second_node() -> Iterator[Daemon]:
     try:
         yield d
     finally:
-        client = d.client()
-        for info in client.list():
-            dsec.Sandbox.connect(info.id, client=client).kill()
-        d.stop()
-        release_node(d.state_dir)
+        shut_down(d)
         shutil.rmtree(d.state_dir, ignore_errors=True)
 
 

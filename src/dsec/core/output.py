@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import codecs
+import os
+import time
+
+from ..models import ExecResult
 
 
 class CappedBuffer:
@@ -63,3 +67,35 @@ class StreamForwarder:
         self.sent += len(data)
         text = self._decoder.decode(data)
         return text or None
+
+
+def exec_result(
+    status: int | None,
+    stdout: CappedBuffer,
+    stderr: CappedBuffer,
+    started: float,
+    *,
+    timed_out: bool,
+    oom: bool = False,
+) -> ExecResult:
+    """An exec's result from its raw wait status (None: unknown) and its captured streams; a signal N is
+    reported as exit code 128 + N, as a shell would."""
+    signal: int | None = None
+    code: int | None = None
+    if status is not None and os.WIFSIGNALED(status):
+        signal = os.WTERMSIG(status)
+        code = 128 + signal
+    elif status is not None:
+        code = os.WEXITSTATUS(status)
+    return ExecResult(
+        exit_code=code,
+        signal=signal,
+        stdout=stdout.text(),
+        stderr=stderr.text(),
+        truncated=stdout.truncated or stderr.truncated,
+        stdout_bytes=stdout.total,
+        stderr_bytes=stderr.total,
+        timed_out=timed_out,
+        oom_killed=oom,
+        duration=time.monotonic() - started,
+    )

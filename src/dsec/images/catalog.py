@@ -13,8 +13,9 @@ import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeVar
 
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from ..errors import BackendError, ImageExists, ImageInUse, ImageNotFound
 from .chunks import ChunkStore, PutStats
@@ -22,6 +23,7 @@ from .model import CachedStep, ImageVersion, LayerManifest, Tag, image_key, laye
 from .repository import LayerRepository, ObjectNotFound
 
 log = logging.getLogger("dsec.images")
+M = TypeVar("M", bound=BaseModel)
 
 
 @dataclass
@@ -75,15 +77,19 @@ class Catalog:
             if not self._publishing:
                 self._no_publish.set()
 
+    async def _load(self, model: type[M], key: str, what: str) -> M:
+        """A record from the repository: missing is ImageNotFound, malformed is the repository's fault."""
+        try:
+            return model.model_validate_json(await self.repo.get(key))
+        except ObjectNotFound:
+            raise ImageNotFound(f"{what} is not in the repository") from None
+        except ValidationError as e:
+            raise BackendError(f"{what} in the repository is malformed: {e}") from e
+
     async def layer(self, digest: str) -> LayerManifest:
         if digest in self._layers:
             return self._layers[digest]
-        try:
-            manifest = LayerManifest.model_validate_json(await self.repo.get(layer_key(digest)))
-        except ObjectNotFound:
-            raise ImageNotFound(f"layer {digest} is not in the repository") from None
-        except ValidationError as e:
-            raise BackendError(f"layer manifest {digest} in the repository is malformed: {e}") from e
+        manifest = await self._load(LayerManifest, layer_key(digest), f"layer {digest}")
         if manifest.digest != digest:
             raise BackendError(f"layer manifest {digest} in the repository names another layer")
         self._layers[digest] = manifest
@@ -94,11 +100,7 @@ class Catalog:
     async def publish(self, version: ImageVersion) -> str:
         """Store a version and point its name at it; returns the version digest."""
         digest = version.digest
-        key = tag_key(version.name)
-        try:
-            current = Tag.model_validate_json(await self.repo.get(key))
-        except ObjectNotFound:
-            current = None
+        current = await self.tag(version.name)
         if current is not None and current.digest != digest:
             raise ImageExists(
                 f"image {version.name} already exists (version {current.digest[:12]}); "
@@ -109,19 +111,14 @@ class Catalog:
         if version.parent is not None:
             await self.version(version.parent)
         await self.repo.put(image_key(digest), version.canonical())
-        await self.repo.put(key, Tag(name=version.name, digest=digest).model_dump_json().encode())
+        await self.repo.put(tag_key(version.name), Tag(name=version.name, digest=digest).model_dump_json().encode())
         self._versions[digest] = version
         return digest
 
     async def version(self, digest: str) -> ImageVersion:
         if digest in self._versions:
             return self._versions[digest]
-        try:
-            version = ImageVersion.model_validate_json(await self.repo.get(image_key(digest)))
-        except ObjectNotFound:
-            raise ImageNotFound(f"image version {digest} is not in the repository") from None
-        except ValidationError as e:
-            raise BackendError(f"image version {digest} in the repository is malformed: {e}") from e
+        version = await self._load(ImageVersion, image_key(digest), f"image version {digest}")
         if version.digest != digest:
             raise BackendError(f"image version {digest} in the repository does not hash to its name")
         self._versions[digest] = version

@@ -32,20 +32,19 @@ from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
 from ..errors import BackendError, DsecError, InvalidRequest, validation_message
 from ..isolation.rootpath import RESOLVE_IN_ROOT, RESOLVE_NO_MAGICLINKS, openat2
-from .model import DEFAULT_PATH, ImageConfig
-from .tar_extract import (
+from .layer_stream import (
     CHUNK,
     GZIP_MAGIC,
     READ_ERRORS,
     Compression,
-    ExtractStats,
     HashingReader,
     check_compression,
     decompress,
-    extract_tar,
     read_failure,
     sniff,
 )
+from .model import DEFAULT_PATH, ImageConfig
+from .tar_extract import ExtractStats, extract_tar
 
 __all__ = ["ExtractStats", "LayerSource", "OciImage", "extract_layer", "read_image"]
 

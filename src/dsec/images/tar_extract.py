@@ -1,5 +1,4 @@
-"""Read one image layer's stream (hashing, decompressing) and extract its tar into a directory in
-overlayfs's on-disk format, safely.
+"""Extract one image layer's tar into a directory in overlayfs's on-disk format, safely.
 
 OCI layers mark deletions with ``.wh.NAME`` files and "replace this directory" with ``.wh..wh..opq``;
 overlayfs wants a 0/0 character device named NAME and the ``trusted.overlay.opaque=y`` xattr instead.
@@ -13,27 +12,17 @@ and nothing is written outside the destination. Data is streamed member by membe
 from __future__ import annotations
 
 import errno
-import gzip
-import hashlib
-import importlib
 import os
 import shutil
 import stat
 import tarfile
-import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import ModuleType
-from typing import Literal, Protocol
 
 from ..errors import BackendError, DsecError, InvalidRequest
+from .layer_stream import CHUNK, READ_ERRORS, Reader, read_failure
 
-Compression = Literal["none", "gzip", "zstd"]
-
-CHUNK = 1 << 20
-GZIP_MAGIC = b"\x1f\x8b"
-ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
 BLOCK = tarfile.BLOCKSIZE
 WHITEOUT_PREFIX = ".wh."
 OPAQUE_MARKER = ".wh..wh..opq"
@@ -51,13 +40,6 @@ _MAX_ID = 2**32 - 2  # (uid_t)-1 means "leave unchanged" to chown, so it is not 
 _INPUT_ERRNOS: set[int] = {
     getattr(errno, n) for n in "ELOOP ENOTDIR ENAMETOOLONG EXDEV EISDIR EEXIST ENOENT EINVAL ENOTEMPTY EMLINK".split()
 }
-# what decompressors and tarfile raise on damaged input (gzip.BadGzipFile is an OSError: check it first)
-CORRUPT: tuple[type[BaseException], ...] = (tarfile.TarError, EOFError, zlib.error, gzip.BadGzipFile, ValueError)
-READ_ERRORS: tuple[type[BaseException], ...] = (*CORRUPT, OSError)
-
-
-class Reader(Protocol):
-    def read(self, size: int = -1, /) -> bytes: ...
 
 
 @dataclass
@@ -70,84 +52,6 @@ class ExtractStats:
     opaque_dirs: int = 0
     skipped: list[str] = field(default_factory=list)  # "member: reason"
     bytes: int = 0
-
-
-def read_failure(exc: BaseException, label: str) -> DsecError:
-    """Classify an exception raised while reading a layer: damaged data, or the local disk failing."""
-    if isinstance(exc, DsecError):
-        return exc
-    # zstandard's error type is only known when the optional module is installed
-    if isinstance(exc, CORRUPT) or type(exc).__name__ == "ZstdError":
-        return InvalidRequest(f"{label}: corrupt or truncated archive ({exc})")
-    return BackendError(f"{label}: read failed: {exc}")
-
-
-# ---- layer streams: hashing and decompression -----------------------------------------------------
-
-
-class HashingReader:
-    """A read-through sha256 of everything read from ``src``."""
-
-    def __init__(self, src: Reader) -> None:
-        self.src = src
-        self.sha = hashlib.sha256()
-        self.size = 0
-        self.head = b""
-
-    def read(self, size: int = -1, /) -> bytes:
-        data = self.src.read(size)
-        if not self.head:
-            self.head = data[:4]
-        self.sha.update(data)
-        self.size += len(data)
-        return data
-
-    def seek(self, pos: int, /) -> int:
-        raise OSError(errno.ESPIPE, "layer streams are read once, front to back")
-
-    def drain(self) -> None:
-        while self.read(CHUNK):
-            pass
-
-    @property
-    def digest(self) -> str:
-        return "sha256:" + self.sha.hexdigest()
-
-
-def zstd_module() -> ModuleType | None:
-    try:
-        return importlib.import_module("zstandard")
-    except ImportError:
-        return None
-
-
-def check_compression(compression: Compression, where: str) -> None:
-    if compression == "zstd" and zstd_module() is None:
-        raise InvalidRequest(
-            f"layer {where} is zstd-compressed, which needs the Python module 'zstandard' (not installed); "
-            "re-export the image with gzip-compressed or uncompressed layers"
-        )
-
-
-def decompress(src: HashingReader, compression: Compression) -> Reader:
-    if compression == "gzip":
-        return gzip.GzipFile(fileobj=src, mode="rb")
-    if compression == "zstd":
-        zstd = zstd_module()
-        if zstd is None:
-            raise InvalidRequest("zstd-compressed layer, and the Python module 'zstandard' is not installed")
-        reader: Reader = zstd.ZstdDecompressor().stream_reader(src, read_across_frames=True)
-        return reader
-    return src
-
-
-def sniff(head: bytes) -> Compression:
-    # The bytes decide, not the media type: mislabelled layers exist and tools (containerd) cope.
-    if head.startswith(GZIP_MAGIC):
-        return "gzip"
-    if head.startswith(ZSTD_MAGIC):
-        return "zstd"
-    return "none"
 
 
 # ---- extraction ----------------------------------------------------------------------------------------

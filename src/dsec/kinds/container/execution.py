@@ -17,7 +17,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ...core.output import CappedBuffer
+from ...core.output import CappedBuffer, exec_result
 from ...errors import BackendError, LimitExceeded, SandboxGone
 from ...isolation import cgroups
 from ...models import ExecResult
@@ -121,25 +121,7 @@ class _Capture:
 
     def result(self, status: int, started: float, timed_out: bool, oom: bool) -> ExecResult:
         """``status`` is a raw wait status."""
-        if os.WIFSIGNALED(status):
-            signal: int | None = os.WTERMSIG(status)
-            code = 128 + (signal or 0)
-        else:
-            code = os.WEXITSTATUS(status)
-            signal = None
-        out, err = self.caps["stdout"], self.caps["stderr"]
-        return ExecResult(
-            exit_code=code,
-            signal=signal,
-            stdout=out.text(),
-            stderr=err.text(),
-            truncated=out.truncated or err.truncated,
-            stdout_bytes=out.total,
-            stderr_bytes=err.total,
-            timed_out=timed_out,
-            oom_killed=oom,
-            duration=time.monotonic() - started,
-        )
+        return exec_result(status, self.caps["stdout"], self.caps["stderr"], started, timed_out=timed_out, oom=oom)
 
 
 async def _supervise(

@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from ...core.output import CappedBuffer
+from ...core.output import CappedBuffer, exec_result
 from ...errors import BackendError, InvalidRequest, LimitExceeded, SandboxGone, SandboxTimeout
 from ...models import ExecResult
 from ..base import MAX_ARCHIVE, OutputCallback
@@ -323,29 +323,9 @@ class GuestChannel:
 
 def _result(ex: _Exec, status: int | None, started: float, timed_out: bool) -> ExecResult:
     """``status`` is a raw wait status, or None if unknown (a start failure, or an unconfirmed kill)."""
-    signal: int | None = None
-    code: int | None
     if ex.failure is not None:
         err, message = ex.failure
         # the same codes a shell (and the container kind) gives a command that cannot be run
-        code = 127 if err == errno.ENOENT else 126
+        status = (127 if err == errno.ENOENT else 126) << 8
         ex.caps["stderr"].feed(f"dsec: {message}\n".encode())
-    elif status is None:
-        code = None
-    elif os.WIFSIGNALED(status):
-        signal = os.WTERMSIG(status)
-        code = 128 + signal
-    else:
-        code = os.WEXITSTATUS(status)
-    out, err_cap = ex.caps["stdout"], ex.caps["stderr"]
-    return ExecResult(
-        exit_code=code,
-        signal=signal,
-        stdout=out.text(),
-        stderr=err_cap.text(),
-        truncated=out.truncated or err_cap.truncated,
-        stdout_bytes=out.total,
-        stderr_bytes=err_cap.total,
-        timed_out=timed_out,
-        duration=time.monotonic() - started,
-    )
+    return exec_result(status, ex.caps["stdout"], ex.caps["stderr"], started, timed_out=timed_out)
