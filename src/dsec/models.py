@@ -118,9 +118,32 @@ class SandboxInfo(BaseModel):
     accelerator: Literal["kvm", "tcg"] | None = Field(
         default=None, description="For VM kinds: hardware virtualisation (kvm) or software emulation (tcg)."
     )
-    started_from: Literal["boot", "snapshot"] | None = Field(
-        default=None, description="For VM kinds: booted cold, or restored from a template's memory snapshot."
+    started_from: Literal["boot", "snapshot", "fork"] | None = Field(
+        default=None,
+        description="For VM kinds: booted cold, restored from a template's memory snapshot, or forked from a VM.",
     )
+    forked_from: str | None = Field(default=None, description="The sandbox this one was forked from, if any.")
+    waiting: str | None = Field(
+        default=None, description="While creating: what the sandbox queues for (e.g. a VM boot slot), if anything."
+    )
+
+
+class ForkRequest(_Strict):
+    n: int = Field(1, ge=1, le=64, description="How many copies to restore from one memory snapshot.")
+    timeout: float | None = Field(
+        None, gt=0, le=MAX_TTL_S, description="Time to live of each copy in seconds; default: the parent's."
+    )
+    labels: dict[str, str] | None = Field(None, description="Labels of the copies; default: the parent's.")
+
+    @field_validator("labels")
+    @classmethod
+    def _labels(cls, v: dict[str, str] | None) -> dict[str, str] | None:
+        return None if v is None else CreateSandbox._labels(v)
+
+
+class ForkResult(BaseModel):
+    sandboxes: list[SandboxInfo]
+    seconds: float = Field(description="From the request to the last copy answering.")
 
 
 class SandboxList(BaseModel):

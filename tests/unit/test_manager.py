@@ -355,9 +355,11 @@ async def test_readopt(fresh: Core) -> None:
     stored(mgr, "sb-creating", State.creating)
     stored(mgr, "sb-stopping", State.stopping)
     stored(mgr, "sb-paused", State.paused)
+    stored(mgr, "sb-paused-dead", State.paused)
     stored(mgr, "sb-vm", State.running, kind="vm")
     stored(mgr, "sb-done", State.stopped)
     backend.dead.add("sb-dead")
+    backend.dead.add("sb-paused-dead")
     await mgr.start()
     try:
         assert state_of(mgr, "sb-alive") == (State.running, None)
@@ -372,11 +374,13 @@ async def test_readopt(fresh: Core) -> None:
             State.lost,
             "the daemon stopped while the sandbox was being stopped",
         )
-        assert state_of(mgr, "sb-paused")[0] == State.lost
+        # a paused sandbox still there stays paused (a VM stopped in place survives the daemon)
+        assert state_of(mgr, "sb-paused") == (State.paused, None)
+        assert state_of(mgr, "sb-paused-dead")[0] == State.lost
         assert state_of(mgr, "sb-vm") == (State.lost, "kind 'vm' is not available in this daemon")
         assert state_of(mgr, "sb-done") == (State.stopped, None)
-        assert "sb-alive" not in backend.destroyed
-        assert {"sb-dead", "sb-creating", "sb-stopping", "sb-paused"} <= set(backend.destroyed)
+        assert not {"sb-alive", "sb-paused"} & set(backend.destroyed)
+        assert {"sb-dead", "sb-creating", "sb-stopping", "sb-paused-dead"} <= set(backend.destroyed)
         result = await mgr.exec("sb-alive", ExecRequest(cmd="true"))
         assert result.exit_code == 0
         with pytest.raises(SandboxGone, match="not running when the daemon restarted"):

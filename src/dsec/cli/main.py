@@ -1,4 +1,4 @@
-"""``dsec``: serve, run, ps, exec, rm, images, version, demo, bench."""
+"""``dsec``: serve, run, ps, exec, rm, pause, resume, fork, snapshot, image, version, demo, bench."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from .common import TokenOpt, UrlOpt, console, err
 from .common import client as _client
 from .common import fail as _fail
 from .image import image_app
+from .machine import fork, pause, resume
 
 app = typer.Typer(help="dsec: elastic sandboxes for training and evaluating AI agents.", no_args_is_help=True)
 bench_app = typer.Typer(help="Benchmarks that write JSON, with peers measured side by side.", no_args_is_help=True)
@@ -145,7 +146,7 @@ def ps(
             i.id,
             i.kind,
             i.image,
-            i.state.value,
+            f"{i.state.value} (waiting for {i.waiting})" if i.waiting else i.state.value,
             i.created_at.strftime("%H:%M:%S"),
             i.expires_at.strftime("%H:%M:%S"),
             ",".join(f"{k}={v}" for k, v in i.labels.items()),
@@ -328,6 +329,10 @@ def bench_density(
     from ..bench.density import main as density_main
 
     raise typer.Exit(density_main(n=n, json_out=json_out, state_dir=state_dir, image=image, concurrency=concurrency))
+
+
+for _command in (pause, resume, fork):
+    app.command()(_command)
 
 
 def main() -> None:

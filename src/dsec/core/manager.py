@@ -26,6 +26,8 @@ from ..models import (
     ExecRequest,
     ExecResult,
     FileEntry,
+    ForkRequest,
+    ForkResult,
     GcResult,
     ImageInfo,
     SandboxInfo,
@@ -70,6 +72,7 @@ class SandboxManager:
         self._packing: dict[str, asyncio.Event] = {}
         self.builds = Builder(self)
         self._background: set[asyncio.Task[None]] = set()
+        self._busy: dict[str, int] = {}  # sandbox id -> execs in flight (a VM is not paused under one)
 
     # ---- daemon lifecycle --------------------------------------------------------------------------
 
@@ -106,7 +109,7 @@ class SandboxManager:
             self._live[rec.id] = rec
             backend = self.backends.get(rec.kind)
             alive = False
-            if backend is not None and rec.state == State.running:
+            if backend is not None and rec.state in (State.running, State.paused):
                 try:
                     alive = await backend.alive(rec)
                 except DsecError:
@@ -260,7 +263,117 @@ class SandboxManager:
         rec, backend = self._running(sandbox_id)
         env = {**rec.env, **req.env}
         req = req.model_copy(update={"env": env})
-        return await self._checked(rec, backend.exec(rec, req, on_output))
+        self._busy[rec.id] = self._busy.get(rec.id, 0) + 1
+        try:
+            return await self._checked(rec, backend.exec(rec, req, on_output))
+        finally:
+            left = self._busy[rec.id] - 1
+            if left:
+                self._busy[rec.id] = left
+            else:
+                del self._busy[rec.id]
+
+    # ---- pause, resume, fork -----------------------------------------------------------------------
+
+    async def pause(self, sandbox_id: str) -> SandboxInfo:
+        """Stop the sandbox's processes where they stand; pausing a paused sandbox is not an error.
+
+        Refused while a command runs: its timeout keeps counting on the host, and a guest that cannot
+        answer its kill is a guest the host must destroy. Allowed in: running, paused.
+        """
+        async with self._lock(sandbox_id):
+            rec = self._get(sandbox_id)
+            if rec.state == State.paused:
+                return rec.info()
+            rec, backend = self._running(sandbox_id)
+            if busy := self._busy.get(rec.id):
+                raise InvalidState(
+                    f"sandbox {rec.id} has {busy} command(s) running; pause it between commands",
+                    detail={"state": rec.state.value},
+                )
+            # paused before the backend is asked, so no exec can start in between
+            self._set_state(rec, State.paused)
+            try:
+                await backend.pause(rec)
+            except SandboxGone as e:
+                self._set_state(rec, State.failed, str(e))
+                raise
+            except BaseException:
+                self._set_state(rec, State.running)
+                raise
+        return rec.info()
+
+    async def resume(self, sandbox_id: str) -> SandboxInfo:
+        """Let a paused sandbox run on; resuming a running one is not an error. Allowed in: paused, running."""
+        async with self._lock(sandbox_id):
+            rec = self._get(sandbox_id)
+            if rec.state == State.running:
+                return rec.info()
+            if rec.state != State.paused:
+                self._running(sandbox_id)  # raises the precise error
+            try:
+                await self.backends[rec.kind].resume(rec)
+            except SandboxGone as e:
+                self._set_state(rec, State.failed, str(e))
+                raise
+            self._set_state(rec, State.running)
+        return rec.info()
+
+    async def fork(self, sandbox_id: str, req: ForkRequest) -> ForkResult:
+        """``req.n`` new sandboxes restored from one memory snapshot of this one, each with its own copy
+        of its memory and writable layer. All or nothing: if one copy fails, none is kept.
+
+        Allowed in: running, paused (the parent is left as it was).
+        """
+        started = time.monotonic()
+        parent = self._get(sandbox_id)
+        if parent.state != State.paused:
+            self._running(sandbox_id)
+        backend = self.backends[parent.kind]
+        children: list[SandboxRecord] = []
+        try:
+            async with self._lock(parent.id):
+                parent = self._get(sandbox_id)
+                if parent.state != State.paused:
+                    self._running(sandbox_id)
+                async with backend.checkpoint(parent) as checkpoint:
+                    now = time.time()
+                    ttl = req.timeout if req.timeout is not None else parent.expires_at - parent.created_at
+                    for _ in range(req.n):
+                        child = SandboxRecord(
+                            id="sb-" + secrets.token_hex(6),
+                            kind=parent.kind,
+                            image=parent.image,
+                            image_digest=parent.image_digest,
+                            state=State.creating,
+                            created_at=now,
+                            expires_at=now + ttl,
+                            limits=parent.limits,
+                            env=dict(parent.env),
+                            labels=dict(parent.labels if req.labels is None else req.labels),
+                            runtime={"forked_from": parent.id},
+                        )
+                        self._set_state(child, State.creating)
+                        children.append(child)
+                    results = await asyncio.gather(
+                        *(backend.restore(c, parent, checkpoint) for c in children), return_exceptions=True
+                    )
+            failed = [(c, r) for c, r in zip(children, results, strict=True) if isinstance(r, BaseException)]
+            if failed:
+                first = failed[0][1]
+                why = first.message if isinstance(first, DsecError) else f"{type(first).__name__}: {first}"
+                raise BackendError(f"{len(failed)} of {req.n} copies of {parent.id} failed to start: {why}")
+        except BaseException as e:
+            reason = str(e) if isinstance(e, DsecError) else f"{type(e).__name__}: {e}"
+            for child in children:
+                self._set_state(child, State.failed, f"fork failed: {reason}")
+                with contextlib.suppress(Exception):
+                    await backend.destroy(child)
+            raise
+        for child in children:
+            self._set_state(child, State.running)
+        log.info("sandbox %s forked into %d in %.2fs", parent.id, req.n, time.monotonic() - started)
+        return ForkResult(sandboxes=[c.info() for c in children], seconds=round(time.monotonic() - started, 3))
 
     async def _checked(self, rec: SandboxRecord, op: Awaitable[T]) -> T:
         """Run an operation; if the sandbox died under it, report that rather than a runtime error."""

@@ -7,7 +7,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from ..errors import InvalidRequest
 from ..images.store import ImageRef
@@ -85,3 +85,23 @@ class Backend(ABC):
         """The sandbox's writable layer in overlayfs format, ids as the sandbox sees them, while every
         process in it is frozen (pack_diff). Kinds that cannot snapshot yet keep this default."""
         raise InvalidRequest(f"sandboxes of kind {self.kind!r} cannot be snapshotted yet")
+
+    async def pause(self, rec: SandboxRecord) -> None:
+        """Stop every process of the sandbox where it stands (a VM's vCPUs; a container's cgroup)."""
+        raise InvalidRequest(f"sandboxes of kind {self.kind!r} cannot be paused")
+
+    async def resume(self, rec: SandboxRecord) -> None:
+        """Let a paused sandbox run on."""
+        raise InvalidRequest(f"sandboxes of kind {self.kind!r} cannot be paused")
+
+    def checkpoint(self, rec: SandboxRecord) -> contextlib.AbstractAsyncContextManager[Any]:
+        """A memory snapshot of the whole sandbox (fork), valid inside the context; the sandbox is left
+        as it was (running or paused) once the snapshot is taken."""
+        raise InvalidRequest(
+            f"sandboxes of kind {self.kind!r} cannot be forked: fork restores a memory snapshot, which only VM "
+            "kinds (microvm, vm) take; snapshot() the sandbox and create new ones from that image instead"
+        )
+
+    async def restore(self, rec: SandboxRecord, parent: SandboxRecord, checkpoint: Any) -> None:
+        """Make ``rec`` run as a copy of ``parent`` at the moment ``checkpoint`` was taken."""
+        raise InvalidRequest(f"sandboxes of kind {self.kind!r} cannot be forked")

@@ -22,6 +22,8 @@ from ..models import (
     ExecResult,
     FileEntry,
     FileList,
+    ForkRequest,
+    ForkResult,
     GcResult,
     Health,
     ImageInfo,
@@ -391,6 +393,37 @@ class AsyncSandbox:
         body = {"name": name, "scrub": scrub or [], "scrub_defaults": scrub_defaults, "description": description}
         reply = await self._t.request("POST", f"/v1/sandboxes/{self.id}/snapshot", json=body, timeout=CREATE_TIMEOUT)
         return ImageInfo.model_validate_json(reply.content)
+
+    async def pause(self) -> None:
+        """Stop every process of the sandbox where it stands (VM kinds: the whole machine) until ``resume()``.
+
+        Refused while a command runs. Its time to live keeps counting.
+        """
+        reply = await self._t.request("POST", f"/v1/sandboxes/{self.id}/pause")
+        self._info = SandboxInfo.model_validate_json(reply.content)
+
+    async def resume(self) -> None:
+        """Let a paused sandbox run on (a VM's clock and random state are refreshed)."""
+        reply = await self._t.request("POST", f"/v1/sandboxes/{self.id}/resume")
+        self._info = SandboxInfo.model_validate_json(reply.content)
+
+    async def fork(
+        self, n: int = 1, *, timeout: float | None = None, labels: dict[str, str] | None = None
+    ) -> builtins.list[AsyncSandbox]:
+        """``n`` new sandboxes restored from one memory snapshot of this one (VM kinds): same processes,
+        same files, each with its own copy, clocks and random state refreshed. This sandbox is left
+        running (or paused) as it was. All or none: if a copy fails, the call raises and keeps none.
+
+        ``timeout``: each copy's time to live (default: this sandbox's); ``labels``: theirs (default: its).
+        """
+        body: dict[str, Any] = {"n": n, "timeout": timeout, "labels": labels}
+        try:
+            ForkRequest.model_validate(body)
+        except ValueError as e:
+            raise InvalidRequest(validation_message(e)) from None
+        reply = await self._t.request("POST", f"/v1/sandboxes/{self.id}/fork", json=body, timeout=CREATE_TIMEOUT)
+        result = ForkResult.model_validate_json(reply.content)
+        return [AsyncSandbox(info, self._client) for info in result.sandboxes]
 
     async def kill(self) -> None:
         """Stop the sandbox and free everything it holds. Killing a stopped sandbox is not an error."""

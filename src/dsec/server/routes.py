@@ -27,6 +27,8 @@ from ..models import (
     ExecRequest,
     ExecResult,
     FileList,
+    ForkRequest,
+    ForkResult,
     GcResult,
     Health,
     ImageInfo,
@@ -212,6 +214,23 @@ async def download_archive(sandbox_id: str, path: PathQ, mgr: Mgr) -> Response:
 async def snapshot(sandbox_id: str, body: SnapshotRequest, mgr: Mgr) -> ImageInfo:
     """pack_diff: the sandbox's changes become a new immutable image version on top of its image."""
     return await mgr.snapshot(sandbox_id, body)
+
+
+@api.post("/sandboxes/{sandbox_id}/pause", response_model=SandboxInfo)
+async def pause_sandbox(sandbox_id: str, mgr: Mgr) -> SandboxInfo:
+    """Stop every process of the sandbox where it stands (VM kinds: the vCPUs). Not while a command runs."""
+    return await mgr.pause(sandbox_id)
+
+
+@api.post("/sandboxes/{sandbox_id}/resume", response_model=SandboxInfo)
+async def resume_sandbox(sandbox_id: str, mgr: Mgr) -> SandboxInfo:
+    return await mgr.resume(sandbox_id)
+
+
+@api.post("/sandboxes/{sandbox_id}/fork", response_model=ForkResult, status_code=201)
+async def fork_sandbox(sandbox_id: str, body: ForkRequest, mgr: Mgr) -> ForkResult:
+    """N new sandboxes restored from one memory snapshot of this one (VM kinds), all or none."""
+    return await mgr.fork(sandbox_id, body)
 
 
 ImageName = Annotated[str, Query(min_length=1, max_length=256, description="repo:tag")]

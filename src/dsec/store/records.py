@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, Literal
 
 from ..models import Limits, SandboxInfo, State
 
@@ -38,5 +38,15 @@ class SandboxRecord:
             labels=dict(self.labels),
             env=dict(self.env),
             accelerator=self.runtime.get("accel"),
-            started_from=("snapshot" if self.runtime["restored"] else "boot") if "restored" in self.runtime else None,
+            started_from=_started_from(self.runtime),
+            forked_from=self.runtime.get("forked_from"),
+            waiting=self.runtime.get("waiting"),
         )
+
+
+def _started_from(runtime: dict[str, Any]) -> Literal["boot", "snapshot", "fork"] | None:
+    if runtime.get("forked_from"):
+        return "fork"
+    if "restored" in runtime:
+        return "snapshot" if runtime["restored"] else "boot"
+    return None

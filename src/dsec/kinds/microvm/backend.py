@@ -15,10 +15,11 @@ import contextlib
 import dataclasses
 import logging
 import os
+import secrets
 import shutil
 import signal
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import AsyncIterator, Callable, Coroutine
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -36,10 +37,21 @@ from .files import GuestFiles
 
 log = logging.getLogger("dsec.microvm")
 
+
+@dataclasses.dataclass(frozen=True)
+class Checkpoint:
+    """A paused moment of one VM: its shape and its saved memory (the writable layer lives in it)."""
+
+    spec: qemu.VMSpec
+    memory: Path
+
+
 BOOT_TIMEOUT = {"kvm": 30.0, "tcg": 120.0}
 # Concurrent boots: software emulation needs a core per booting guest, and here (2 cores) 16 TCG boots at
 # once livelocked and 2 beside a busy guest sometimes never finished; hardware virtualisation boots cheaply.
 BOOTS = {"kvm": max(1, (os.cpu_count() or 1)), "tcg": max(1, (os.cpu_count() or 1) // 2)}
+# A restore maps a saved memory image and runs on: cheap enough to run a few per core at once.
+RESTORES = {"kvm": 4 * (os.cpu_count() or 1), "tcg": 2 * (os.cpu_count() or 1)}
 VM_CACHE = Path(os.environ.get("DSEC_VM_CACHE", "/var/cache/dsec/vm"))
 # Memory-snapshot templates: on by default; DSEC_VM_TEMPLATES=0 makes every VM boot cold.
 TEMPLATES = os.environ.get("DSEC_VM_TEMPLATES", "1") != "0"
@@ -55,6 +67,7 @@ class MicroVMBackend(Backend):
         self.assets: guest.GuestAssets | None = None
         self.accel = "tcg"
         self._boots = asyncio.Semaphore(1)  # sized when the accelerator is known
+        self._restores = asyncio.Semaphore(1)
         self._channels: dict[str, GuestChannel] = {}
         self._attach: dict[str, asyncio.Lock] = {}
         self._stops: dict[str, asyncio.Event] = {}
@@ -83,6 +96,7 @@ class MicroVMBackend(Backend):
                     "%s kind: accelerator %s (%s), guest kernel %s", self.kind, self.accel, why, assets.kernel_version
                 )
                 self._boots = asyncio.Semaphore(BOOTS[self.accel])
+                self._restores = asyncio.Semaphore(RESTORES[self.accel])
                 self.assets = assets
             return self.assets
 
@@ -125,16 +139,40 @@ class MicroVMBackend(Backend):
         key = snapshots.template_key(spec, image.layer_digests)
         memory = self.templates / key / "memory.bin"
         restore = TEMPLATES and await asyncio.to_thread(memory.exists)
-        async with self._boots:
+        chan = await self._launch(rec, spec, memory if restore else None)
+        rec.runtime["restored"] = restore
+        if TEMPLATES and not restore and key not in self._building:
+            self._building.add(key)
+            self._background(self._build_template(key, spec, image.layer_digests))
+        if image.user not in ("", "root"):
+            account = await self._account(rec, chan, image.user)
+            if not account.is_root:
+                rec.runtime["user"] = [account.uid, account.gid]
+                if "HOME" not in rec.env and "HOME" not in image.env:
+                    env["HOME"] = account.home
+
+    async def _launch(self, rec: SandboxRecord, spec: qemu.VMSpec, memory: Path | None) -> GuestChannel:
+        """Start QEMU (booting, or restoring ``memory``) and wait for its agent. Boots and restores queue
+        for separate slots, so restores never wait behind boots; the wait shows in the sandbox's info."""
+        gate = self._restores if memory is not None else self._boots
+        rec.runtime["spec"] = {
+            "memory_mib": spec.memory_mib,
+            "cpus": spec.cpus,
+            "layers": [str(p) for p in spec.layers],
+        }
+        if gate.locked():
+            rec.runtime["waiting"] = "a VM restore slot" if memory is not None else "a VM boot slot"
+        async with gate:
+            rec.runtime.pop("waiting", None)
             started = time.monotonic()
-            pid = qemu.start(spec, incoming=memory if restore else None)
+            pid = qemu.start(spec, incoming=memory)
             rec.runtime["pid"] = pid
             self._watch(rec.id, pid)
             try:
-                if restore:
+                if memory is not None:
                     await asyncio.to_thread(snapshots.resume_restored, spec.qmp_sock)
-                chan = await self._connect(rec, BOOT_TIMEOUT[self.accel])
-                if restore:
+                chan = await self._connect(rec, BOOT_TIMEOUT[self.accel], kick=memory is not None)
+                if memory is not None:
                     clock, rng = await chan.refresh(10.0)
                     if not (clock and rng):
                         raise BackendError(f"the restored guest could not refresh (clock {clock}, rng {rng})")
@@ -146,16 +184,7 @@ class MicroVMBackend(Backend):
                     f"the VM did not come up ({why}); QEMU said: {qlog[-600:] or '-'}; console ends with: {tail[-800:]}"
                 ) from e
             rec.runtime["boot_s"] = round(time.monotonic() - started, 3)
-            rec.runtime["restored"] = restore
-        if TEMPLATES and not restore and key not in self._building:
-            self._building.add(key)
-            self._background(self._build_template(key, spec, image.layer_digests))
-        if image.user not in ("", "root"):
-            account = await self._account(rec, chan, image.user)
-            if not account.is_root:
-                rec.runtime["user"] = [account.uid, account.gid]
-                if "HOME" not in rec.env and "HOME" not in image.env:
-                    env["HOME"] = account.home
+        return chan
 
     def _background(self, coro: Coroutine[Any, Any, None]) -> None:
         task = asyncio.create_task(coro)
@@ -219,8 +248,10 @@ class MicroVMBackend(Backend):
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
 
-    async def _connect(self, rec: SandboxRecord, timeout: float) -> GuestChannel:
-        chan = await connect_agent(self._bundle(rec) / "agent.sock", timeout, lambda: self._exited.get(rec.id))
+    async def _connect(self, rec: SandboxRecord, timeout: float, kick: bool = False) -> GuestChannel:
+        chan = await connect_agent(
+            self._bundle(rec) / "agent.sock", timeout, lambda: self._exited.get(rec.id), kick=kick
+        )
         self._channels[rec.id] = chan
         return chan
 
@@ -261,6 +292,73 @@ class MicroVMBackend(Backend):
     async def alive(self, rec: SandboxRecord) -> bool:
         pid = rec.runtime.get("pid")
         return isinstance(pid, int) and rec.id not in self._exited and qemu.is_ours(pid, rec.id)
+
+    # ---- pause, resume, fork -----------------------------------------------------------------------
+
+    def _spec_of(self, rec: SandboxRecord) -> qemu.VMSpec:
+        """The VMSpec a running sandbox was started with (what a copy of it must match)."""
+        shape = rec.runtime.get("spec")
+        if self.assets is None or not isinstance(shape, dict):
+            raise BackendError(f"sandbox {rec.id} has no recorded VM shape (started by an older dsec?)")
+        return qemu.VMSpec(
+            name=rec.id,
+            machine=self.machine,
+            accel=self.accel,
+            memory_mib=int(shape["memory_mib"]),
+            cpus=int(shape["cpus"]),
+            kernel=self.assets.kernel,
+            initrd=self.assets.initrd,
+            helper=self.assets.helper,
+            layers=tuple(Path(p) for p in shape["layers"]),
+            disk_bytes=rec.limits.disk,
+            bundle=self._bundle(rec),
+        )
+
+    async def _qmp(self, rec: SandboxRecord, command: str) -> Any:
+        if not await self.alive(rec):
+            raise SandboxGone(self._exited.get(rec.id) or f"the VM of sandbox {rec.id} is gone")
+        return await asyncio.to_thread(snapshots.command, self._bundle(rec) / "qmp.sock", command)
+
+    async def pause(self, rec: SandboxRecord) -> None:
+        await self._qmp(rec, "stop")
+
+    async def resume(self, rec: SandboxRecord) -> None:
+        await self._qmp(rec, "cont")
+        await self._refresh(rec)
+
+    async def _refresh(self, rec: SandboxRecord) -> None:
+        """After the guest stood still: its clock to the host's, its CRNG reseeded."""
+        clock, rng = await (await self._channel(rec)).refresh(10.0)
+        if not (clock and rng):
+            log.warning("sandbox %s could not refresh after a pause (clock %s, rng %s)", rec.id, clock, rng)
+
+    @contextlib.asynccontextmanager
+    async def checkpoint(self, rec: SandboxRecord) -> AsyncIterator[Checkpoint]:
+        await self._prepare()
+        spec = self._spec_of(rec)
+        memory = self.vm_dir / f"fork-{rec.id}-{secrets.token_hex(4)}.mem"
+        try:
+            was_running = (await self._qmp(rec, "query-status")).get("status") == "running"
+            started = time.monotonic()
+            size = await asyncio.to_thread(snapshots.save, spec.qmp_sock, memory)
+            log.info("sandbox %s: memory snapshot of %d MiB in %.2fs", rec.id, size >> 20, time.monotonic() - started)
+            if was_running:
+                await self._qmp(rec, "cont")
+                await self._refresh(rec)
+            yield Checkpoint(spec=spec, memory=memory)
+        finally:
+            await asyncio.to_thread(memory.unlink, True)
+
+    async def restore(self, rec: SandboxRecord, parent: SandboxRecord, checkpoint: Any) -> None:
+        if not isinstance(checkpoint, Checkpoint):
+            raise BackendError(f"not a {self.kind} checkpoint: {checkpoint!r}")
+        spec = dataclasses.replace(checkpoint.spec, name=rec.id, bundle=self._bundle(rec))
+        await asyncio.to_thread(spec.bundle.mkdir, parents=True)
+        rec.runtime.update(
+            {k: v for k, v in parent.runtime.items() if k in ("env", "cwd", "accel", "user_spec", "user")}
+        )
+        await self._launch(rec, spec, checkpoint.memory)
+        rec.runtime["restored"] = True
 
     # ---- exec and files ----------------------------------------------------------------------------
 
@@ -336,11 +434,12 @@ class MicroVMBackend(Backend):
         return await self._files(rec).download_tar(path)
 
 
-async def connect_agent(sock: Path, timeout: float, gone: Callable[[], str | None]) -> GuestChannel:
+async def connect_agent(sock: Path, timeout: float, gone: Callable[[], str | None], kick: bool = False) -> GuestChannel:
     """A channel to a guest agent that has said 'R', retrying while the guest boots or restores.
 
     An agent that does not greet within a second is asked to (``hello``): one restored from a memory
-    snapshot, or one whose greeting crossed the host's connection, may believe it already did.
+    snapshot, or one whose greeting crossed the host's connection, may believe it already did. With
+    ``kick`` (a restored guest) it is asked at once.
     """
     deadline = time.monotonic() + timeout
     while True:
@@ -349,6 +448,8 @@ async def connect_agent(sock: Path, timeout: float, gone: Callable[[], str | Non
         try:
             chan = await GuestChannel.connect_unix(sock, timeout=2.0)
             try:
+                if kick:
+                    await chan.hello()
                 while True:
                     try:
                         await chan.wait_ready(min(1.0, max(0.1, deadline - time.monotonic())))

@@ -128,3 +128,12 @@ def resume_restored(qmp_path: Path, timeout: float = 120.0) -> None:
         qmp.execute("cont")
     finally:
         qmp.close()
+
+
+def command(qmp_path: Path, name: str, arguments: dict[str, Any] | None = None) -> Any:
+    """One QMP command on a fresh connection (pause, resume, status)."""
+    qmp = QMP(qmp_path, timeout=10.0)
+    try:
+        return qmp.execute(name, arguments)
+    finally:
+        qmp.close()

@@ -1,0 +1,66 @@
+"""``dsec pause``, ``dsec resume``, ``dsec fork``: stopping a sandbox in place and copying a running one."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from ..errors import DsecError
+from .common import TokenOpt, UrlOpt, console, err
+from .common import client as _client
+from .common import fail as _fail
+
+
+def pause(
+    sandbox_ids: Annotated[list[str], typer.Argument(help="Sandbox ids.")],
+    url: UrlOpt = None,
+    token: TokenOpt = None,
+) -> None:
+    """Stop every process of sandboxes where they stand (VM kinds: the whole machine) until resumed."""
+    _each(sandbox_ids, "pause", url, token)
+
+
+def resume(
+    sandbox_ids: Annotated[list[str], typer.Argument(help="Sandbox ids.")],
+    url: UrlOpt = None,
+    token: TokenOpt = None,
+) -> None:
+    """Let paused sandboxes run on."""
+    _each(sandbox_ids, "resume", url, token)
+
+
+def _each(sandbox_ids: list[str], action: str, url: str | None, token: str | None) -> None:
+    from ..sdk.sync import Sandbox
+
+    client = _client(url, token)
+    failed = False
+    for sid in sandbox_ids:
+        try:
+            getattr(Sandbox.connect(sid, client=client), action)()
+            console.print(sid)
+        except DsecError as e:
+            err.print(f"[red]error[/red] {sid} ({e.code}): {e.message}")
+            failed = True
+    raise typer.Exit(2 if failed else 0)
+
+
+def fork(
+    sandbox_id: Annotated[str, typer.Argument(help="The sandbox to copy (a running or paused VM).")],
+    n: Annotated[int, typer.Option("-n", "--n", min=1, max=64, help="How many copies.")] = 1,
+    timeout: Annotated[
+        float | None, typer.Option(help="Time to live of each copy in seconds (default: the parent's).")
+    ] = None,
+    url: UrlOpt = None,
+    token: TokenOpt = None,
+) -> None:
+    """Restore N new sandboxes from one memory snapshot of a running VM; prints their ids."""
+    from ..sdk.sync import Sandbox
+
+    try:
+        copies = Sandbox.connect(sandbox_id, client=_client(url, token)).fork(n, timeout=timeout)
+    except DsecError as e:
+        _fail(e)
+        return
+    for sb in copies:
+        console.print(sb.id)

@@ -1,0 +1,89 @@
+"""Pause, resume and fork of real micro-VMs: copies carry the parent's processes and files, each with
+its own memory, clock and random state. One parent VM and two copies (TCG here: VMs are few)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import pytest
+
+import dsec
+
+from .conftest import Daemon
+
+
+@pytest.fixture(scope="module")
+def parent(daemon: Daemon) -> Iterator[dsec.Sandbox]:
+    try:
+        sb = dsec.Sandbox.create(image="dsec/busybox", kind="microvm", client=daemon.client(), memory="192Mi")
+    except dsec.InvalidRequest as e:
+        pytest.skip(f"microvm: {e}")
+    yield sb
+    sb.kill()
+
+
+def test_pause_stops_the_machine_and_resume_goes_on(parent: dsec.Sandbox) -> None:
+    parent.exec("(while true; do date +%s >> /tmp/ticks; sleep 0.2; done) >/dev/null 2>&1 &")
+    time.sleep(1)
+    parent.pause()
+    assert parent.info().state == dsec.State.paused
+    with pytest.raises(dsec.InvalidState, match="paused"):
+        parent.exec("true")
+    time.sleep(2)
+    parent.resume()
+    after = parent.exec("wc -l < /tmp/ticks; date +%s").stdout.split()
+    time.sleep(1)
+    later = int(parent.exec("wc -l < /tmp/ticks").stdout)
+    assert later > int(after[0])  # the background loop survived the pause and runs again
+    assert abs(int(after[1]) - time.time()) < 5  # the clock was set after the pause
+
+
+def test_fork_copies_a_running_machine(parent: dsec.Sandbox) -> None:
+    parent.files.write("/work/state.txt", "before the fork\n")
+    parent.exec("(while true; do echo tick >> /tmp/forked-ticks; sleep 0.2; done) >/dev/null 2>&1 &")
+    started = time.monotonic()
+    copies = parent.fork(2, labels={"role": "copy"})
+    took = time.monotonic() - started
+    try:
+        assert len(copies) == 2 and took < 60
+        assert parent.info().state == dsec.State.running  # the parent runs on
+        for copy in copies:
+            info = copy.info()
+            assert info.forked_from == parent.id and info.started_from == "fork" and info.labels == {"role": "copy"}
+            assert copy.files.read_text("/work/state.txt") == "before the fork\n"
+            # the parent's background process lives on in each copy
+            grown = copy.exec("a=$(wc -l < /tmp/forked-ticks); sleep 1; b=$(wc -l < /tmp/forked-ticks); echo $a $b")
+            a, b = map(int, grown.stdout.split())
+            assert b > a
+        # each copy has its own writable layer, memory, clock and random state
+        copies[0].files.write("/work/state.txt", "copy 0\n")
+        assert copies[1].files.read_text("/work/state.txt") == "before the fork\n"
+        assert parent.files.read_text("/work/state.txt") == "before the fork\n"
+        outputs = [c.exec("head -c 16 /dev/urandom | od -An -tx1; date +%s").stdout.split("\n") for c in copies]
+        assert outputs[0][0] != outputs[1][0]
+        for out in outputs:
+            assert abs(int(out[1]) - time.time()) < 10
+    finally:
+        for copy in copies:
+            copy.kill()
+
+
+def test_fork_of_a_paused_machine_and_of_a_container(parent: dsec.Sandbox, daemon: Daemon) -> None:
+    parent.pause()
+    try:
+        (copy,) = parent.fork(1)
+        try:
+            assert parent.info().state == dsec.State.paused
+            assert copy.exec("echo alive").stdout == "alive\n"
+        finally:
+            copy.kill()
+    finally:
+        parent.resume()
+    with dsec.Sandbox.create(image="dsec/busybox", client=daemon.client()) as box:
+        with pytest.raises(dsec.InvalidRequest, match="memory snapshot"):
+            box.fork(1)
+        box.pause()  # containers pause through the cgroup freezer
+        assert box.info().state == dsec.State.paused
+        box.resume()
+        assert box.exec("echo ok").stdout == "ok\n"
