@@ -17,7 +17,8 @@ import dsec
 
 from ..integration.conftest import SKIP, Daemon, shut_down, start_daemon
 
-KINDS = ("container", "microvm")
+# "vm" boots dsec/busybox's own init (busybox init, /bin/init) on a q35 machine
+KINDS = ("container", "microvm", "vm")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -41,7 +41,7 @@ def test_unknown_sandbox(daemon: object) -> None:
 
 def test_kinds_not_yet_available(daemon: object) -> None:
     with pytest.raises(dsec.InvalidRequest, match="not available"):
-        dsec.Sandbox.create(image="dsec/busybox", kind="vm")
+        dsec.Sandbox.create(image="dsec/busybox", kind="function")
 
 
 def test_raw_http_errors_are_4xx_with_codes(daemon: object) -> None:

@@ -181,12 +181,12 @@ def test_create_rejects_bad_bodies(api: Api, body: bytes, needles: list[str]) ->
     assert api.manager.store.all() == []
 
 
-def test_create_vm_is_not_available_yet(api: Api) -> None:
-    reply = api.client.post("/v1/sandboxes", json={"image": IMAGE, "kind": "vm"}, headers=AUTH)
+def test_create_function_is_not_available_yet(api: Api) -> None:
+    reply = api.client.post("/v1/sandboxes", json={"image": IMAGE, "kind": "function"}, headers=AUTH)
     assert reply.status_code == 400
     err = error_of(reply)
     assert err["code"] == "invalid_request"
-    assert "vm" in err["message"]
+    assert "function" in err["message"]
     assert "not available" in err["message"]
     assert "yet" in err["message"]
 

@@ -9,6 +9,7 @@ import shutil
 import signal
 import socket
 import struct
+import subprocess
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -130,6 +131,29 @@ async def read_raw(sock: socket.socket) -> tuple[bytes, int, bytes]:
 
     size, kind, ident = struct.unpack("<IcI", await exactly(9))
     return kind, ident, await exactly(size - 5)
+
+
+# ---- building ----------------------------------------------------------------------------------------
+
+
+def test_the_agent_refuses_unknown_arguments(agent_bin: Path) -> None:
+    res = subprocess.run([agent_bin, "--bogus"], capture_output=True, text=True, timeout=5)
+    assert res.returncode == 2 and "--image-init" in res.stderr
+
+
+def test_pack_upper_is_built_only_where_its_source_is(
+    agent_bin: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    out = tmp_path / "out"
+    monkeypatch.setattr(agent_build, "PACK_UPPER_SOURCE", tmp_path / "missing.c")
+    assert agent_build.build_pack_upper(out) is None
+    source = tmp_path / "tool.c"
+    source.write_text("int main(void) { return 7; }\n")
+    monkeypatch.setattr(agent_build, "PACK_UPPER_SOURCE", source)
+    built = agent_build.build_pack_upper(out)
+    assert built is not None and subprocess.run([built], timeout=5).returncode == 7
+    mtime = built.stat().st_mtime_ns
+    assert agent_build.build_pack_upper(out) == built and built.stat().st_mtime_ns == mtime  # not rebuilt
 
 
 # ---- basics -------------------------------------------------------------------------------------------

@@ -179,7 +179,7 @@ async def test_async_sdk_errors(sdk: tuple[AsyncClient, SandboxManager, FakeBack
     with pytest.raises(SandboxNotFound):
         await AsyncSandbox.connect("sb-missing", client=client)
     with pytest.raises(InvalidRequest, match="not available"):
-        await client.create(image=IMAGE, kind="vm")
+        await client.create(image=IMAGE, kind="function")
     sb = await client.create(image=IMAGE)
     with pytest.raises(dsec.FileNotFoundInSandbox):
         await sb.files.read("/nope")

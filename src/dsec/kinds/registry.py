@@ -10,10 +10,10 @@ from .base import Backend, BackendContext
 _KINDS: dict[str, str] = {
     "container": "dsec.kinds.container.backend:ContainerBackend",
     "microvm": "dsec.kinds.microvm.backend:MicroVMBackend",
+    "vm": "dsec.kinds.vm.backend:VMBackend",
 }
 _PLANNED = {
     "function": "issue 6 (warm pools)",
-    "vm": "issue 4 (QEMU q35)",
 }
 
 

@@ -4,9 +4,13 @@
   (downloaded once with ``apt-get download`` and unpacked, never installed on the host).
 - The initramfs holds busybox, ``/init`` and the few modules the guest needs (virtio transports,
   block, console, rng; EROFS; overlayfs), dependencies resolved from each module's own modinfo.
-- The helper disk is an EROFS image of the guest agent and a static busybox. ``/init`` mounts the
-  image's layers (read-only disks, EROFS) under overlayfs with a tmpfs upper, mounts the helper disk
-  read-only at ``/.dsec`` and switches root to the agent there: the workload cannot replace the agent.
+- The helper disk is an EROFS image of the guest agent, a static busybox and ``pack-upper``. ``/init``
+  mounts the image's layers (read-only disks, EROFS) under overlayfs with a tmpfs upper, mounts the
+  helper disk read-only at ``/.dsec`` (the workload cannot replace the agent) and the tmpfs at
+  ``/.dsec/rw`` (the writable layer, for the daemon's own tools), then switches root:
+  - kind ``microvm``: to the agent, as pid 1;
+  - kind ``vm`` (an initramfs that holds ``/etc/dsec-init`` = ``image``): to the image's own init,
+    with the agent started beside it first.
 """
 
 from __future__ import annotations
@@ -25,20 +29,23 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ...errors import BackendError
+from . import agent_build
 
 KERNEL_FLAVOUR = "cloud-amd64"
 MODULES = ("virtio_mmio", "virtio_pci", "virtio_blk", "virtio_console", "virtio_rng", "erofs", "overlay")
 _DEPENDS = re.compile(rb"depends=([^\0]*)\0")
 
 INIT = r"""#!/bin/busybox sh
-# dsec's initramfs: mount the image's layers, stack them, hand over to the agent on the helper disk.
+# dsec's initramfs: mount the image's layers, stack them, hand over to the agent on the helper disk
+# (microvm), or to the image's own init with the agent beside it (vm: /etc/dsec-init says "image").
 /bin/busybox --install -s /bin
 mount -t proc proc /proc
 mount -t sysfs sysfs /sys
 mount -t devtmpfs devtmpfs /dev
 case " $(cat /proc/cmdline) " in *" dsec.probe=1 "*) echo dsec-probe-ok > /dev/console; poweroff -f;; esac
 for m in $(cat /modules.order); do insmod "/modules/$m.ko" 2>/dev/null; done
-fail() { echo "dsec-init: $*" > /dev/console; sleep 1; poweroff -f; }
+say() { echo "dsec-init: $*" > /dev/console 2>/dev/null || echo "dsec-init: $*" > /newroot/dev/console; }
+fail() { say "$*"; sleep 1; poweroff -f; }
 arg() { for w in $(cat /proc/cmdline); do case "$w" in "$1="*) echo "${w#*=}";; esac; done; }
 layers=$(arg dsec.layers)
 disk=$(arg dsec.disk)
@@ -68,17 +75,34 @@ mount -t overlay overlay -o "lowerdir=$lower,upperdir=/rw/upper,workdir=/rw/work
 helper=$(find_disk dsec-helper) || fail "helper disk is missing"
 mkdir -p /newroot/.dsec /newroot/proc /newroot/sys /newroot/dev
 mount -t erofs -o ro "$helper" /newroot/.dsec || fail "cannot mount the helper disk"
+# the overlay keeps its upper layer wherever the tmpfs is mounted; the daemon's tools read it there
+mount --move /rw /newroot/.dsec/rw || fail "cannot expose the writable layer"
+if [ "$(cat /etc/dsec-init 2>/dev/null)" = image ]; then
+  # the image's own init, looked for where the kernel looks for one (a shell is no init system)
+  init=""
+  for c in /sbin/init /etc/init /bin/init; do
+    chroot /newroot /.dsec/busybox test -f "$c" -a -x "$c" && { init=$c; break; }
+  done
+  [ -n "$init" ] || fail "kind vm boots the image's own init; this image has none (/sbin/init, /etc/init, /bin/init)"
+  # the init finds /proc, /sys and /dev mounted, as after any initramfs; the agent needs them at once
+  for d in proc sys dev; do mount --move "/$d" "/newroot/$d" || fail "cannot move /$d"; done
+  # returns once the agent's daemon runs with the new root as its own: it moves with the switch
+  chroot /newroot /.dsec/agent --image-init || fail "the guest agent did not start"
+  exec switch_root /newroot "$init"
+fi
 umount /proc /sys /dev
 exec switch_root /newroot /.dsec/agent
 """
+IMAGE_INIT = b"image\n"  # /etc/dsec-init in the initramfs of kind vm
 
 
 @dataclass(frozen=True)
 class GuestAssets:
     kernel: Path
     initrd: Path
-    helper: Path  # EROFS image: agent + busybox
+    helper: Path  # EROFS image: agent, busybox, pack-upper, an empty rw/
     kernel_version: str
+    image_init_initrd: Path  # the initramfs of kind vm: the image's own init becomes pid 1
 
 
 def _module_files(root: Path) -> dict[str, Path]:
@@ -196,24 +220,42 @@ def _build(root: Path, agent: Path, kernel: Path, modules_dir: Path, version: st
     entries += [("init", stat.S_IFREG | 0o755, INIT.encode())]
     entries += [("modules.order", stat.S_IFREG | 0o644, "\n".join(order).encode() + b"\n")]
     entries += [(f"modules/{m}.ko", stat.S_IFREG | 0o644, _module_bytes(files[m])) for m in order]
-    archive = _cpio(entries)
-    digest = hashlib.sha256(archive + agent.read_bytes()).hexdigest()[:16]
-    initrd = root / f"initrd-{digest}.gz"
+    # the initramfs of kind vm differs by one file; both are built together, named by one digest
+    image_init = [("etc", stat.S_IFDIR | 0o755, b""), ("etc/dsec-init", stat.S_IFREG | 0o644, IMAGE_INIT)]
+    archives = {"initrd": _cpio(entries), "initrd-vm": _cpio(entries + image_init)}
+    tools = {"agent": agent, "busybox": Path(busybox)}
+    pack_upper = agent_build.build_pack_upper(agent.parent)
+    if pack_upper is not None:
+        tools["pack-upper"] = pack_upper
+    h = hashlib.sha256(archives["initrd"])
+    for name, path in tools.items():
+        h.update(name.encode() + b"\0" + path.read_bytes())
+    digest = h.hexdigest()[:16]
+    for prefix, archive in archives.items():
+        initrd = root / f"{prefix}-{digest}.gz"
+        if not initrd.exists():
+            tmp = root / f"{prefix}-{digest}.{os.getpid()}.tmp"
+            tmp.write_bytes(gzip.compress(archive, compresslevel=6))
+            os.rename(tmp, initrd)
     helper = root / f"helper-{digest}.erofs"
-    if not initrd.exists():
-        tmp = initrd.with_suffix(".tmp")
-        tmp.write_bytes(gzip.compress(archive, compresslevel=6))
-        os.rename(tmp, initrd)
     if not helper.exists():
-        src = root / f"helper-src-{digest}"
+        src = root / f"helper-src-{digest}-{os.getpid()}"
         shutil.rmtree(src, ignore_errors=True)
         src.mkdir()
-        shutil.copy2(agent, src / "agent")
-        shutil.copy2(busybox, src / "busybox")
-        tmp = helper.with_suffix(".tmp")
+        for name, path in tools.items():
+            shutil.copy2(path, src / name)
+        (src / "rw").mkdir()  # where /init moves the writable layer's tmpfs
+        tmp = root / f"helper-{digest}.{os.getpid()}.tmp"
         result = subprocess.run(["mkfs.erofs", "--quiet", str(tmp), str(src)], capture_output=True, text=True)
         shutil.rmtree(src, ignore_errors=True)
         if result.returncode != 0:
+            tmp.unlink(missing_ok=True)
             raise BackendError(f"cannot build the VM helper disk: {result.stderr[-500:]}")
         os.rename(tmp, helper)
-    return GuestAssets(kernel=kernel, initrd=initrd, helper=helper, kernel_version=version)
+    return GuestAssets(
+        kernel=kernel,
+        initrd=root / f"initrd-{digest}.gz",
+        helper=helper,
+        kernel_version=version,
+        image_init_initrd=root / f"initrd-vm-{digest}.gz",
+    )

@@ -1,0 +1,332 @@
+/* dsec guest agent: commands (fork, pipes, users, stdin, output, exit) and the cgroups that bound them. */
+#include "agent.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <grp.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <sys/statfs.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+extern char **environ;
+
+/* ---- cgroups ------------------------------------------------------------------------------------- */
+
+static int group_path(char *out, size_t size, uint32_t id, const char *file) {
+    int n = snprintf(out, size, "%s/exec-%u%s%s", cg_root, id, file ? "/" : "", file ? file : "");
+    return n > 0 && (size_t)n < size ? 0 : -1;
+}
+
+/* Returns 0 when the group is gone. */
+static int rmdir_group(uint32_t id) {
+    char path[4096];
+    if (!cg_root || group_path(path, sizeof path, id, NULL) < 0) return 0;
+    return rmdir(path) == 0 || errno == ENOENT ? 0 : -1;
+}
+
+static void remove_group(uint32_t id) {
+    if (rmdir_group(id) == 0) return;
+    /* background processes still live in it: try again later */
+    if (nstale == MAX_STALE) {
+        memmove(stale, stale + 1, sizeof stale[0] * (MAX_STALE - 1));
+        nstale--;
+    }
+    stale[nstale++] = id;
+    if (nstale == 1) next_cg_retry = now_ms() + CG_RETRY_MS;
+}
+
+void retry_groups(void) {
+    int j = 0;
+    for (int i = 0; i < nstale; i++)
+        if (rmdir_group(stale[i]) != 0) stale[j++] = stale[i];
+    nstale = j;
+    next_cg_retry = now_ms() + CG_RETRY_MS;
+}
+
+/* Exec cgroups under dir; returns 0 when they can be used. quiet: say nothing when they cannot. */
+int setup_cgroups(const char *dir, int quiet) {
+    struct statfs sf;
+    if (mkdir(dir, 0755) < 0 && errno != EEXIST) {
+        if (!quiet) logmsg("no exec cgroups (mkdir %s: %s); killing process groups instead", dir, strerror(errno));
+        return -1;
+    }
+    if (statfs(dir, &sf) < 0 || sf.f_type != CGROUP2_MAGIC || access(dir, W_OK) < 0) {
+        if (!quiet)
+            logmsg("no exec cgroups (%s is not a writable cgroup2 directory); killing process groups instead", dir);
+        return -1;
+    }
+    cg_root = dir;
+    return 0;
+}
+
+/* Beside the image's init, cgroup2 is whatever that init mounted (systemd does, early; busybox's init
+ * does not): looked for before each command until found, and never mounted by the agent, so that the
+ * init finds /sys/fs/cgroup as it expects it. */
+void adopt_cgroups(void) {
+    struct statfs sf;
+    if (cg_root || statfs(CGROUP_MOUNT, &sf) < 0 || sf.f_type != CGROUP2_MAGIC) return;
+    if (setup_cgroups(CGROUP_DIR, 1) == 0) logmsg("exec cgroups under " CGROUP_DIR);
+}
+
+/* ---- commands ------------------------------------------------------------------------------------ */
+
+struct exec *find_exec(uint32_t id) {
+    for (int i = 0, seen = 0; i < MAX_EXECS && seen < nexecs; i++) {
+        if (!execs[i].used) continue;
+        seen++;
+        if (execs[i].id == id) return &execs[i];
+    }
+    return NULL;
+}
+
+void kill_tree(struct exec *x, uint32_t id, int sig) {
+    /* Both on SIGKILL: the cgroup catches processes that left the process group (setsid), and the
+     * process group covers a command that could not join its cgroup (or a kernel without cgroup.kill). */
+    char path[4096];
+    int fd;
+    if (sig == SIGKILL && cg_root && group_path(path, sizeof path, id, "cgroup.kill") == 0 &&
+        (fd = open(path, O_WRONLY | O_CLOEXEC)) >= 0) {
+        (void)!write(fd, "1", 1);
+        close(fd);
+    }
+    if (x && x->pgid > 0) kill(-x->pgid, sig);
+}
+
+void finish(struct exec *x) {
+    report_exit(x->id, x->status);
+    close_fd(&x->in_fd);
+    close_fd(&x->out_fd);
+    close_fd(&x->err_fd);
+    buf_free(&x->in);
+    if (cg_root) remove_group(x->id);
+    memset(x, 0, sizeof *x);
+    nexecs--;
+}
+
+void maybe_finish(struct exec *x) {
+    if (x->reaped && x->out_fd < 0 && x->err_fd < 0) finish(x);
+}
+
+/* Forward what a command's stdout/stderr holds, up to budget bytes; closes the fd at EOF. */
+void pump(struct exec *x, int *fd, char type, size_t budget) {
+    size_t done = 0;
+    while (*fd >= 0 && done < budget) {
+        /* backpressure: a slow host makes the command block on its pipe, never the agent */
+        if (budget == CHUNK && state == PORT_CONNECTED && buf_used(&outq) >= OUT_HIGH) return;
+        char *dst = frame_start(CHUNK);
+        ssize_t n = read(*fd, dst ? dst : scratch, CHUNK);
+        if (n < 0) {
+            if (errno == EINTR) continue;
+            if (errno != EAGAIN) close_fd(fd);
+            return;
+        }
+        if (n == 0) {
+            close_fd(fd);
+            return;
+        }
+        if (dst) frame_commit(type, x->id, (size_t)n);
+        done += (size_t)n;
+    }
+}
+
+void write_stdin(struct exec *x) {
+    while (buf_used(&x->in)) {
+        ssize_t n = write(x->in_fd, x->in.data + x->in.off, buf_used(&x->in));
+        if (n < 0) {
+            if (errno == EINTR) continue;
+            if (errno == EAGAIN) return;
+            break; /* EPIPE: the command closed its stdin */
+        }
+        buf_consumed(&x->in, (size_t)n);
+    }
+    if (!buf_used(&x->in) && !x->in_eof) return;
+    close_fd(&x->in_fd);
+    buf_free(&x->in);
+}
+
+void stdin_data(uint32_t id, const char *p, size_t n) {
+    struct exec *x = find_exec(id);
+    if (!x || x->in_fd < 0) return; /* no stdin pipe, or the command is gone */
+    if (n == 0) {
+        x->in_eof = 1;
+    } else if (buf_used(&x->in) + n > STDIN_CAP || buf_reserve(&x->in, n) < 0) {
+        const char note[] = "dsec: the command does not read its stdin; the rest of it was dropped\n";
+        send_frame('e', id, note, sizeof note - 1);
+        x->in_eof = 1;
+        buf_free(&x->in);
+    } else {
+        memcpy(x->in.data + x->in.len, p, n);
+        x->in.len += n;
+    }
+    write_stdin(x);
+}
+
+static void child(const char *procs, int in_fd, int out_fd, int err_fd, uint32_t uid, uint32_t gid, const char *cwd,
+                  char **argv, char **envp) {
+    for (int s = 1; s < NSIG; s++) signal(s, SIG_DFL); /* ignored dispositions would survive exec */
+    sigset_t none;
+    sigemptyset(&none);
+    sigprocmask(SIG_SETMASK, &none, NULL);
+    setsid();
+    if (procs) { /* best effort: without it the process group still reaches the tree */
+        int fd = open(procs, O_WRONLY | O_CLOEXEC);
+        if (fd >= 0) {
+            (void)!write(fd, "0", 1);
+            close(fd);
+        }
+    }
+    if (mode == MODE_IMAGE_INIT) { /* the agent's exemption from the OOM killer is not the command's */
+        int fd = open("/proc/self/oom_score_adj", O_WRONLY | O_CLOEXEC);
+        if (fd >= 0) {
+            (void)!write(fd, "0", 1);
+            close(fd);
+        }
+    }
+    if (in_fd < 0) in_fd = open("/dev/null", O_RDONLY | O_CLOEXEC);
+    /* the agent keeps fds 0-2 occupied, so none of these is already its target */
+    if (in_fd < 0 || dup2(in_fd, 0) < 0 || dup2(out_fd, 1) < 0 || dup2(err_fd, 2) < 0) _exit(125);
+    if ((uid || gid) && (setgroups(0, NULL) < 0 || setgid(gid) < 0 || setuid(uid) < 0)) {
+        dprintf(2, "dsec: cannot switch to user %u:%u: %s\n", uid, gid, strerror(errno));
+        _exit(125);
+    }
+    close_range(3, ~0U, 0);
+    if (cwd[0] && chdir(cwd) < 0) {
+        dprintf(2, "dsec: cannot change directory to %s: %s\n", cwd, strerror(errno));
+        _exit(126);
+    }
+    environ = envp;
+    execvp(argv[0], argv);
+    int err = errno;
+    dprintf(2, "dsec: cannot run %s: %s\n", argv[0], strerror(err));
+    _exit(err == ENOENT ? 127 : 126);
+}
+
+/* Next NUL-terminated string at *p before end, or NULL. */
+static char *next_str(char **p, char *end) {
+    char *s = *p;
+    if (s >= end) return NULL;
+    size_t n = strnlen(s, (size_t)(end - s));
+    if (n == (size_t)(end - s)) return NULL;
+    *p = s + n + 1;
+    return s;
+}
+
+void start_exec(uint32_t id, char *p, size_t n) {
+    uint32_t hdr[5];
+    if (n < sizeof hdr) {
+        send_failure(id, EINVAL, "malformed exec request");
+        return;
+    }
+    memcpy(hdr, p, sizeof hdr);
+    uint32_t argc = hdr[0], envc = hdr[1], flags = hdr[2], uid = hdr[3], gid = hdr[4];
+    if (argc == 0 || (uint64_t)argc + envc > n) { /* each string takes at least its NUL */
+        send_failure(id, EINVAL, "malformed exec request (argc %u, envc %u)", argc, envc);
+        return;
+    }
+    if (find_exec(id)) {
+        send_failure(id, EEXIST, "exec id %u is in use", id);
+        return;
+    }
+    if (mode == MODE_IMAGE_INIT) adopt_cgroups();
+    struct exec *x = NULL;
+    for (int i = 0; i < MAX_EXECS && !x; i++)
+        if (!execs[i].used) x = &execs[i];
+    if (!x) {
+        send_failure(id, EAGAIN, "too many running commands (%d)", MAX_EXECS);
+        return;
+    }
+    char **argv = calloc((size_t)argc + 1, sizeof(char *));
+    char **envp = calloc((size_t)envc + 1, sizeof(char *));
+    char *s = p + sizeof hdr, *end = p + n;
+    char *cwd = next_str(&s, end);
+    int ok = argv && envp && cwd;
+    for (uint32_t i = 0; ok && i < argc; i++) ok = (argv[i] = next_str(&s, end)) != NULL;
+    for (uint32_t i = 0; ok && i < envc; i++) ok = (envp[i] = next_str(&s, end)) != NULL;
+    int in[2] = {-1, -1}, out[2] = {-1, -1}, err[2] = {-1, -1};
+    char group[4096];
+    int has_group = 0;
+    if (!ok) {
+        send_failure(id, argv && envp ? EINVAL : ENOMEM, "malformed exec request");
+        goto done;
+    }
+    if (((flags & 1) && pipe2(in, O_CLOEXEC) < 0) || pipe2(out, O_CLOEXEC) < 0 || pipe2(err, O_CLOEXEC) < 0) {
+        send_failure(id, errno, "cannot create pipes: %s", strerror(errno));
+        goto done;
+    }
+    if (cg_root && group_path(group, sizeof group, id, NULL) == 0 && (mkdir(group, 0755) == 0 || errno == EEXIST))
+        has_group = group_path(group, sizeof group, id, "cgroup.procs") == 0;
+    pid_t pid = fork();
+    if (pid == 0) child(has_group ? group : NULL, in[0], out[1], err[1], uid, gid, cwd, argv, envp);
+    if (pid < 0) {
+        send_failure(id, errno, "cannot fork: %s", strerror(errno));
+        if (has_group) rmdir_group(id);
+        goto done;
+    }
+    memset(x, 0, sizeof *x);
+    x->used = 1;
+    x->id = id;
+    x->pid = x->pgid = pid;
+    x->in_fd = in[1];
+    x->out_fd = out[0];
+    x->err_fd = err[0];
+    in[1] = out[0] = err[0] = -1;
+    nexecs++;
+    for (int *fd = &x->in_fd; fd <= &x->err_fd; fd++)
+        if (*fd >= 0) fcntl(*fd, F_SETFL, O_NONBLOCK);
+    int64_t value = pid;
+    send_frame('S', id, &value, sizeof value);
+done:
+    for (int i = 0; i < 2; i++) {
+        close_fd(&in[i]);
+        close_fd(&out[i]);
+        close_fd(&err[i]);
+    }
+    free(argv);
+    free(envp);
+}
+
+void reap(void) {
+    int status;
+    pid_t pid;
+    while ((pid = waitpid(-1, &status, WNOHANG)) > 0) {
+        for (int i = 0; i < MAX_EXECS; i++) {
+            struct exec *x = &execs[i];
+            if (!x->used || x->pid != pid) continue;
+            x->pid = 0;
+            x->reaped = 1;
+            x->status = status;
+            x->reaped_at = now_ms();
+            close_fd(&x->in_fd);
+            buf_free(&x->in);
+            maybe_finish(x);
+            break;
+        }
+        /* anything else is an orphan, reaped as init (or as subreaper with --fd) */
+    }
+}
+
+/* --fd mode's end: leave no command behind, and no cgroup either when it can be helped. */
+void shutdown_and_exit(int code) {
+    for (int i = 0; i < MAX_EXECS; i++)
+        if (execs[i].used) kill_tree(&execs[i], execs[i].id, SIGKILL);
+    for (int i = 0; i < nstale; i++) kill_tree(NULL, stale[i], SIGKILL); /* background leftovers */
+    for (int64_t until = now_ms() + 500; now_ms() < until;) {
+        reap();
+        for (int i = 0; i < MAX_EXECS; i++) {
+            struct exec *x = &execs[i];
+            if (!x->used) continue;
+            close_fd(&x->out_fd);
+            close_fd(&x->err_fd);
+            if (x->reaped) finish(x);
+        }
+        retry_groups();
+        if (nexecs == 0 && nstale == 0) break;
+        usleep(10000);
+    }
+    exit(code);
+}
