@@ -87,3 +87,23 @@ def test_fork_of_a_paused_machine_and_of_a_container(parent: dsec.Sandbox, daemo
         assert box.info().state == dsec.State.paused
         box.resume()
         assert box.exec("echo ok").stdout == "ok\n"
+
+
+def test_a_full_vm_forks_and_pauses_too(daemon: Daemon) -> None:
+    try:
+        vm = dsec.Sandbox.create(image="dsec/busybox", kind="vm", client=daemon.client(), memory="256Mi")
+    except dsec.InvalidRequest as e:
+        pytest.skip(f"vm: {e}")
+    try:
+        vm.exec("echo from-parent > /root/mark")
+        vm.pause()
+        vm.resume()
+        (copy,) = vm.fork(1)
+        try:
+            assert copy.info().kind == "vm"
+            # the image's init runs in the copy as in the parent
+            assert copy.exec("cat /root/mark; cat /proc/1/comm").stdout == "from-parent\ninit\n"
+        finally:
+            copy.kill()
+    finally:
+        vm.kill()

@@ -63,7 +63,8 @@ class SandboxManager:
         # Records of live sandboxes, kept in memory (written through to the store): the hot path of
         # every exec and file call reads them without touching SQLite.
         self._live: dict[str, SandboxRecord] = {}
-        self._create_slots = asyncio.Semaphore(MAX_CONCURRENT_CREATES)
+        # per kind: VMs queueing for their few boot slots must not hold up container creations
+        self._create_slots: dict[str, asyncio.Semaphore] = {}
         self._reaper: asyncio.Task[None] | None = None
         self.notes: list[str] = []
         self.unavailable: dict[str, str] = {}  # kind -> why this node cannot run it
@@ -101,6 +102,11 @@ class SandboxManager:
             self._reaper.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._reaper
+        for backend in self.backends.values():
+            try:
+                await backend.close()
+            except Exception:
+                log.exception("closing the %s kind failed", backend.kind)
         self.store.close()
 
     async def readopt(self) -> None:
@@ -214,7 +220,8 @@ class SandboxManager:
         )
         self.store.put(rec)
         self._live[rec.id] = rec
-        async with self._create_slots, self._lock(rec.id):
+        slots = self._create_slots.setdefault(req.kind, asyncio.Semaphore(MAX_CONCURRENT_CREATES))
+        async with slots, self._lock(rec.id):
             if rec.state != State.creating:  # killed while it waited for a create slot
                 raise SandboxGone(f"sandbox {rec.id} was {rec.state.value} before it was created: {rec.reason}")
             try:

@@ -42,6 +42,10 @@ class Backend(ABC):
         """Check and prepare the host once at daemon start; returns notes for the log."""
         return []
 
+    async def close(self) -> None:
+        """The daemon is stopping: end the kind's own background work (sandboxes themselves live on)."""
+        return None
+
     @abstractmethod
     async def create(self, rec: SandboxRecord, image: ImageRef) -> None:
         """Make the sandbox run; may fill ``rec.runtime`` with what later calls need (persisted)."""

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import hashlib
 import logging
 import os
 import secrets
@@ -30,7 +31,7 @@ from ...models import ExecRequest, ExecResult, FileEntry
 from ...proc import wait
 from ...store.records import SandboxRecord
 from ..base import Backend, BackendContext, OutputCallback
-from . import accel, guest, qemu, snapshots
+from . import accel, guest, launcher_build, pack, qemu, snapshots, templates
 from .agent_build import build_agent
 from .channel import GuestChannel
 from .files import GuestFiles
@@ -77,11 +78,18 @@ class MicroVMBackend(Backend):
         self.templates = ctx.state_dir / "vm-templates"
         self._building: set[str] = set()
         self._template_gate = asyncio.Semaphore(1)
+        self._template_pids: set[int] = set()
 
     async def start(self) -> list[str]:
         if shutil.which(qemu.QEMU) is None:
             raise BackendError(f"{qemu.QEMU} is not installed (apt-get install qemu-system-x86)")
         self.vm_dir.mkdir(parents=True, exist_ok=True)
+        # a template VM outlives a daemon stopped mid-build (QEMU has a session of its own): nothing
+        # else will ever stop it
+        for pid in await asyncio.to_thread(_processes_named, f"dsec-{self._template_prefix()}"):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+                log.info("killed template VM %d left by an earlier daemon", pid)
         return [f"{self.kind} kind: QEMU {self.machine}; guest kernel, initramfs and accelerator probe on first use"]
 
     async def _prepare(self) -> guest.GuestAssets:
@@ -90,6 +98,7 @@ class MicroVMBackend(Backend):
             if self.assets is None:
                 await asyncio.to_thread(VM_CACHE.mkdir, parents=True, exist_ok=True)
                 agent = await build_agent(VM_CACHE / "agent")
+                await launcher_build.build_launcher()
                 assets = await guest.prepare(VM_CACHE, agent)
                 self.accel, why = await accel.choose(VM_CACHE, assets)
                 log.info(
@@ -98,7 +107,23 @@ class MicroVMBackend(Backend):
                 self._boots = asyncio.Semaphore(BOOTS[self.accel])
                 self._restores = asyncio.Semaphore(RESTORES[self.accel])
                 self.assets = assets
+                # templates of earlier guest assets can never be restored again
+                await asyncio.to_thread(templates.prune, self.templates, self._asset_names())
             return self.assets
+
+    def _template_prefix(self) -> str:
+        """Names of this node's template VMs: the state dir's hash tells them from other daemons'."""
+        return f"tpl-{hashlib.sha256(str(self.ctx.state_dir.resolve()).encode()).hexdigest()[:8]}-"
+
+    async def close(self) -> None:
+        for pid in list(self._template_pids):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+    def _asset_names(self) -> list[str]:
+        if self.assets is None:
+            return []
+        return [p.name for p in (self.assets.kernel, self.assets.initrd, self.assets.helper)]
 
     def _bundle(self, rec: SandboxRecord) -> Path:
         return self.vm_dir / rec.id
@@ -137,10 +162,14 @@ class MicroVMBackend(Backend):
         }
         rec.runtime = {"env": env, "cwd": image.workdir or "/", "accel": self.accel, "user_spec": image.user}
         key = snapshots.template_key(spec, image.layer_digests)
-        memory = self.templates / key / "memory.bin"
+        memory = self.templates / key / templates.MEMORY
         restore = TEMPLATES and await asyncio.to_thread(memory.exists)
+        if restore:
+            await asyncio.to_thread(templates.used, self.templates, key)
         chan = await self._launch(rec, spec, memory if restore else None)
         rec.runtime["restored"] = restore
+        if not restore:
+            await self._settle(chan, spec)
         if TEMPLATES and not restore and key not in self._building:
             self._building.add(key)
             self._background(self._build_template(key, spec, image.layer_digests))
@@ -186,6 +215,11 @@ class MicroVMBackend(Backend):
             rec.runtime["boot_s"] = round(time.monotonic() - started, 3)
         return chan
 
+    async def _settle(self, chan: GuestChannel, spec: qemu.VMSpec) -> None:
+        """After a cold boot, before the VM is handed out or saved as a template: wait until the guest is
+        ready beyond its agent answering. The microvm's agent is its init: nothing to wait for."""
+        return None
+
     def _background(self, coro: Coroutine[Any, Any, None]) -> None:
         task = asyncio.create_task(coro)
         self._tasks.add(task)
@@ -196,7 +230,7 @@ class MicroVMBackend(Backend):
         of this shape restore instead of booting."""
         root = self.templates / key
         bundle = root / "build"
-        name = f"tpl-{key[:16]}"
+        name = f"{self._template_prefix()}{key[:16]}"
         spec = dataclasses.replace(like, name=name, bundle=bundle)
         pid = None
         stop = asyncio.Event()
@@ -206,15 +240,20 @@ class MicroVMBackend(Backend):
             async with self._template_gate, self._boots:
                 started = time.monotonic()
                 pid = qemu.start(spec)
+                self._template_pids.add(pid)
                 # a console nobody reads stalls the guest's serial writes, and with them its boot
                 self._background(qemu.drain_console(spec.console_sock, bundle / "console.log", stop))
                 chan = await connect_agent(spec.agent_sock, BOOT_TIMEOUT[self.accel], lambda: None)
                 try:
+                    await self._settle(chan, spec)
                     await chan.run(["/.dsec/busybox", "sync"], {}, "/", None, 60.0, 4096)
                 finally:
                     await chan.aclose()
                 await asyncio.sleep(0.3)  # the agent notices the hangup: a restored one greets its new host
-                size = await asyncio.to_thread(snapshots.save, spec.qmp_sock, root / "memory.bin")
+                size = await asyncio.to_thread(snapshots.save, spec.qmp_sock, root / templates.MEMORY)
+            assets = self._asset_names()
+            await asyncio.to_thread(templates.record, self.templates, key, assets, layer_digests)
+            await asyncio.to_thread(templates.prune, self.templates, assets, keep=frozenset({key}))
             log.info(
                 "template %s saved: %d MiB in %.1fs (layers %s)",
                 key[:12],
@@ -232,19 +271,28 @@ class MicroVMBackend(Backend):
             if pid is not None:
                 with contextlib.suppress(ChildProcessError):
                     await wait(pid)
+                self._template_pids.discard(pid)
+            await asyncio.to_thread(qemu.release, name, bundle)
             await asyncio.to_thread(shutil.rmtree, bundle, True)
 
     def _watch(self, sandbox_id: str, pid: int) -> None:
         stop = self._stops[sandbox_id] = asyncio.Event()
         bundle = self.vm_dir / sandbox_id
+        drain = asyncio.create_task(qemu.drain_console(bundle / "console.sock", bundle / "console.log", stop))
 
         async def reap() -> None:
-            status = await wait(pid)
-            self._exited[sandbox_id] = f"QEMU exited with status {status}"
+            try:
+                why = f"QEMU exited with status {await wait(pid)}"
+            except ChildProcessError:  # adopted after a daemon restart: not our child, no status
+                why = "QEMU exited"
+            # the console's last lines (a panic's) arrive with its EOF, just after the exit
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.shield(drain), 2.0)
+            panic = await asyncio.to_thread(panic_line, bundle)
+            self._exited.setdefault(sandbox_id, f"the guest kernel panicked ({panic})" if panic else why)
             stop.set()
 
-        for coro in (reap(), qemu.drain_console(bundle / "console.sock", bundle / "console.log", stop)):
-            task = asyncio.create_task(coro)
+        for task in (drain, asyncio.create_task(reap())):
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
 
@@ -264,7 +312,7 @@ class MicroVMBackend(Backend):
             if chan is not None and not chan.closed:
                 return chan
             if not await self.alive(rec):
-                raise SandboxGone(self._exited.get(rec.id) or f"the VM of sandbox {rec.id} is gone")
+                raise SandboxGone(await self._why_gone(rec, f"the VM of sandbox {rec.id} is gone"))
             try:
                 return await self._connect(rec, 10.0)
             except (TimeoutError, OSError) as e:
@@ -287,11 +335,17 @@ class MicroVMBackend(Backend):
             stop.set()
         self._attach.pop(rec.id, None)
         self._exited.pop(rec.id, None)
+        if not await asyncio.to_thread(qemu.release, rec.id, self._bundle(rec)):
+            log.warning("the VM of %s would not leave its cgroup", rec.id)
         await asyncio.to_thread(shutil.rmtree, self._bundle(rec), True)
 
     async def alive(self, rec: SandboxRecord) -> bool:
         pid = rec.runtime.get("pid")
-        return isinstance(pid, int) and rec.id not in self._exited and qemu.is_ours(pid, rec.id)
+        ok = isinstance(pid, int) and rec.id not in self._exited and qemu.is_ours(pid, rec.id)
+        if ok and isinstance(pid, int) and rec.id not in self._stops:
+            # a VM adopted after a daemon restart: a console nobody drains stalls the guest's writes
+            self._watch(rec.id, pid)
+        return ok
 
     # ---- pause, resume, fork -----------------------------------------------------------------------
 
@@ -316,7 +370,7 @@ class MicroVMBackend(Backend):
 
     async def _qmp(self, rec: SandboxRecord, command: str) -> Any:
         if not await self.alive(rec):
-            raise SandboxGone(self._exited.get(rec.id) or f"the VM of sandbox {rec.id} is gone")
+            raise SandboxGone(await self._why_gone(rec, f"the VM of sandbox {rec.id} is gone"))
         return await asyncio.to_thread(snapshots.command, self._bundle(rec) / "qmp.sock", command)
 
     async def pause(self, rec: SandboxRecord) -> None:
@@ -360,6 +414,14 @@ class MicroVMBackend(Backend):
         await self._launch(rec, spec, checkpoint.memory)
         rec.runtime["restored"] = True
 
+    @contextlib.asynccontextmanager
+    async def frozen_upper(self, rec: SandboxRecord) -> AsyncIterator[Path]:
+        chan = await self._channel(rec)
+        # a tar of the layer: its bytes plus headers, generously bounded by the layer's own size limit
+        limit = rec.limits.disk + rec.limits.disk // 4 + (64 << 20)
+        async with pack.frozen_guest_upper(chan, self._bundle(rec) / "pack", limit) as upper:
+            yield upper
+
     # ---- exec and files ----------------------------------------------------------------------------
 
     def _user(self, rec: SandboxRecord) -> tuple[int, int] | None:
@@ -373,21 +435,33 @@ class MicroVMBackend(Backend):
             account = await self._account(rec, chan, req.user)
             user = None if account.is_root else (account.uid, account.gid)
         env = {**dict(rec.runtime.get("env") or {}), **req.env}
-        result = await chan.run(
-            req.argv(),
-            env=env,
-            cwd=req.cwd or str(rec.runtime.get("cwd") or "/"),
-            stdin=req.stdin.encode() if req.stdin is not None else None,
-            timeout=req.timeout,
-            output_limit=req.output_limit,
-            on_output=on_output,
-            user=user,
-        )
+        try:
+            result = await chan.run(
+                req.argv(),
+                env=env,
+                cwd=req.cwd or str(rec.runtime.get("cwd") or "/"),
+                stdin=req.stdin.encode() if req.stdin is not None else None,
+                timeout=req.timeout,
+                output_limit=req.output_limit,
+                on_output=on_output,
+                user=user,
+            )
+        except SandboxGone as e:
+            raise SandboxGone(await self._why_gone(rec, str(e))) from e
         if result.timed_out and result.exit_code is None and result.signal is None:
             # the agent did not confirm the kill: the host's word is final, and the VM goes
             await self._kill_vm(rec, "the guest agent stopped answering after a timeout; the VM was killed")
             raise SandboxGone(self._exited[rec.id])
         return result
+
+    async def _why_gone(self, rec: SandboxRecord, fallback: str) -> str:
+        """The VM's own reason (QEMU's exit, a kernel panic) rather than the channel's: the channel
+        usually sees the end a moment before QEMU is reaped."""
+        stop = self._stops.get(rec.id)
+        if stop is not None:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), 3.0)
+        return self._exited.get(rec.id, fallback)
 
     async def _kill_vm(self, rec: SandboxRecord, why: str) -> None:
         self._exited[rec.id] = why
@@ -465,3 +539,27 @@ async def connect_agent(sock: Path, timeout: float, gone: Callable[[], str | Non
             if time.monotonic() >= deadline:
                 raise TimeoutError(f"no answer from the guest agent within {timeout:g}s") from None
             await asyncio.sleep(0.1)
+
+
+def panic_line(bundle: Path) -> str | None:
+    """The guest kernel's panic message, if the end of its console shows one."""
+    tail = qemu.console_tail(bundle, 16384)
+    at = tail.rfind("Kernel panic")
+    if at < 0:
+        return None
+    return tail[at:].splitlines()[0].strip()[:300]
+
+
+def _processes_named(name: str) -> list[int]:
+    """Pids of processes whose QEMU ``-name`` starts with ``name``."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            args = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if any(a.startswith(name.encode()) for a in args):
+            found.append(int(entry.name))
+    return found
