@@ -331,6 +331,29 @@ def bench_density(
     raise typer.Exit(density_main(n=n, json_out=json_out, state_dir=state_dir, image=image, concurrency=concurrency))
 
 
+@bench_app.command("vm")
+def bench_vm(
+    kind: Annotated[
+        list[str] | None, typer.Option("--kind", help="VM kinds to measure (repeatable; default microvm and vm).")
+    ] = None,
+    samples: Annotated[int, typer.Option(help="Boots, restores and bare QEMU boots per kind.", min=1)] = 5,
+    idle: Annotated[int, typer.Option(help="Idle micro-VMs to hold (0: skip).", min=0)] = 64,
+    json_out: Annotated[Path, typer.Option("--json", help="Where to write the JSON results.")] = Path("bench-vm.json"),
+    state_dir: Annotated[Path, typer.Option(help="Where the bench's daemons keep their state.")] = Path(
+        "/var/lib/dsec-bench-vm"
+    ),
+) -> None:
+    """VM kinds: cold boot and restore to the first exec beside bare QEMU, fork(n), idle VMs held."""
+    from ..bench.vm import main as vm_main
+
+    kind = kind or ["microvm", "vm"]
+    bad = [k for k in kind if k not in ("microvm", "vm")]
+    if bad:
+        err.print(f"[red]error[/red]: --kind must be microvm or vm, not {', '.join(bad)}")
+        raise typer.Exit(2)
+    raise typer.Exit(vm_main(kinds=kind, samples=samples, idle_n=idle, json_out=json_out, state_dir=state_dir))
+
+
 for _command in (pause, resume, fork):
     app.command()(_command)
 
