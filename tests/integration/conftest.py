@@ -188,3 +188,15 @@ def make_sandbox(daemon: Daemon) -> Iterator[Callable[..., dsec.Sandbox]]:
 @pytest.fixture
 def sb(make_sandbox: Callable[..., dsec.Sandbox]) -> dsec.Sandbox:
     return make_sandbox()
+
+
+def qemu_pid(sandbox_id: str) -> int:
+    """The pid of a VM sandbox's QEMU, found by the ``-name dsec-<id>`` it runs with."""
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if f"dsec-{sandbox_id}".encode() in (entry / "cmdline").read_bytes().split(b"\0"):
+                    return int(entry.name)
+            except OSError:
+                continue
+    raise AssertionError(f"no QEMU process for {sandbox_id}")

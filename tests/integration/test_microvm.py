@@ -12,7 +12,7 @@ import pytest
 
 import dsec
 
-from .conftest import Daemon
+from .conftest import Daemon, qemu_pid
 
 
 @pytest.fixture(scope="module")
@@ -23,17 +23,6 @@ def vm(daemon: Daemon) -> Iterator[dsec.Sandbox]:
         pytest.skip(f"microvm: {e}")
     yield sb
     sb.kill()
-
-
-def _qemu_pid(daemon: Daemon, sb: dsec.Sandbox) -> int:
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                if f"dsec-{sb.id}".encode() in (entry / "cmdline").read_bytes().split(b"\0"):
-                    return int(entry.name)
-            except OSError:
-                continue
-    raise AssertionError(f"no QEMU process for {sb.id}")
 
 
 def test_a_microvm_is_its_own_machine(vm: dsec.Sandbox, daemon: Daemon) -> None:
@@ -51,6 +40,10 @@ def test_a_microvm_is_its_own_machine(vm: dsec.Sandbox, daemon: Daemon) -> None:
     # the agent and busybox come from a read-only disk: the workload cannot replace them
     denied = vm.exec("echo x > /.dsec/agent")
     assert denied.exit_code != 0 and "Read-only" in denied.stderr
+    # the only disks are its own image's layers and the helper, all read-only: no other VM's, no host's
+    disks = vm.exec("for d in /sys/block/vd*; do echo $(cat $d/serial) $(cat $d/ro); done").stdout.split("\n")
+    assert sorted(d for d in disks if d) == ["dsec-helper 1", "dsec-l0 1"]
+    assert vm.exec("echo x > /dev/vda").exit_code != 0
 
 
 def test_console_flood_is_capped(vm: dsec.Sandbox, daemon: Daemon) -> None:
@@ -68,7 +61,7 @@ def test_killing_qemu_from_outside_fails_the_sandbox(daemon: Daemon) -> None:
     except dsec.InvalidRequest as e:
         pytest.skip(f"microvm: {e}")
     try:
-        os.kill(_qemu_pid(daemon, sb), signal.SIGKILL)
+        os.kill(qemu_pid(sb.id), signal.SIGKILL)
         time.sleep(0.5)
         with pytest.raises(dsec.SandboxGone):
             sb.exec("true")

@@ -107,3 +107,9 @@ def test_a_full_vm_forks_and_pauses_too(daemon: Daemon) -> None:
             copy.kill()
     finally:
         vm.kill()
+    # each kind keeps its own templates: the vm kind's did not displace the microvm's of this module
+    again = dsec.Sandbox.create(image="dsec/busybox", kind="microvm", client=daemon.client(), memory="192Mi")
+    try:
+        assert again.info().started_from == "snapshot"
+    finally:
+        again.kill()

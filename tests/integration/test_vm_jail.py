@@ -15,7 +15,7 @@ import pytest
 import dsec
 from dsec.kinds.microvm import jail
 
-from .conftest import Daemon
+from .conftest import Daemon, qemu_pid
 
 
 @dataclass
@@ -24,17 +24,6 @@ class VM:
     pid: int
     bundle: Path
     key: str
-
-
-def _qemu_pid(sb: dsec.Sandbox) -> int:
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                if f"dsec-{sb.id}".encode() in (entry / "cmdline").read_bytes().split(b"\0"):
-                    return int(entry.name)
-            except OSError:
-                continue
-    raise AssertionError(f"no QEMU process for {sb.id}")
 
 
 def _status(pid: int) -> dict[str, str]:
@@ -58,7 +47,7 @@ def vm(daemon: Daemon) -> Iterator[VM]:
         pytest.skip(f"microvm: {e}")
     try:
         bundle = daemon.state_dir / "vms" / sb.id
-        yield VM(sb, _qemu_pid(sb), bundle, jail.key(sb.id, bundle))
+        yield VM(sb, qemu_pid(sb.id), bundle, jail.key(sb.id, bundle))
     finally:
         sb.kill()
 

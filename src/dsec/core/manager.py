@@ -30,6 +30,7 @@ from ..models import (
     ForkResult,
     GcResult,
     ImageInfo,
+    Limits,
     SandboxInfo,
     SnapshotRequest,
     State,
@@ -45,6 +46,24 @@ REAP_INTERVAL = 1.0
 KEEP_FINISHED_S = 24 * 3600.0
 MAX_CONCURRENT_CREATES = 32
 LIVE_STATES = {State.creating, State.running, State.paused, State.stopping}
+
+
+def _new_record(
+    kind: str, image: str, digest: str, ttl: float, limits: Limits, env: dict[str, str], labels: dict[str, str]
+) -> SandboxRecord:
+    now = time.time()
+    return SandboxRecord(
+        id="sb-" + secrets.token_hex(6),
+        kind=kind,
+        image=image,
+        image_digest=digest,
+        state=State.creating,
+        created_at=now,
+        expires_at=now + ttl,
+        limits=limits,
+        env=dict(env),
+        labels=dict(labels),
+    )
 
 
 def _host_memory() -> int:
@@ -204,20 +223,8 @@ class SandboxManager:
     async def create_on(self, req: CreateSandbox, image: ImageRef, *, network: str = "none") -> SandboxRecord:
         """Create on a resolved image; ``network="host"`` only for builder sandboxes the daemon itself runs."""
         backend = self.backends[req.kind]
-        now = time.time()
-        rec = SandboxRecord(
-            id="sb-" + secrets.token_hex(6),
-            kind=req.kind,
-            image=image.name,
-            image_digest=image.digest,
-            state=State.creating,
-            created_at=now,
-            expires_at=now + req.timeout,
-            limits=req.limits,
-            env=dict(req.env),
-            labels=dict(req.labels),
-            network=network,
-        )
+        rec = _new_record(req.kind, image.name, image.digest, req.timeout, req.limits, req.env, req.labels)
+        rec.network = network
         self.store.put(rec)
         self._live[rec.id] = rec
         slots = self._create_slots.setdefault(req.kind, asyncio.Semaphore(MAX_CONCURRENT_CREATES))
@@ -344,22 +351,13 @@ class SandboxManager:
                 if parent.state != State.paused:
                     self._running(sandbox_id)
                 async with backend.checkpoint(parent) as checkpoint:
-                    now = time.time()
                     ttl = req.timeout if req.timeout is not None else parent.expires_at - parent.created_at
+                    labels = parent.labels if req.labels is None else req.labels
                     for _ in range(req.n):
-                        child = SandboxRecord(
-                            id="sb-" + secrets.token_hex(6),
-                            kind=parent.kind,
-                            image=parent.image,
-                            image_digest=parent.image_digest,
-                            state=State.creating,
-                            created_at=now,
-                            expires_at=now + ttl,
-                            limits=parent.limits,
-                            env=dict(parent.env),
-                            labels=dict(parent.labels if req.labels is None else req.labels),
-                            runtime={"forked_from": parent.id},
+                        child = _new_record(
+                            parent.kind, parent.image, parent.image_digest, ttl, parent.limits, parent.env, labels
                         )
+                        child.runtime["forked_from"] = parent.id
                         self._set_state(child, State.creating)
                         children.append(child)
                     results = await asyncio.gather(

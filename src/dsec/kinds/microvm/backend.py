@@ -75,7 +75,8 @@ class MicroVMBackend(Backend):
         self._tasks: set[asyncio.Task[None]] = set()
         self._exited: dict[str, str] = {}  # sandbox id -> why its QEMU is gone
         self._prepare_lock = asyncio.Lock()
-        self.templates = ctx.state_dir / "vm-templates"
+        # per kind: each kind's guest assets differ, and pruning drops templates of other assets
+        self.templates = ctx.state_dir / "vm-templates" / self.kind
         self._building: set[str] = set()
         self._template_gate = asyncio.Semaphore(1)
         self._template_pids: set[int] = set()
@@ -84,6 +85,9 @@ class MicroVMBackend(Backend):
         if shutil.which(qemu.QEMU) is None:
             raise BackendError(f"{qemu.QEMU} is not installed (apt-get install qemu-system-x86)")
         self.vm_dir.mkdir(parents=True, exist_ok=True)
+        # templates saved by an older dsec sat directly in vm-templates/, before they went per kind
+        for old in await asyncio.to_thread(lambda: list(self.templates.parent.glob("?" * 32))):
+            await asyncio.to_thread(shutil.rmtree, old, True)
         # a template VM outlives a daemon stopped mid-build (QEMU has a session of its own): nothing
         # else will ever stop it
         for pid in await asyncio.to_thread(_processes_named, f"dsec-{self._template_prefix()}"):
@@ -246,7 +250,15 @@ class MicroVMBackend(Backend):
                 chan = await connect_agent(spec.agent_sock, BOOT_TIMEOUT[self.accel], lambda: None)
                 try:
                     await self._settle(chan, spec)
-                    await chan.run(["/.dsec/busybox", "sync"], {}, "/", None, 60.0, 4096)
+                    # the page cache of boot is not worth saving: freed (and zeroed), it is left out
+                    await chan.run(
+                        ["/.dsec/busybox", "sh", "-c", "sync; echo 3 > /proc/sys/vm/drop_caches"],
+                        {},
+                        "/",
+                        None,
+                        60.0,
+                        4096,
+                    )
                 finally:
                     await chan.aclose()
                 await asyncio.sleep(0.3)  # the agent notices the hangup: a restored one greets its new host

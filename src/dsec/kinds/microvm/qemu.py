@@ -91,7 +91,13 @@ def host_tsc_khz() -> int | None:
 def argv(spec: VMSpec, tsc_khz: int | None = None) -> list[str]:
     mmio = spec.machine == "microvm"
     blk = "virtio-blk-device" if mmio else "virtio-blk-pci"
-    cmdline = f"console=ttyS0 panic=-1 reboot=t quiet dsec.layers={len(spec.layers)} dsec.disk={spec.disk_bytes}"
+    # init_on_free: a page the guest frees is zeroed, so saved memory skips it and a restored VM's host
+    # memory holds less of what the guest no longer uses (measured here, 192 MiB busybox microVM: the
+    # template 89 -> 55 MB, a restored VM's QEMU RSS 184 -> 154 MB)
+    cmdline = (
+        f"console=ttyS0 panic=-1 reboot=t quiet init_on_free=1 dsec.layers={len(spec.layers)} "
+        f"dsec.disk={spec.disk_bytes}"
+    )
     if tsc_khz is not None and spec.accel == "tcg":
         cmdline += f" tsc_early_khz={tsc_khz}"
     # TCG's translated-code buffer defaults to 1 GiB, resident as it fills: capped, it fits the VM's cgroup
