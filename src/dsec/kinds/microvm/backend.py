@@ -20,7 +20,7 @@ import secrets
 import shutil
 import signal
 import time
-from collections.abc import AsyncIterator, Callable, Coroutine
+from collections.abc import AsyncIterator, Coroutine
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -33,7 +33,7 @@ from ...store.records import SandboxRecord
 from ..base import Backend, BackendContext, OutputCallback
 from . import accel, guest, launcher_build, pack, qemu, snapshots, templates
 from .agent_build import build_agent
-from .channel import GuestChannel
+from .channel import GuestChannel, connect_agent
 from .files import GuestFiles
 
 log = logging.getLogger("dsec.microvm")
@@ -48,12 +48,23 @@ class Checkpoint:
 
 
 BOOT_TIMEOUT = {"kvm": 30.0, "tcg": 120.0}
+# Loading a saved memory image (tens of MB) takes well under a second; a restore still not answering QMP
+# after this is stuck, and a create boots instead.
+RESTORE_TIMEOUT = {"kvm": 15.0, "tcg": 30.0}
 # Concurrent boots: software emulation needs a core per booting guest, and here (2 cores) 16 TCG boots at
 # once livelocked and 2 beside a busy guest sometimes never finished; hardware virtualisation boots cheaply.
 BOOTS = {"kvm": max(1, (os.cpu_count() or 1)), "tcg": max(1, (os.cpu_count() or 1) // 2)}
 # A restore maps a saved memory image and runs on: cheap enough to run a few per core at once.
 RESTORES = {"kvm": 4 * (os.cpu_count() or 1), "tcg": 2 * (os.cpu_count() or 1)}
 VM_CACHE = Path(os.environ.get("DSEC_VM_CACHE", "/var/cache/dsec/vm"))
+TEMPLATE_TRIM = r"""
+b=/.dsec/busybox
+$b sync
+echo 3 > /proc/sys/vm/drop_caches
+free=$($b awk '/^MemFree:/ { print int($2 / 1024) - 32 }' /proc/meminfo)
+[ "$free" -gt 0 ] && $b dd if=/dev/zero of=/dev/null bs="${free}M" count=1 2>/dev/null
+exit 0
+"""
 # Memory-snapshot templates: on by default; DSEC_VM_TEMPLATES=0 makes every VM boot cold.
 TEMPLATES = os.environ.get("DSEC_VM_TEMPLATES", "1") != "0"
 
@@ -90,7 +101,7 @@ class MicroVMBackend(Backend):
             await asyncio.to_thread(shutil.rmtree, old, True)
         # a template VM outlives a daemon stopped mid-build (QEMU has a session of its own): nothing
         # else will ever stop it
-        for pid in await asyncio.to_thread(_processes_named, f"dsec-{self._template_prefix()}"):
+        for pid in await asyncio.to_thread(qemu.processes_named, f"dsec-{self._template_prefix()}"):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
                 log.info("killed template VM %d left by an earlier daemon", pid)
@@ -170,7 +181,16 @@ class MicroVMBackend(Backend):
         restore = TEMPLATES and await asyncio.to_thread(memory.exists)
         if restore:
             await asyncio.to_thread(templates.used, self.templates, key)
-        chan = await self._launch(rec, spec, memory if restore else None)
+        try:
+            chan = await self._launch(rec, spec, memory if restore else None)
+        except BackendError as e:
+            if not restore:
+                raise
+            # seen rarely here under load: a restoring QEMU that never answers QMP; a boot still works
+            log.warning("sandbox %s: restoring template %s failed (%s); booting instead", rec.id, key[:12], e)
+            await self._discard(rec)
+            restore = False
+            chan = await self._launch(rec, spec, None)
         rec.runtime["restored"] = restore
         if not restore:
             await self._settle(chan, spec)
@@ -203,7 +223,7 @@ class MicroVMBackend(Backend):
             self._watch(rec.id, pid)
             try:
                 if memory is not None:
-                    await asyncio.to_thread(snapshots.resume_restored, spec.qmp_sock)
+                    await asyncio.to_thread(snapshots.resume_restored, spec.qmp_sock, RESTORE_TIMEOUT[self.accel])
                 chan = await self._connect(rec, BOOT_TIMEOUT[self.accel], kick=memory is not None)
                 if memory is not None:
                     clock, rng = await chan.refresh(10.0)
@@ -250,15 +270,10 @@ class MicroVMBackend(Backend):
                 chan = await connect_agent(spec.agent_sock, BOOT_TIMEOUT[self.accel], lambda: None)
                 try:
                     await self._settle(chan, spec)
-                    # the page cache of boot is not worth saving: freed (and zeroed), it is left out
-                    await chan.run(
-                        ["/.dsec/busybox", "sh", "-c", "sync; echo 3 > /proc/sys/vm/drop_caches"],
-                        {},
-                        "/",
-                        None,
-                        60.0,
-                        4096,
-                    )
+                    # what a template saves is every non-zero page: drop the boot's caches and zero the
+                    # free pages (a process fills them with zeros and exits), so restored VMs load and
+                    # hold only what the guest uses
+                    await chan.run(["/.dsec/busybox", "sh", "-c", TEMPLATE_TRIM], {}, "/", None, 120.0, 4096)
                 finally:
                     await chan.aclose()
                 await asyncio.sleep(0.3)  # the agent notices the hangup: a restored one greets its new host
@@ -298,9 +313,9 @@ class MicroVMBackend(Backend):
             except ChildProcessError:  # adopted after a daemon restart: not our child, no status
                 why = "QEMU exited"
             # the console's last lines (a panic's) arrive with its EOF, just after the exit
-            with contextlib.suppress(TimeoutError):
+            with contextlib.suppress(Exception):  # a timeout, or the drain's own failure: the reason matters more
                 await asyncio.wait_for(asyncio.shield(drain), 2.0)
-            panic = await asyncio.to_thread(panic_line, bundle)
+            panic = await asyncio.to_thread(qemu.panic_line, bundle)
             self._exited.setdefault(sandbox_id, f"the guest kernel panicked ({panic})" if panic else why)
             stop.set()
 
@@ -466,6 +481,22 @@ class MicroVMBackend(Backend):
             raise SandboxGone(self._exited[rec.id])
         return result
 
+    async def _discard(self, rec: SandboxRecord) -> None:
+        """Kill a VM that failed to start and forget it, keeping its bundle for another try."""
+        pid = rec.runtime.pop("pid", None)
+        if isinstance(pid, int) and qemu.is_ours(pid, rec.id):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        stop = self._stops.pop(rec.id, None)
+        if stop is not None:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), 5.0)
+        chan = self._channels.pop(rec.id, None)
+        if chan is not None:
+            await chan.aclose()
+        self._exited.pop(rec.id, None)
+        await asyncio.to_thread(qemu.release, rec.id, self._bundle(rec))
+
     async def _why_gone(self, rec: SandboxRecord, fallback: str) -> str:
         """The VM's own reason (QEMU's exit, a kernel panic) rather than the channel's: the channel
         usually sees the end a moment before QEMU is reaped."""
@@ -518,60 +549,3 @@ class MicroVMBackend(Backend):
 
     async def download_tar(self, rec: SandboxRecord, path: str) -> bytes:
         return await self._files(rec).download_tar(path)
-
-
-async def connect_agent(sock: Path, timeout: float, gone: Callable[[], str | None], kick: bool = False) -> GuestChannel:
-    """A channel to a guest agent that has said 'R', retrying while the guest boots or restores.
-
-    An agent that does not greet within a second is asked to (``hello``): one restored from a memory
-    snapshot, or one whose greeting crossed the host's connection, may believe it already did. With
-    ``kick`` (a restored guest) it is asked at once.
-    """
-    deadline = time.monotonic() + timeout
-    while True:
-        if (why := gone()) is not None:
-            raise SandboxGone(why)
-        try:
-            chan = await GuestChannel.connect_unix(sock, timeout=2.0)
-            try:
-                if kick:
-                    await chan.hello()
-                while True:
-                    try:
-                        await chan.wait_ready(min(1.0, max(0.1, deadline - time.monotonic())))
-                        return chan
-                    except TimeoutError:
-                        if time.monotonic() >= deadline or (why := gone()) is not None:
-                            raise
-                        await chan.hello()
-            except BaseException:
-                await chan.aclose()
-                raise
-        except (OSError, TimeoutError, BackendError):
-            if time.monotonic() >= deadline:
-                raise TimeoutError(f"no answer from the guest agent within {timeout:g}s") from None
-            await asyncio.sleep(0.1)
-
-
-def panic_line(bundle: Path) -> str | None:
-    """The guest kernel's panic message, if the end of its console shows one."""
-    tail = qemu.console_tail(bundle, 16384)
-    at = tail.rfind("Kernel panic")
-    if at < 0:
-        return None
-    return tail[at:].splitlines()[0].strip()[:300]
-
-
-def _processes_named(name: str) -> list[int]:
-    """Pids of processes whose QEMU ``-name`` starts with ``name``."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            args = (entry / "cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if any(a.startswith(name.encode()) for a in args):
-            found.append(int(entry.name))
-    return found

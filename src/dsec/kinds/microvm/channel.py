@@ -15,7 +15,9 @@ import logging
 import os
 import struct
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from ...core.output import CappedBuffer, exec_result
@@ -329,3 +331,36 @@ def _result(ex: _Exec, status: int | None, started: float, timed_out: bool) -> E
         status = (127 if err == errno.ENOENT else 126) << 8
         ex.caps["stderr"].feed(f"dsec: {message}\n".encode())
     return exec_result(status, ex.caps["stdout"], ex.caps["stderr"], started, timed_out=timed_out)
+
+
+async def connect_agent(sock: Path, timeout: float, gone: Callable[[], str | None], kick: bool = False) -> GuestChannel:
+    """A channel to a guest agent that has said 'R', retrying while the guest boots or restores.
+
+    An agent that does not greet within a second is asked to (``hello``): one restored from a memory
+    snapshot, or one whose greeting crossed the host's connection, may believe it already did. With
+    ``kick`` (a restored guest) it is asked at once.
+    """
+    deadline = time.monotonic() + timeout
+    while True:
+        if (why := gone()) is not None:
+            raise SandboxGone(why)
+        try:
+            chan = await GuestChannel.connect_unix(sock, timeout=2.0)
+            try:
+                if kick:
+                    await chan.hello()
+                while True:
+                    try:
+                        await chan.wait_ready(min(1.0, max(0.1, deadline - time.monotonic())))
+                        return chan
+                    except TimeoutError:
+                        if time.monotonic() >= deadline or (why := gone()) is not None:
+                            raise
+                        await chan.hello()
+            except BaseException:
+                await chan.aclose()
+                raise
+        except (OSError, TimeoutError, BackendError):
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"no answer from the guest agent within {timeout:g}s") from None
+            await asyncio.sleep(0.1)
