@@ -30,14 +30,17 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 
 @pytest.fixture(scope="session")
-def contract_daemon() -> Iterator[Daemon]:
+def contract_daemon(request: pytest.FixtureRequest) -> Iterator[Daemon]:
     state = Path(tempfile.mkdtemp(prefix="dsec-contract-"))
     d = start_daemon(state)
     try:
         yield d
     finally:
         shut_down(d)
-        shutil.rmtree(state, ignore_errors=True)
+        if request.session.testsfailed:  # the daemon's log and the VMs' consoles say what went wrong
+            print(f"\n[dsec] contract daemon state kept: {state}")
+        else:
+            shutil.rmtree(state, ignore_errors=True)
 
 
 @pytest.fixture(scope="module", params=KINDS)
