@@ -1,4 +1,4 @@
-"""Building the guest's own programs into static binaries, once per source version.
+"""Building dsec's VM-side C programs into static binaries, once per source version.
 
 - the guest agent (``guest_agent.c`` and the ``agent_*.c`` parts it is split into, ``agent.h``);
 - ``pack-upper`` (``upper_pack.c``), which packs a VM's writable layer; built only where that source is
@@ -26,7 +26,9 @@ PACK_UPPER = "pack-upper"
 CFLAGS = ["-static", "-O2", "-Wall", "-Wextra"]
 
 
-def _compile(name: str, sources: tuple[Path, ...], headers: tuple[Path, ...], dest_dir: Path) -> Path:
+def compile_static(
+    name: str, sources: tuple[Path, ...], headers: tuple[Path, ...], dest_dir: Path, mode: int = 0o555
+) -> Path:
     """Compile ``sources`` into ``dest_dir/name`` unless the same inputs were built there; returns the binary."""
     h = hashlib.sha256("\0".join(CFLAGS).encode())
     for path in (*sources, *headers):
@@ -50,22 +52,24 @@ def _compile(name: str, sources: tuple[Path, ...], headers: tuple[Path, ...], de
     if res.returncode != 0:
         tmp.unlink(missing_ok=True)
         raise BackendError(f"building {name} failed: {res.stderr[-1500:]}")
-    os.chmod(tmp, 0o555)
+    os.chmod(tmp, mode)
     tmp.rename(target)
-    stamp.write_text(digest)
+    stamp_tmp = stamp.with_name(f"{stamp.name}.{os.getpid()}.tmp")
+    stamp_tmp.write_text(digest)
+    stamp_tmp.rename(stamp)
     return target
 
 
 def build(dest_dir: Path) -> Path:
     """The guest agent, compiled into ``dest_dir`` unless the same source was built there."""
-    return _compile(BINARY, SOURCES, HEADERS, dest_dir)
+    return compile_static(BINARY, SOURCES, HEADERS, dest_dir)
 
 
 def build_pack_upper(dest_dir: Path) -> Path | None:
     """``pack-upper`` compiled into ``dest_dir``, or None where its source is not part of this tree."""
     if not PACK_UPPER_SOURCE.exists():
         return None
-    return _compile(PACK_UPPER, (PACK_UPPER_SOURCE,), (), dest_dir)
+    return compile_static(PACK_UPPER, (PACK_UPPER_SOURCE,), (), dest_dir)
 
 
 async def build_agent(dest_dir: Path) -> Path:
