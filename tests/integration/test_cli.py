@@ -20,7 +20,8 @@ def dsec_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.Comple
 
 
 def test_help_for_every_command(daemon: object) -> None:
-    for cmd in ("serve", "run", "ps", "exec", "rm", "images", "version", "demo", "bench", "snapshot", "image"):
+    commands = ("serve", "run", "ps", "exec", "rm", "images", "version", "demo", "bench", "snapshot", "image")
+    for cmd in (*commands, "pause", "resume", "fork"):
         res = dsec_cli(cmd, "--help")
         assert res.returncode == 0, res.stderr
         assert "Usage" in res.stdout
@@ -43,6 +44,24 @@ def test_run_ps_exec_rm(daemon: object) -> None:
     bad = dsec_cli("exec", "sb-000000000000", "true")
     assert bad.returncode == 2 and "sandbox_not_found" in bad.stderr
     assert "Traceback" not in bad.stderr
+
+
+def test_pause_resume_fork(daemon: object) -> None:
+    sb = dsec.Sandbox.create(image="dsec/busybox", labels={"cli": "pause"})
+    try:
+        assert dsec_cli("pause", sb.id).returncode == 0
+        ps = dsec_cli("ps", "--label", "cli=pause", "--json")
+        assert '"state": "paused"' in ps.stdout
+        assert dsec_cli("resume", sb.id).returncode == 0 and sb.info().state == dsec.State.running
+        # a container has no memory snapshot to fork from: a clear error, no traceback
+        fork = dsec_cli("fork", sb.id, "-n", "2")
+        assert fork.returncode == 2 and "memory snapshot" in fork.stderr and "Traceback" not in fork.stderr
+        bad = dsec_cli("fork", sb.id, "-n", "0")
+        assert bad.returncode == 2 and "Traceback" not in bad.stderr
+        gone = dsec_cli("pause", "sb-000000000000")
+        assert gone.returncode == 2 and "sandbox_not_found" in gone.stderr
+    finally:
+        sb.kill()
 
 
 def test_images_lists_builtins(daemon: object) -> None:
