@@ -146,3 +146,10 @@ async def kill_leftovers(console: Console, client: AsyncClient, labels: dict[str
         console.print(f"[red]could not clean up all of the bench's sandboxes[/red]: {e}")
     if killed or left:
         console.print(f"killed {killed} leftover sandbox(es)" + (f"; {len(left)} remain" if left else ""))
+
+
+def host_facts() -> Json:
+    """The machine a bench ran on, for its JSON."""
+    with open("/proc/meminfo") as f:
+        total = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemTotal:"))
+    return {"cpus": os.cpu_count(), "kernel": os.uname().release, "memory_bytes": total}

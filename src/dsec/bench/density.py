@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import time
 from datetime import UTC, datetime
 from pathlib import Path
@@ -13,7 +12,7 @@ from rich.console import Console
 
 from ..errors import DsecError
 from ..sdk.aio import AsyncSandbox
-from .common import Json, connect, kill_leftovers, phase, release_node, start_daemon, stop_daemon, summarize
+from .common import Json, connect, host_facts, kill_leftovers, phase, release_node, start_daemon, stop_daemon, summarize
 
 LABEL = {"dsec-bench": "density"}
 TARGET_N = 1000
@@ -109,7 +108,7 @@ def main(n: int, json_out: Path, state_dir: Path, image: str, concurrency: int) 
     result = {
         "bench": "density",
         "when": datetime.now(UTC).isoformat(timespec="seconds"),
-        "host": {"cpus": os.cpu_count(), "kernel": os.uname().release, "memory_bytes": meminfo()["MemTotal"]},
+        "host": host_facts(),
         "params": {"n": n, "image": image, "concurrency": concurrency, "kind": "container"},
         "dsec": figures,
         "targets": {

@@ -16,7 +16,7 @@ from rich.console import Console
 
 from ..errors import DsecError
 from ..sdk.aio import AsyncClient, AsyncSandbox
-from .common import Json, connect, kill_leftovers, phase, release_node, start_daemon, stop_daemon, summarize
+from .common import Json, connect, host_facts, kill_leftovers, phase, release_node, start_daemon, stop_daemon, summarize
 from .density import meminfo, used
 
 LABEL = {"dsec-bench": "vm"}
@@ -250,7 +250,7 @@ def main(kinds: list[str], samples: int, idle_n: int, json_out: Path, state_dir:
     result = {
         "bench": "vm",
         "when": datetime.now(UTC).isoformat(timespec="seconds"),
-        "host": {"cpus": os.cpu_count(), "kernel": os.uname().release, "memory_bytes": meminfo()["MemTotal"]},
+        "host": host_facts(),
         "accelerator": figures.pop("accelerator"),
         "params": {"kinds": kinds, "samples": samples, "idle": idle_n, "memory": MEMORY, "image": "dsec/busybox"},
         "dsec": figures,

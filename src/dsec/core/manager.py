@@ -341,15 +341,13 @@ class SandboxManager:
         """
         started = time.monotonic()
         parent = self._get(sandbox_id)
-        if parent.state != State.paused:
-            self._running(sandbox_id)
         backend = self.backends[parent.kind]
         children: list[SandboxRecord] = []
         try:
             async with self._lock(parent.id):
                 parent = self._get(sandbox_id)
                 if parent.state != State.paused:
-                    self._running(sandbox_id)
+                    self._running(sandbox_id)  # raises the precise error for any other state
                 async with backend.checkpoint(parent) as checkpoint:
                     ttl = req.timeout if req.timeout is not None else parent.expires_at - parent.created_at
                     labels = parent.labels if req.labels is None else req.labels

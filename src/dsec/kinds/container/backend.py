@@ -404,9 +404,7 @@ class ContainerBackend(Backend):
     async def frozen_upper(self, rec: SandboxRecord) -> AsyncIterator[Path]:
         bundle = self._bundle(rec)
         upper = bundle / "disk" / "upper"
-        status, out = await run(self._runtime_argv("pause", rec.id), timeout=30)
-        if status != 0:
-            raise BackendError(f"cannot freeze sandbox {rec.id}: {out.decode(errors='replace')[-400:]}")
+        await self._runtime_call(rec, "pause")
         view = bundle / "pack-view"
         base = rec.runtime.get("uid_base")
         try:
@@ -427,9 +425,10 @@ class ContainerBackend(Backend):
                 await asyncio.to_thread(umount, view, lazy=True)
                 with contextlib.suppress(OSError):
                     view.rmdir()
-            status, out = await run(self._runtime_argv("resume", rec.id), timeout=30)
-            if status != 0:
-                log.error("cannot thaw sandbox %s: %s", rec.id, out.decode(errors="replace")[-400:])
+            try:
+                await self._runtime_call(rec, "resume")
+            except DsecError as e:
+                log.error("cannot thaw sandbox %s: %s", rec.id, e)
 
     async def _userns_for(self, base: int) -> int:
         """A user namespace with this range's mapping, only to idmap layers: kept and reused per range."""

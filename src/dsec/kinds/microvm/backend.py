@@ -31,7 +31,7 @@ from ...models import ExecRequest, ExecResult, FileEntry
 from ...proc import wait
 from ...store.records import SandboxRecord
 from ..base import Backend, BackendContext, OutputCallback
-from . import accel, guest, launcher_build, pack, qemu, snapshots, templates
+from . import accel, guest, jail, launcher_build, pack, qemu, snapshots, templates
 from .agent_build import build_agent
 from .channel import GuestChannel, connect_agent
 from .files import GuestFiles
@@ -91,6 +91,9 @@ class MicroVMBackend(Backend):
         self._building: set[str] = set()
         self._template_gate = asyncio.Semaphore(1)
         self._template_pids: set[int] = set()
+        # names of this node's template VMs: the state dir's hash tells them from other daemons'
+        node = hashlib.sha256(str(ctx.state_dir.resolve()).encode()).hexdigest()[:8]
+        self._template_prefix = f"tpl-{node}-"
 
     async def start(self) -> list[str]:
         if shutil.which(qemu.QEMU) is None:
@@ -101,7 +104,7 @@ class MicroVMBackend(Backend):
             await asyncio.to_thread(shutil.rmtree, old, True)
         # a template VM outlives a daemon stopped mid-build (QEMU has a session of its own): nothing
         # else will ever stop it
-        for pid in await asyncio.to_thread(qemu.processes_named, f"dsec-{self._template_prefix()}"):
+        for pid in await asyncio.to_thread(qemu.processes_named, f"dsec-{self._template_prefix}"):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
                 log.info("killed template VM %d left by an earlier daemon", pid)
@@ -114,6 +117,9 @@ class MicroVMBackend(Backend):
                 await asyncio.to_thread(VM_CACHE.mkdir, parents=True, exist_ok=True)
                 agent = await build_agent(VM_CACHE / "agent")
                 await launcher_build.build_launcher()
+                # what VMs of daemons that died left behind (once here, not on every QEMU start)
+                with contextlib.suppress(OSError):
+                    await asyncio.to_thread(jail.sweep)
                 assets = await guest.prepare(VM_CACHE, agent)
                 self.accel, why = await accel.choose(VM_CACHE, assets)
                 log.info(
@@ -125,10 +131,6 @@ class MicroVMBackend(Backend):
                 # templates of earlier guest assets can never be restored again
                 await asyncio.to_thread(templates.prune, self.templates, self._asset_names())
             return self.assets
-
-    def _template_prefix(self) -> str:
-        """Names of this node's template VMs: the state dir's hash tells them from other daemons'."""
-        return f"tpl-{hashlib.sha256(str(self.ctx.state_dir.resolve()).encode()).hexdigest()[:8]}-"
 
     async def close(self) -> None:
         for pid in list(self._template_pids):
@@ -144,20 +146,25 @@ class MicroVMBackend(Backend):
         return self.vm_dir / rec.id
 
     def _spec(self, rec: SandboxRecord, image: ImageRef) -> qemu.VMSpec:
-        if self.assets is None:
-            raise BackendError(f"{self.kind} backend used before start()")
         if not image.layer_files:
             raise InvalidRequest(f"image {image.name} has no layer files to boot a VM from")
+        memory_mib = qemu.memory_mib(rec.limits.memory)
+        cpus = qemu.vcpus(rec.limits.cpu, rec.limits.cpu_limit)
+        return self._vm_spec(rec, memory_mib, cpus, image.layer_files)
+
+    def _vm_spec(self, rec: SandboxRecord, memory_mib: int, cpus: int, layers: tuple[Path, ...]) -> qemu.VMSpec:
+        if self.assets is None:
+            raise BackendError(f"{self.kind} backend used before start()")
         return qemu.VMSpec(
             name=rec.id,
             machine=self.machine,
             accel=self.accel,
-            memory_mib=qemu.memory_mib(rec.limits.memory),
-            cpus=qemu.vcpus(rec.limits.cpu, rec.limits.cpu_limit),
+            memory_mib=memory_mib,
+            cpus=cpus,
             kernel=self.assets.kernel,
             initrd=self.assets.initrd,
             helper=self.assets.helper,
-            layers=image.layer_files,
+            layers=layers,
             disk_bytes=rec.limits.disk,
             bundle=self._bundle(rec),
         )
@@ -188,7 +195,7 @@ class MicroVMBackend(Backend):
                 raise
             # seen rarely here under load: a restoring QEMU that never answers QMP; a boot still works
             log.warning("sandbox %s: restoring template %s failed (%s); booting instead", rec.id, key[:12], e)
-            await self._discard(rec)
+            await self._stop_vm(rec)
             restore = False
             chan = await self._launch(rec, spec, None)
         rec.runtime["restored"] = restore
@@ -254,7 +261,7 @@ class MicroVMBackend(Backend):
         of this shape restore instead of booting."""
         root = self.templates / key
         bundle = root / "build"
-        name = f"{self._template_prefix()}{key[:16]}"
+        name = f"{self._template_prefix}{key[:16]}"
         spec = dataclasses.replace(like, name=name, bundle=bundle)
         pid = None
         stop = asyncio.Event()
@@ -316,7 +323,8 @@ class MicroVMBackend(Backend):
             with contextlib.suppress(Exception):  # a timeout, or the drain's own failure: the reason matters more
                 await asyncio.wait_for(asyncio.shield(drain), 2.0)
             panic = await asyncio.to_thread(qemu.panic_line, bundle)
-            self._exited.setdefault(sandbox_id, f"the guest kernel panicked ({panic})" if panic else why)
+            if self._stops.get(sandbox_id) is stop:  # else the VM was stopped on purpose and forgotten
+                self._exited.setdefault(sandbox_id, f"the guest kernel panicked ({panic})" if panic else why)
             stop.set()
 
         for task in (drain, asyncio.create_task(reap())):
@@ -346,6 +354,11 @@ class MicroVMBackend(Backend):
                 raise SandboxGone(f"the guest agent of {rec.id} stopped answering: {e}") from e
 
     async def destroy(self, rec: SandboxRecord) -> None:
+        await self._stop_vm(rec)
+        await asyncio.to_thread(shutil.rmtree, self._bundle(rec), True)
+
+    async def _stop_vm(self, rec: SandboxRecord) -> None:
+        """Kill the VM, forget what the backend held for it and release its jail; the bundle stays."""
         chan = self._channels.pop(rec.id, None)
         if chan is not None:
             await chan.aclose()
@@ -364,7 +377,6 @@ class MicroVMBackend(Backend):
         self._exited.pop(rec.id, None)
         if not await asyncio.to_thread(qemu.release, rec.id, self._bundle(rec)):
             log.warning("the VM of %s would not leave its cgroup", rec.id)
-        await asyncio.to_thread(shutil.rmtree, self._bundle(rec), True)
 
     async def alive(self, rec: SandboxRecord) -> bool:
         pid = rec.runtime.get("pid")
@@ -379,21 +391,10 @@ class MicroVMBackend(Backend):
     def _spec_of(self, rec: SandboxRecord) -> qemu.VMSpec:
         """The VMSpec a running sandbox was started with (what a copy of it must match)."""
         shape = rec.runtime.get("spec")
-        if self.assets is None or not isinstance(shape, dict):
+        if not isinstance(shape, dict):
             raise BackendError(f"sandbox {rec.id} has no recorded VM shape (started by an older dsec?)")
-        return qemu.VMSpec(
-            name=rec.id,
-            machine=self.machine,
-            accel=self.accel,
-            memory_mib=int(shape["memory_mib"]),
-            cpus=int(shape["cpus"]),
-            kernel=self.assets.kernel,
-            initrd=self.assets.initrd,
-            helper=self.assets.helper,
-            layers=tuple(Path(p) for p in shape["layers"]),
-            disk_bytes=rec.limits.disk,
-            bundle=self._bundle(rec),
-        )
+        layers = tuple(Path(p) for p in shape["layers"])
+        return self._vm_spec(rec, int(shape["memory_mib"]), int(shape["cpus"]), layers)
 
     async def _qmp(self, rec: SandboxRecord, command: str) -> Any:
         if not await self.alive(rec):
@@ -480,22 +481,6 @@ class MicroVMBackend(Backend):
             await self._kill_vm(rec, "the guest agent stopped answering after a timeout; the VM was killed")
             raise SandboxGone(self._exited[rec.id])
         return result
-
-    async def _discard(self, rec: SandboxRecord) -> None:
-        """Kill a VM that failed to start and forget it, keeping its bundle for another try."""
-        pid = rec.runtime.pop("pid", None)
-        if isinstance(pid, int) and qemu.is_ours(pid, rec.id):
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-        stop = self._stops.pop(rec.id, None)
-        if stop is not None:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), 5.0)
-        chan = self._channels.pop(rec.id, None)
-        if chan is not None:
-            await chan.aclose()
-        self._exited.pop(rec.id, None)
-        await asyncio.to_thread(qemu.release, rec.id, self._bundle(rec))
 
     async def _why_gone(self, rec: SandboxRecord, fallback: str) -> str:
         """The VM's own reason (QEMU's exit, a kernel panic) rather than the channel's: the channel

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 from pathlib import Path
 
@@ -13,6 +14,7 @@ BINARY = "dsec-vmm-launcher"
 DEFAULT_DIR = Path(os.environ.get("DSEC_VM_CACHE", "/var/cache/dsec/vm")) / "vmm"
 
 
+@functools.cache  # every QEMU start asks for it: its source is hashed once per process, not per VM
 def build(dest_dir: Path = DEFAULT_DIR) -> Path:
     """Compile the launcher into ``dest_dir`` unless the same source was built there; returns the binary.
 

@@ -143,8 +143,6 @@ def start(spec: VMSpec, incoming: Path | None = None) -> int:
     if jail.running(vm_key):
         raise BackendError(f"a QEMU for {spec.name} in {spec.bundle} is already running")
     launcher = launcher_build.build()
-    with contextlib.suppress(OSError):
-        jail.sweep()
     owned: list[int] = []
     socks: list[socket.socket] = []
     try:
