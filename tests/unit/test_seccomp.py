@@ -118,8 +118,25 @@ def test_clone_with_a_namespace_flag_is_refused(profile: dict[str, Any], flag: s
 
 def test_everyday_syscalls_are_allowed(profile: dict[str, Any]) -> None:
     allowed = _unconditional_allows(profile)
-    for name in ("read", "write", "openat", "execve", "mmap", "futex", "socket", "exit_group", "wait4"):
+    for name in ("read", "write", "openat", "execve", "mmap", "futex", "socketpair", "exit_group", "wait4"):
         assert name in allowed
+
+
+def test_socket_only_for_unix_inet_and_netlink(profile: dict[str, Any]) -> None:
+    assert "socket" not in _unconditional_allows(profile)
+    rules = [r for r in _rules(profile, "SCMP_ACT_ALLOW") if r["names"] == ["socket"]]
+    families = set()
+    for rule in rules:
+        (arg,) = rule["args"]
+        assert arg["index"] == 0 and arg["op"] == "SCMP_CMP_EQ"
+        families.add(arg["value"])
+    assert families == {1, 2, 10, 16}  # AF_UNIX, AF_INET, AF_INET6, AF_NETLINK; not AF_PACKET (17), AF_ALG (38)
+
+
+@pytest.mark.parametrize("name", ["fanotify_init", "mbind", "set_mempolicy", "listmount", "process_madvise"])
+def test_calls_docker_allows_but_agents_never_need_are_refused(profile: dict[str, Any], name: str) -> None:
+    assert name not in _unconditional_allows(profile)
+    assert name in _eperm_rule(profile)["names"]
 
 
 def test_allow_list_has_no_duplicates_after_dedup(profile: dict[str, Any]) -> None:
