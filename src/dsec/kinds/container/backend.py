@@ -30,7 +30,7 @@ from ...errors import BackendError, DsecError, InvalidRequest, SandboxGone
 from ...images.store import ImageRef
 from ...isolation import cgroups, seccomp, users
 from ...isolation.idmap import UidSlots, idmapped_bind, make_userns
-from ...isolation.mounts import umount
+from ...isolation.mounts import MS_NODEV, MS_NOSUID, is_mountpoint, mount, umount
 from ...isolation.rootpath import RootFS, clean_path
 from ...models import ExecRequest, ExecResult, FileEntry
 from ...proc import run
@@ -79,6 +79,10 @@ class ContainerBackend(Backend):
         notes = cgroups.prepare_host(self.layout)
         for d in (self.run_root, self.helper_dir, self.sandbox_dir):
             d.mkdir(parents=True, exist_ok=True)
+        if not is_mountpoint(self.helper_dir):
+            # A file system of its own: a bind of a host directory shows that directory's host path in
+            # the sandbox's /proc/self/mountinfo; the root of a tmpfs shows as "/".
+            mount("dsec-helpers", self.helper_dir, "tmpfs", MS_NOSUID | MS_NODEV, "size=64m,mode=0755")
         await asyncio.to_thread(self._install_helpers)
         try:
             await asyncio.to_thread(agent.build, self.helper_dir)

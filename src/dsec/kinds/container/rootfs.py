@@ -39,8 +39,15 @@ def mount_rootfs(
             idmapped_bind(layer, target, userns_fd)
             mapped.append(target)
         lowers = mapped
-    lower = ":".join(str(p) for p in reversed(lowers))
-    mount("overlay", rootfs, "overlay", 0, f"lowerdir={lower},upperdir={disk}/upper,workdir={disk}/work")
+    # Named by descriptor: overlayfs shows its options verbatim in the sandbox's /proc/self/mountinfo,
+    # and host paths there would tell a sandbox where the daemon keeps its state.
+    fds = [os.open(p, os.O_PATH | os.O_DIRECTORY) for p in [*reversed(lowers), disk / "upper", disk / "work"]]
+    try:
+        *lower_fds, upper, work = (f"/proc/self/fd/{fd}" for fd in fds)
+        mount("overlay", rootfs, "overlay", 0, f"lowerdir={':'.join(lower_fds)},upperdir={upper},workdir={work}")
+    finally:
+        for fd in fds:
+            os.close(fd)
     return rootfs
 
 
