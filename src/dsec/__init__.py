@@ -10,6 +10,7 @@ from .errors import (
     DaemonUnreachable,
     DsecError,
     FileNotFoundInSandbox,
+    Forbidden,
     ImageExists,
     ImageInUse,
     ImageNotFound,
@@ -18,13 +19,16 @@ from .errors import (
     LimitExceeded,
     NotFound,
     QuotaExceeded,
+    ResidueFound,
     SandboxGone,
     SandboxNotFound,
     SandboxTimeout,
+    TenantExists,
     Unauthorized,
 )
+from .grade_models import GradeResult
 from .images.buildspec import BuildSpec, ImageSpec
-from .models import ExecResult, FileEntry, ImageInfo, SandboxInfo, State
+from .models import ExecResult, FileEntry, ImageInfo, NetworkAllow, NetworkStatus, SandboxInfo, State
 from .sdk.aio import AsyncClient, AsyncSandbox
 from .sdk.sync import Client, Sandbox
 
@@ -40,6 +44,8 @@ __all__ = [
     "ExecResult",
     "FileEntry",
     "FileNotFoundInSandbox",
+    "Forbidden",
+    "GradeResult",
     "ImageExists",
     "ImageInUse",
     "ImageInfo",
@@ -48,14 +54,18 @@ __all__ = [
     "InvalidRequest",
     "InvalidState",
     "LimitExceeded",
+    "NetworkAllow",
+    "NetworkStatus",
     "NotFound",
     "QuotaExceeded",
+    "ResidueFound",
     "Sandbox",
     "SandboxGone",
     "SandboxInfo",
     "SandboxNotFound",
     "SandboxTimeout",
     "State",
+    "TenantExists",
     "Unauthorized",
     "__version__",
 ]

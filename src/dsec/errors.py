@@ -39,6 +39,13 @@ class Unauthorized(DsecError, PermissionError):
     http_status = 401
 
 
+class Forbidden(DsecError, PermissionError):
+    """The token is valid but its tenant may not do this (tenant administration, gc, import)."""
+
+    code = "forbidden"
+    http_status = 403
+
+
 class NotFound(DsecError, LookupError):
     """Generic: the named thing does not exist."""
 
@@ -82,6 +89,13 @@ class ImageExists(DsecError, FileExistsError):
     """A published image version is immutable: its name cannot be given to other content."""
 
     code = "image_exists"
+    http_status = 409
+
+
+class TenantExists(DsecError, FileExistsError):
+    """A tenant with this name exists or existed: names are never given to a second tenant."""
+
+    code = "tenant_exists"
     http_status = 409
 
 
@@ -133,17 +147,26 @@ class BuildFailed(BackendError):
     http_status = 422
 
 
+class ResidueFound(DsecError, ValueError):
+    """An image publish was refused: a canary string (an answer key's marker) is in one of its layers."""
+
+    code = "residue_found"
+    http_status = 422
+
+
 ERRORS_BY_CODE: dict[str, type[DsecError]] = {
     cls.code: cls
     for cls in (
         DsecError,
         InvalidRequest,
         Unauthorized,
+        Forbidden,
         NotFound,
         SandboxNotFound,
         ImageNotFound,
         ImageExists,
         ImageInUse,
+        TenantExists,
         FileNotFoundInSandbox,
         InvalidState,
         SandboxGone,
@@ -153,6 +176,7 @@ ERRORS_BY_CODE: dict[str, type[DsecError]] = {
         DaemonUnreachable,
         BackendError,
         BuildFailed,
+        ResidueFound,
     )
 }
 

@@ -9,6 +9,9 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 
 from .images.buildspec import BuildSpec
+from .images.canary import check_canaries
+from .isolation.network.policy import NetworkAllow as NetworkAllow
+from .isolation.network.policy import NetworkSpec as NetworkSpec
 from .isolation.users import USER_SPEC
 from .units import parse_size
 
@@ -57,6 +60,10 @@ class Limits(_Strict):
     memory: Size = Field(512 << 20, description="Hard memory limit in bytes (or '512Mi').")
     disk: Size = Field(1 << 30, description="Size limit of the writable layer in bytes (or '1Gi').")
     pids: int = Field(1024, ge=8, le=1 << 20, description="Maximum number of processes and threads.")
+    nofile: int = Field(65536, ge=64, le=1 << 20, description="RLIMIT_NOFILE (soft and hard) of every process.")
+    file_size: Size | None = Field(
+        None, description="RLIMIT_FSIZE of every process in bytes (or '100Mi'); default: the disk limit."
+    )
 
     @field_validator("memory")
     @classmethod
@@ -76,6 +83,17 @@ class Limits(_Strict):
             raise ValueError("disk must be at most 16Ti")
         return v
 
+    @field_validator("file_size")
+    @classmethod
+    def _file_size_floor(cls, v: int | None) -> int | None:
+        if v is not None and v < 4096:
+            raise ValueError("file_size must be at least 4Ki")
+        return v
+
+    def fsize(self) -> int:
+        """RLIMIT_FSIZE in bytes: file_size, or the disk limit (no single file can be larger anyway)."""
+        return self.file_size if self.file_size is not None else self.disk
+
 
 class CreateSandbox(_Strict):
     image: str = Field("dsec/debian:12", min_length=1, max_length=256, description="Image name, repo:tag.")
@@ -84,6 +102,12 @@ class CreateSandbox(_Strict):
     timeout: float = Field(600.0, gt=0, le=MAX_TTL_S, description="Time to live in seconds; reaped after.")
     env: dict[str, str] = Field(default_factory=dict, description="Environment of every exec.")
     labels: dict[str, str] = Field(default_factory=dict, description="Free-form labels to filter lists by.")
+    network: NetworkSpec = Field(
+        None,
+        description="None: loopback only. 'full': anything but the host, the daemon, metadata and other sandboxes. "
+        "{'allow': ['CIDR:PORT', 'IP:PORT', 'NAME:PORT', ...]} (PORT a number or '*'): only those, tcp and udp; "
+        "names through the platform's resolver. Container kind only for now.",
+    )
 
     @field_validator("env")
     @classmethod
@@ -126,6 +150,19 @@ class SandboxInfo(BaseModel):
     waiting: str | None = Field(
         default=None, description="While creating: what the sandbox queues for (e.g. a VM boot slot), if anything."
     )
+    owner: str | None = Field(default=None, description="The tenant the sandbox belongs to.")
+    network: NetworkSpec = Field(default=None, description="The sandbox's network policy now.")
+
+
+class NetworkStatus(BaseModel):
+    policy: NetworkSpec = Field(description="The policy in force.")
+    address: str | None = Field(default=None, description="The sandbox's address (None: loopback only).")
+    resolver: str | None = Field(default=None, description="The platform resolver the sandbox's resolv.conf names.")
+    denied_packets: int = Field(0, description="Packets dropped by the policy (connection attempts and their retries).")
+    denied_dns: int = Field(0, description="DNS queries refused (names not on the allowlist).")
+    allowed: list[str] = Field(
+        default_factory=list, description="Destinations open now: static entries and resolved names' addresses."
+    )
 
 
 class ForkRequest(_Strict):
@@ -153,6 +190,12 @@ class SandboxList(BaseModel):
 class ExecRequest(_Strict):
     cmd: str | list[str] = Field(..., description="A string is run by /bin/sh -c; a list is the argv.")
     timeout: float = Field(60.0, gt=0, le=MAX_EXEC_TIMEOUT_S, description="Seconds before the whole tree is killed.")
+    idle_timeout: float | None = Field(
+        None,
+        gt=0,
+        le=MAX_EXEC_TIMEOUT_S,
+        description="Seconds without a byte on stdout or stderr before the whole tree is killed (none: no limit).",
+    )
     cwd: str | None = Field(None, max_length=4096, description="Working directory (absolute).")
     env: dict[str, str] = Field(default_factory=dict)
     stdin: str | None = Field(None, max_length=MAX_STDIN, description="Text fed to standard input.")
@@ -213,7 +256,8 @@ class ExecResult(BaseModel):
     truncated: bool = Field(False, description="True if either stream exceeded output_limit.")
     stdout_bytes: int = Field(0, description="Total bytes the process wrote to stdout.")
     stderr_bytes: int = Field(0, description="Total bytes the process wrote to stderr.")
-    timed_out: bool = False
+    timed_out: bool = Field(False, description="Killed by a timeout: the wall clock's or the idle-output one.")
+    idle_timed_out: bool = Field(False, description="Killed because it wrote no output for idle_timeout seconds.")
     oom_killed: bool = False
     duration: float = 0.0
 
@@ -262,6 +306,13 @@ class ImageInfo(BaseModel):
     parent: str | None = Field(default=None, description="The version this one was built on or snapshotted from.")
     source_sandbox: str | None = Field(default=None, description="The sandbox a snapshot was taken of.")
     scrubbed: list[str] = Field(default_factory=list, description="Residue left out when the layers were packed.")
+    owner: str | None = Field(
+        default=None, description="The tenant that made it; none for built-in and operator images (public)."
+    )
+
+
+def _check_canaries(v: list[str]) -> list[str]:
+    return check_canaries(v)
 
 
 class SnapshotRequest(BaseModel):
@@ -275,6 +326,13 @@ class SnapshotRequest(BaseModel):
     )
     scrub_defaults: bool = Field(default=True, description="Apply the node's default residue rules too.")
     description: str = Field(default="", max_length=4096)
+    canaries: list[str] = Field(
+        default_factory=list,
+        max_length=256,
+        description="Canary strings (8-4096 bytes): the publish is refused if any layer of the image holds one.",
+    )
+
+    _canaries = field_validator("canaries")(_check_canaries)
 
 
 class ImportRequest(BaseModel):
@@ -287,6 +345,13 @@ class ImportRequest(BaseModel):
     reference: str | None = Field(
         default=None, max_length=256, description="Which image, when the input holds several."
     )
+    canaries: list[str] = Field(
+        default_factory=list,
+        max_length=256,
+        description="Canary strings (8-4096 bytes): the publish is refused if any layer of the image holds one.",
+    )
+
+    _canaries = field_validator("canaries")(_check_canaries)
 
 
 class LayerStats(BaseModel):
@@ -353,6 +418,13 @@ class BuildRequest(BaseModel):
         default_factory=dict,
         description="Secret arguments: seen only by steps that name them; never logged, cached by, or packed.",
     )
+    canaries: list[str] = Field(
+        default_factory=list,
+        max_length=256,
+        description="Canary strings (8-4096 bytes): the publish is refused if any layer of the image holds one.",
+    )
+
+    _canaries = field_validator("canaries")(_check_canaries)
 
 
 class BuildStepResult(BaseModel):
@@ -368,3 +440,49 @@ class BuildResult(BaseModel):
     image: ImageInfo
     steps: list[BuildStepResult]
     seconds: float
+
+
+# ---- tenants and the audit log ---------------------------------------------------------------------------
+
+
+class TenantCreate(_Strict):
+    name: str = Field(max_length=256, description="1-63 characters of a-z, 0-9 and '-'; never reused.")
+
+
+class TenantInfo(BaseModel):
+    name: str
+    created_at: datetime
+    operator: bool = Field(description="The daemon's own token (STATE_DIR/token): sees and acts on everything.")
+    revoked_at: datetime | None = Field(default=None, description="When the tenant was removed, if it was.")
+    sandboxes: int = Field(0, description="Its live sandboxes.")
+
+
+class TenantCreated(BaseModel):
+    name: str
+    token: str = Field(description="The tenant's bearer token: shown this once, only its hash is kept.")
+    created_at: datetime
+
+
+class TenantList(BaseModel):
+    tenants: list[TenantInfo]
+
+
+class TenantRemoved(BaseModel):
+    name: str
+    revoked_at: datetime
+    killed: list[str] = Field(default_factory=list, description="Its sandboxes that were killed.")
+
+
+class AuditRecord(BaseModel):
+    time: datetime
+    tenant: str | None = Field(description="None when the token was missing, wrong or revoked.")
+    method: str
+    route: str = Field(description="The route template, e.g. /v1/sandboxes/{sandbox_id}/exec.")
+    sandbox: str | None = None
+    status: int
+    duration_ms: float
+    command: str | None = Field(default=None, description="For execs: the command's first 256 bytes.")
+
+
+class AuditList(BaseModel):
+    records: list[AuditRecord] = Field(description="Oldest first: the newest `limit` that match.")

@@ -94,7 +94,8 @@ def release_node(state_dir: Path) -> None:
     unmount_under(state_dir)
 
 
-def start_daemon(state_dir: Path, *extra: str) -> Daemon:
+def start_daemon(state_dir: Path, *extra: str, module: str = "dsec") -> Daemon:
+    """``python -m MODULE serve`` (the security suite's negative control passes its weakened entry point)."""
     state_dir.mkdir(parents=True, exist_ok=True)
     log = state_dir / "daemon.log"
     sock = state_dir / "dsec.sock"
@@ -103,7 +104,7 @@ def start_daemon(state_dir: Path, *extra: str) -> Daemon:
             [
                 sys.executable,
                 "-m",
-                "dsec",
+                module,
                 "serve",
                 "--state-dir",
                 str(state_dir),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -17,11 +18,13 @@ from .common import client as _client
 from .common import fail as _fail
 from .image import image_app
 from .machine import fork, pause, resume
+from .tenant import audit, tenant_app
 
 app = typer.Typer(help="dsec: elastic sandboxes for training and evaluating AI agents.", no_args_is_help=True)
 bench_app = typer.Typer(help="Benchmarks that write JSON, with peers measured side by side.", no_args_is_help=True)
 app.add_typer(bench_app, name="bench")
 app.add_typer(image_app, name="image")
+app.add_typer(tenant_app, name="tenant")
 
 
 @app.command()
@@ -64,13 +67,45 @@ def serve(
         list[str] | None,
         typer.Option("--scrub", help="A residue rule (glob under /) for every layer this node packs (repeatable)."),
     ] = None,
+    canary: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--canary",
+            help="A string no image published here may hold in any layer: publishes are refused (repeatable).",
+        ),
+    ] = None,
     eager_layers: Annotated[
         bool, typer.Option("--eager-layers", help="Fetch every layer whole before use instead of lazily.")
     ] = False,
+    resolve: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--resolve",
+            help="NAME=IP: the platform resolver answers NAME with IP for sandboxes that may resolve it "
+            "(repeatable; like curl's --resolve).",
+        ),
+    ] = None,
+    full_deny: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--full-deny",
+            help="A network (CIDR) sandboxes with network='full' do not reach (repeatable; default: the private "
+            "ranges 10/8, 172.16/12, 192.168/16, 100.64/10, 198.18/15; 'none': no extra networks).",
+        ),
+    ] = None,
+    audit_keep_days: Annotated[
+        float, typer.Option(min=0.001, help="Delete audit records older than this many days.")
+    ] = 90.0,
+    audit_max_records: Annotated[
+        int, typer.Option(min=1, help="Keep at most this many audit records (the newest; ~170 bytes each).")
+    ] = 1_000_000,
     log_level: Annotated[str, typer.Option(help="debug, info, warning, error.")] = "info",
 ) -> None:
     """Run the node daemon."""
-    from ..server.app import ImageOptions
+    from ..images.canary import check_canaries
+    from ..isolation.network.options import NetworkOptions, parse_full_deny
+    from ..isolation.network.static import parse_resolve
+    from ..server.app import AuditOptions, ImageOptions
     from ..server.app import serve as run_server
     from ..units import parse_size
 
@@ -80,9 +115,18 @@ def serve(
         except ValueError as e:
             raise InvalidRequest(f"--image-cache: {e}") from None
         options = ImageOptions(
-            repository=repository, cache_max=cache_max, lazy=not eager_layers, scrub=tuple(scrub or ())
+            repository=repository,
+            cache_max=cache_max,
+            lazy=not eager_layers,
+            scrub=tuple(scrub or ()),
+            canaries=tuple(check_canaries(canary or ())),
         )
-        run_server(state_dir, listen, options, log_level)
+        # bad entries fail here, not in the daemon's log
+        network = NetworkOptions(static=parse_resolve(resolve or []))
+        if full_deny:
+            network = dataclasses.replace(network, full_deny=parse_full_deny(full_deny))
+        audit = AuditOptions(keep_days=audit_keep_days, max_records=audit_max_records)
+        run_server(state_dir, listen, options, log_level, audit, network)
     except DsecError as e:
         _fail(e)
 
@@ -160,6 +204,9 @@ def exec_(
     sandbox_id: Annotated[str, typer.Argument(help="Sandbox id.")],
     command: Annotated[list[str], typer.Argument(help="Command; one argument runs under /bin/sh -c.")],
     timeout: Annotated[float, typer.Option(help="Timeout in seconds.")] = 60.0,
+    idle_timeout: Annotated[
+        float | None, typer.Option(help="Kill the command after this many seconds without output.")
+    ] = None,
     url: UrlOpt = None,
     token: TokenOpt = None,
 ) -> None:
@@ -170,7 +217,7 @@ def exec_(
     try:
         sb = Sandbox.connect(sandbox_id, client=_client(url, token))
         cmd: str | list[str] = command[0] if len(command) == 1 else command
-        for event in sb.exec_stream(cmd, timeout=timeout):
+        for event in sb.exec_stream(cmd, timeout=timeout, idle_timeout=idle_timeout):
             if event.type == "stdout" and event.data:
                 sys.stdout.write(event.data)
                 sys.stdout.flush()
@@ -179,7 +226,9 @@ def exec_(
                 sys.stderr.flush()
             elif event.type == "result" and event.result is not None:
                 code = event.result.exit_code if event.result.exit_code is not None else 1
-                if event.result.timed_out:
+                if event.result.idle_timed_out:
+                    err.print(f"[yellow]killed after {idle_timeout}s without output[/yellow]")
+                elif event.result.timed_out:
                     err.print(f"[yellow]timed out after {timeout}s[/yellow]")
     except DsecError as e:
         _fail(e)
@@ -354,7 +403,7 @@ def bench_vm(
     raise typer.Exit(vm_main(kinds=kind, samples=samples, idle_n=idle, json_out=json_out, state_dir=state_dir))
 
 
-for _command in (pause, resume, fork):
+for _command in (pause, resume, fork, audit):
     app.command()(_command)
 
 

@@ -1,6 +1,7 @@
 """Image builds: each step runs in a fresh builder sandbox on the layers so far and is packed as one layer.
 
-Builder sandboxes run as the builder account: root in the sandbox, on the host's network (apt, pip),
+Builder sandboxes run as the builder account: root in the sandbox, with full network (apt, pip) but
+never the host itself, the daemon, metadata or other sandboxes (network policy "full"),
 seeing the build's arguments and only the secrets a step names. The image they produce is started
 later as a runtime sandbox: no network, none of the build's arguments or secrets. Before a layer is
 packed, residue is scrubbed; after, the packed bytes are searched for every secret value, and a
@@ -21,10 +22,12 @@ import blake3
 
 from ..errors import BuildFailed, InvalidRequest
 from ..images.buildspec import BUILDER_CA, HOST_CA_BUNDLE, BuildSpec, Step
+from ..images.canary import call_canaries
 from ..images.model import CachedStep, ImageConfig, LayerRef
 from ..images.scrub import ScrubRules
 from ..images.store import ImageRef, StagedLayer, normalize
 from ..models import BuildRequest, BuildResult, BuildStepResult, CreateSandbox, ExecRequest, LayerInfo, Limits
+from ..tenancy import OPERATOR, Caller
 
 if TYPE_CHECKING:
     from .manager import SandboxManager
@@ -32,7 +35,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("dsec.builds")
 
 BUILDER_LIMITS = Limits(cpu=2.0, memory=4 << 30, disk=16 << 30, pids=8192)
-# the resolver and CA bundle the builder borrowed from the host, never part of an image
+# the platform resolver's address and the CA bundle the builder borrowed from the host, never part of an image
 BUILD_SCRUB = ("etc/resolv.conf", "etc/dsec-build")
 # tools that take a CA bundle from the environment find the host's (see spec.BUILDER_CA)
 CA_ENV = ("SSL_CERT_FILE", "PIP_CERT", "REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE", "GIT_SSL_CAINFO")
@@ -97,16 +100,20 @@ class Builder:
 
     # ---- the build ---------------------------------------------------------------------------------
 
-    async def build(self, req: BuildRequest) -> BuildResult:
+    async def build(self, req: BuildRequest, *, caller: Caller = OPERATOR) -> BuildResult:
+        with call_canaries(req.canaries):  # each step's layer, and every layer of the image, searched for them
+            return await self._build(req, caller)
+
+    async def _build(self, req: BuildRequest, caller: Caller) -> BuildResult:
         spec = req.spec
         started = time.monotonic()
-        name = await self.images.check_free(spec.name)
+        name = await self.images.check_free(spec.name, caller)
         for step in spec.steps:
             unknown = set(step.secrets) - set(req.secrets)
             if unknown:
                 raise InvalidRequest(f"step {step.describe()!r} names secrets that were not given: {sorted(unknown)}")
         rules = self.images.scrub.plus([*spec.scrub, *BUILD_SCRUB], defaults=spec.scrub_defaults)
-        base = await self.images.resolve(normalize(spec.base))
+        base = await self.images.resolve(normalize(spec.base), caller=caller)
         base_version = await self.images.catalog.version(base.digest)
         layers: list[LayerRef] = list(base_version.layers)
         config = base_version.config.model_copy(deep=True)
@@ -117,7 +124,9 @@ class Builder:
             config.entrypoint = spec.entrypoint
         if spec.user is not None:
             config.user = spec.user
-        key = base.digest
+        # a tenant's build cache is its own: a hit would tell it what another tenant built, and hand it
+        # a layer built with that tenant's secrets (secrets are not part of cache keys)
+        key = base.digest if caller.operator else blake3.blake3(f"{caller.tenant}\0{base.digest}".encode()).hexdigest()
         results: list[BuildStepResult] = []
         scrubbed: list[str] = []
         async with self.images.catalog.publishing():
@@ -174,6 +183,7 @@ class Builder:
                 parent=base.digest,
                 description=spec.description or f"built from {base.name}",
                 scrubbed=list(dict.fromkeys(scrubbed)),
+                owner=caller.owner,
             )
         return BuildResult(image=info, steps=results, seconds=round(time.monotonic() - started, 3))
 
@@ -204,8 +214,9 @@ class Builder:
             timeout=step.timeout + 600,
             env=env,
             labels={"dsec.build": normalize(spec.name)},
+            network="full",
         )
-        rec = await self.mgr.create_on(create, ref, network="host")
+        rec = await self.mgr.create_on(create, ref)
         backend = self.mgr.backends[rec.kind]
         try:
             if step.copy_ is not None:

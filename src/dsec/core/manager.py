@@ -7,6 +7,7 @@ which states allow it and rejects the rest with ``InvalidState`` (or ``SandboxGo
 from __future__ import annotations
 
 import asyncio
+import builtins
 import contextlib
 import logging
 import os
@@ -17,7 +18,12 @@ from pathlib import Path
 from typing import TypeVar
 
 from ..errors import BackendError, DsecError, InvalidRequest, InvalidState, SandboxGone, SandboxNotFound
+from ..grade_models import GradeRequest, GradeResult
+from ..images.canary import call_canaries
 from ..images.store import ImageRef, ImageStore
+from ..isolation import tarcheck
+from ..isolation.network.host import NetworkHost
+from ..isolation.network.options import NetworkOptions
 from ..kinds import registry
 from ..kinds.base import Backend, BackendContext, OutputCallback
 from ..models import (
@@ -31,13 +37,19 @@ from ..models import (
     GcResult,
     ImageInfo,
     Limits,
+    NetworkSpec,
+    NetworkStatus,
     SandboxInfo,
     SnapshotRequest,
     State,
 )
+from ..store.audit import AuditLog
 from ..store.records import SandboxRecord
 from ..store.sqlite import SandboxStore
+from ..store.tenants import TenantStore
+from ..tenancy import OPERATOR, Caller
 from .builds import Builder
+from .grading import Grader
 
 log = logging.getLogger("dsec.core")
 T = TypeVar("T")
@@ -71,12 +83,21 @@ def _host_memory() -> int:
 
 
 class SandboxManager:
-    def __init__(self, state_dir: Path, images: ImageStore | None = None, kinds: Sequence[str] | None = None) -> None:
+    def __init__(
+        self,
+        state_dir: Path,
+        images: ImageStore | None = None,
+        kinds: Sequence[str] | None = None,
+        audit: AuditLog | None = None,
+        network: NetworkOptions | None = None,
+    ) -> None:
         self.state_dir = state_dir
         state_dir.mkdir(parents=True, exist_ok=True)
         self.store = SandboxStore(state_dir / "state.db")
+        self.tenants = TenantStore(state_dir / "state.db")
+        self.audit = audit or AuditLog(state_dir / "audit.db")
         self.images = images or ImageStore(state_dir / "images")
-        self.ctx = BackendContext(state_dir=state_dir)
+        self.ctx = BackendContext(state_dir=state_dir, net=NetworkHost(state_dir, network))
         self.backends: dict[str, Backend] = {}
         self._locks: dict[str, asyncio.Lock] = {}
         # Records of live sandboxes, kept in memory (written through to the store): the hot path of
@@ -91,13 +112,19 @@ class SandboxManager:
         # Set while a sandbox's writable layer is being packed: host-side file writes wait for it.
         self._packing: dict[str, asyncio.Event] = {}
         self.builds = Builder(self)
+        self.grader = Grader(self)
         self._background: set[asyncio.Task[None]] = set()
         self._busy: dict[str, int] = {}  # sandbox id -> execs in flight (a VM is not paused under one)
 
     # ---- daemon lifecycle --------------------------------------------------------------------------
 
     async def start(self) -> None:
+        await self.audit.start()
         self.notes += await self.images.start()
+        if self.ctx.net is not None:
+            await self.ctx.net.start()
+            if self.ctx.net.error is not None:
+                self.notes.append(f"no network policies on this node ({self.ctx.net.error}): loopback only")
         for kind in self.kinds:
             if kind in self.backends:  # injected (tests, embedding)
                 continue
@@ -126,6 +153,13 @@ class SandboxManager:
                 await backend.close()
             except Exception:
                 log.exception("closing the %s kind failed", backend.kind)
+        if self.ctx.net is not None:
+            try:
+                await self.ctx.net.close()
+            except Exception:
+                log.exception("closing the network side failed")
+        await self.audit.close()
+        self.tenants.close()
         self.store.close()
 
     async def readopt(self) -> None:
@@ -185,16 +219,18 @@ class SandboxManager:
         else:
             self._live[rec.id] = rec
 
-    def _get(self, sandbox_id: str) -> SandboxRecord:
+    def _get(self, sandbox_id: str, caller: Caller = OPERATOR) -> SandboxRecord:
+        """The record, if ``caller`` may act on it. Every action on a sandbox goes through here: another
+        tenant's sandbox is answered exactly like one that does not exist, so ids cannot be probed."""
         if not isinstance(sandbox_id, str) or not sandbox_id or len(sandbox_id) > 64:
             raise SandboxNotFound(f"no sandbox {sandbox_id!r}")
         rec = self._live.get(sandbox_id) or self.store.get(sandbox_id)
-        if rec is None:
+        if rec is None or not caller.owns(rec.owner):
             raise SandboxNotFound(f"no sandbox {sandbox_id!r}")
         return rec
 
-    def _running(self, sandbox_id: str) -> tuple[SandboxRecord, Backend]:
-        rec = self._get(sandbox_id)
+    def _running(self, sandbox_id: str, caller: Caller = OPERATOR) -> tuple[SandboxRecord, Backend]:
+        rec = self._get(sandbox_id, caller)
         if rec.state in TERMINAL_STATES:
             why = f": {rec.reason}" if rec.reason else ""
             raise SandboxGone(f"sandbox {rec.id} is {rec.state.value}{why}", detail={"state": rec.state.value})
@@ -209,7 +245,7 @@ class SandboxManager:
 
     # ---- actions -----------------------------------------------------------------------------------
 
-    async def create(self, req: CreateSandbox) -> SandboxInfo:
+    async def create(self, req: CreateSandbox, *, caller: Caller = OPERATOR) -> SandboxInfo:
         if req.kind not in self.backends:
             if req.kind in self.unavailable:
                 raise InvalidRequest(f"kind {req.kind!r} is not available on this node: {self.unavailable[req.kind]}")
@@ -217,14 +253,16 @@ class SandboxManager:
             raise InvalidRequest(f"kind {req.kind!r} is not enabled on this node")
         if req.limits.memory > _host_memory():
             raise InvalidRequest(f"memory limit {req.limits.memory} exceeds this node's {_host_memory()} bytes")
-        image = await self.images.resolve(req.image)
-        return (await self.create_on(req, image)).info()
+        image = await self.images.resolve(req.image, caller=caller)
+        return (await self.create_on(req, image, owner=caller.tenant)).info()
 
-    async def create_on(self, req: CreateSandbox, image: ImageRef, *, network: str = "none") -> SandboxRecord:
-        """Create on a resolved image; ``network="host"`` only for builder sandboxes the daemon itself runs."""
+    async def create_on(self, req: CreateSandbox, image: ImageRef, *, owner: str = OPERATOR.tenant) -> SandboxRecord:
+        """Create on a resolved image (builder sandboxes the daemon runs itself come here too)."""
         backend = self.backends[req.kind]
+        backend.check_network(req.network)
         rec = _new_record(req.kind, image.name, image.digest, req.timeout, req.limits, req.env, req.labels)
-        rec.network = network
+        rec.owner = owner
+        rec.network = req.network
         self.store.put(rec)
         self._live[rec.id] = rec
         slots = self._create_slots.setdefault(req.kind, asyncio.Semaphore(MAX_CONCURRENT_CREATES))
@@ -244,11 +282,11 @@ class SandboxManager:
             self._set_state(rec, State.running)
         return rec
 
-    def info(self, sandbox_id: str) -> SandboxInfo:
-        return self._get(sandbox_id).info()
+    def info(self, sandbox_id: str, *, caller: Caller = OPERATOR) -> SandboxInfo:
+        return self._get(sandbox_id, caller).info()
 
-    async def kill(self, sandbox_id: str) -> SandboxInfo:
-        rec = self._get(sandbox_id)
+    async def kill(self, sandbox_id: str, *, caller: Caller = OPERATOR) -> SandboxInfo:
+        rec = self._get(sandbox_id, caller)
         if rec.state in TERMINAL_STATES:
             return rec.info()  # killing twice is not an error
         return await self._stop(sandbox_id, "killed by request")
@@ -273,8 +311,15 @@ class SandboxManager:
         task.add_done_callback(self._background.discard)
         return rec.info()
 
-    async def exec(self, sandbox_id: str, req: ExecRequest, on_output: OutputCallback | None = None) -> ExecResult:
-        rec, backend = self._running(sandbox_id)
+    async def exec(
+        self,
+        sandbox_id: str,
+        req: ExecRequest,
+        on_output: OutputCallback | None = None,
+        *,
+        caller: Caller = OPERATOR,
+    ) -> ExecResult:
+        rec, backend = self._running(sandbox_id, caller)
         env = {**rec.env, **req.env}
         req = req.model_copy(update={"env": env})
         self._busy[rec.id] = self._busy.get(rec.id, 0) + 1
@@ -289,12 +334,13 @@ class SandboxManager:
 
     # ---- pause, resume, fork -----------------------------------------------------------------------
 
-    async def pause(self, sandbox_id: str) -> SandboxInfo:
+    async def pause(self, sandbox_id: str, *, caller: Caller = OPERATOR) -> SandboxInfo:
         """Stop the sandbox's processes where they stand; pausing a paused sandbox is not an error.
 
         Refused while a command runs: its timeout keeps counting on the host, and a guest that cannot
         answer its kill is a guest the host must destroy. Allowed in: running, paused.
         """
+        self._get(sandbox_id, caller)
         async with self._lock(sandbox_id):
             rec = self._get(sandbox_id)
             if rec.state == State.paused:
@@ -317,8 +363,9 @@ class SandboxManager:
                 raise
         return rec.info()
 
-    async def resume(self, sandbox_id: str) -> SandboxInfo:
+    async def resume(self, sandbox_id: str, *, caller: Caller = OPERATOR) -> SandboxInfo:
         """Let a paused sandbox run on; resuming a running one is not an error. Allowed in: paused, running."""
+        self._get(sandbox_id, caller)
         async with self._lock(sandbox_id):
             rec = self._get(sandbox_id)
             if rec.state == State.running:
@@ -333,14 +380,14 @@ class SandboxManager:
             self._set_state(rec, State.running)
         return rec.info()
 
-    async def fork(self, sandbox_id: str, req: ForkRequest) -> ForkResult:
+    async def fork(self, sandbox_id: str, req: ForkRequest, *, caller: Caller = OPERATOR) -> ForkResult:
         """``req.n`` new sandboxes restored from one memory snapshot of this one, each with its own copy
         of its memory and writable layer. All or nothing: if one copy fails, none is kept.
 
         Allowed in: running, paused (the parent is left as it was).
         """
         started = time.monotonic()
-        parent = self._get(sandbox_id)
+        parent = self._get(sandbox_id, caller)
         backend = self.backends[parent.kind]
         children: list[SandboxRecord] = []
         try:
@@ -356,6 +403,7 @@ class SandboxManager:
                             parent.kind, parent.image, parent.image_digest, ttl, parent.limits, parent.env, labels
                         )
                         child.runtime["forked_from"] = parent.id
+                        child.owner = parent.owner  # the parent's tenant's, even when the operator forks
                         self._set_state(child, State.creating)
                         children.append(child)
                     results = await asyncio.gather(
@@ -388,36 +436,52 @@ class SandboxManager:
                 self._set_state(current, State.failed, str(e))
             raise
 
-    async def read_file(self, sandbox_id: str, path: str) -> bytes:
-        rec, backend = self._running(sandbox_id)
+    async def set_network(self, sandbox_id: str, policy: NetworkSpec, *, caller: Caller = OPERATOR) -> NetworkStatus:
+        """Change the network policy of a running sandbox; new and open connections follow it at once."""
+        async with self._lock(sandbox_id):
+            rec, backend = self._running(sandbox_id, caller)
+            await self._checked(rec, backend.set_network(rec, policy))
+            self.store.put(rec)
+            return await backend.network_status(rec)
+
+    async def network_status(self, sandbox_id: str, *, caller: Caller = OPERATOR) -> NetworkStatus:
+        rec, backend = self._running(sandbox_id, caller)
+        return await backend.network_status(rec)
+
+    async def read_file(self, sandbox_id: str, path: str, *, caller: Caller = OPERATOR) -> bytes:
+        rec, backend = self._running(sandbox_id, caller)
         return await backend.read_file(rec, path)
 
-    async def write_file(self, sandbox_id: str, path: str, data: bytes, mode: int = 0o644) -> None:
-        rec, backend = self._running(sandbox_id)
+    async def write_file(
+        self, sandbox_id: str, path: str, data: bytes, mode: int = 0o644, *, caller: Caller = OPERATOR
+    ) -> None:
+        rec, backend = self._running(sandbox_id, caller)
         await self._not_packing(rec.id)
         await backend.write_file(rec, path, data, mode)
 
-    async def list_dir(self, sandbox_id: str, path: str) -> list[FileEntry]:
-        rec, backend = self._running(sandbox_id)
+    async def list_dir(self, sandbox_id: str, path: str, *, caller: Caller = OPERATOR) -> list[FileEntry]:
+        rec, backend = self._running(sandbox_id, caller)
         return await backend.list_dir(rec, path)
 
-    async def remove(self, sandbox_id: str, path: str, recursive: bool = False) -> None:
-        rec, backend = self._running(sandbox_id)
+    async def remove(self, sandbox_id: str, path: str, recursive: bool = False, *, caller: Caller = OPERATOR) -> None:
+        rec, backend = self._running(sandbox_id, caller)
         await self._not_packing(rec.id)
         await backend.remove(rec, path, recursive)
 
-    async def mkdir(self, sandbox_id: str, path: str) -> None:
-        rec, backend = self._running(sandbox_id)
+    async def mkdir(self, sandbox_id: str, path: str, *, caller: Caller = OPERATOR) -> None:
+        rec, backend = self._running(sandbox_id, caller)
         await self._not_packing(rec.id)
         await backend.mkdir(rec, path)
 
-    async def upload_tar(self, sandbox_id: str, path: str, data: bytes) -> None:
-        rec, backend = self._running(sandbox_id)
+    async def upload_tar(self, sandbox_id: str, path: str, data: bytes, *, caller: Caller = OPERATOR) -> None:
+        rec, backend = self._running(sandbox_id, caller)
+        # every kind gets only archives whose entries stay inside the destination and fit the disk
+        data = await asyncio.to_thread(tarcheck.check_upload, data, rec.limits.disk)
         await self._not_packing(rec.id)
         await self._checked(rec, backend.upload_tar(rec, path, data))
 
-    async def download_tar(self, sandbox_id: str, path: str) -> bytes:
-        rec, backend = self._running(sandbox_id)
+    async def download_tar(self, sandbox_id: str, path: str, *, caller: Caller = OPERATOR) -> bytes:
+        rec, backend = self._running(sandbox_id, caller)
         return await self._checked(rec, backend.download_tar(rec, path))
 
     async def _not_packing(self, sandbox_id: str) -> None:
@@ -430,14 +494,14 @@ class SandboxManager:
     def images_in_use(self) -> set[str]:
         return {r.image_digest for r in self._live.values() if r.image_digest}
 
-    async def snapshot(self, sandbox_id: str, req: SnapshotRequest) -> ImageInfo:
+    async def snapshot(self, sandbox_id: str, req: SnapshotRequest, *, caller: Caller = OPERATOR) -> ImageInfo:
         """pack_diff: freeze the sandbox, pack its writable layer, thaw it, publish a new image version.
 
         Only the freeze-and-pack part holds the sandbox still; uploading happens after it runs again.
         Allowed in: running.
         """
-        rec, backend = self._running(sandbox_id)
-        name = await self.images.check_free(req.name)
+        rec, backend = self._running(sandbox_id, caller)
+        name = await self.images.check_free(req.name, caller)
         rules = self.images.scrub.plus(req.scrub, defaults=req.scrub_defaults)
         parent = await self.images.resolve(rec.image)
         if rec.image_digest and parent.digest != rec.image_digest:
@@ -452,17 +516,47 @@ class SandboxManager:
                 done.set()
                 self._packing.pop(rec.id, None)
         log.info("sandbox %s packed in %.1f ms (%d entries)", rec.id, staged.seconds * 1000, staged.scan.entries)
-        return await self.images.publish_diff(
-            staged, name=name, parent=parent, source_sandbox=rec.id, description=req.description
-        )
+        with call_canaries(req.canaries):  # every layer of the new version is searched for them
+            return await self.images.publish_diff(
+                staged,
+                name=name,
+                parent=parent,
+                source_sandbox=rec.id,
+                description=req.description,
+                owner=caller.owner,
+            )
 
-    async def remove_image(self, name: str) -> None:
-        await self.images.remove(name, self.images_in_use())
+    async def grade(self, sandbox_id: str, req: GradeRequest, *, caller: Caller = OPERATOR) -> GradeResult:
+        """Run ``req.cmd`` in a fresh sibling of the candidate's pristine image against a read-only copy
+        of its ``req.paths`` (core/grading.py). Allowed in: running; the candidate is only read from."""
+        return await self.grader.grade(sandbox_id, req, caller=caller)
+
+    async def remove_image(self, name: str, *, caller: Caller = OPERATOR) -> None:
+        await self.images.remove(name, self.images_in_use(), caller)
 
     async def gc_images(self) -> GcResult:
         return await self.images.gc(self.images_in_use())
 
-    def list(self, labels: dict[str, str] | None = None, include_finished: bool = False) -> list[SandboxInfo]:
+    def list(
+        self, labels: dict[str, str] | None = None, include_finished: bool = False, *, caller: Caller = OPERATOR
+    ) -> list[SandboxInfo]:
         recs = self.store.all() if include_finished else sorted(self._live.values(), key=lambda r: r.created_at)
         wanted = labels or {}
-        return [r.info() for r in recs if all(r.labels.get(k) == v for k, v in wanted.items())]
+        return [r.info() for r in recs if caller.owns(r.owner) and all(r.labels.get(k) == v for k, v in wanted.items())]
+
+    # ---- tenants -----------------------------------------------------------------------------------
+    # (trajectories, issue 7, will be owned like sandboxes: check them with the caller through _get)
+
+    def live_count(self, tenant: str) -> int:
+        return sum(1 for r in self._live.values() if r.owner == tenant)
+
+    async def remove_tenant(self, name: str) -> tuple[float, builtins.list[str]]:
+        """Revoke the tenant's token at once, then kill its live sandboxes; its images stay, owned."""
+        revoked = self.tenants.revoke(name)
+        killed = []
+        for rec in [r for r in self._live.values() if r.owner == name]:
+            with contextlib.suppress(DsecError):
+                await self._stop(rec.id, f"tenant {name} was removed")
+                killed.append(rec.id)
+        assert revoked.revoked_at is not None
+        return revoked.revoked_at, killed

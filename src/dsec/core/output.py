@@ -52,6 +52,39 @@ class CappedBuffer:
         return self.getvalue().decode("utf-8", errors="replace")
 
 
+class Deadlines:
+    """The two ways an exec runs out of time: its wall clock, and (optionally) too long without output.
+
+    ``touch`` is called for every chunk of stdout or stderr; ``wait`` says how long the supervisor may
+    sleep before one of the deadlines can have passed, and ``expired`` which one has.
+    """
+
+    def __init__(self, started: float, timeout: float, idle_timeout: float | None) -> None:
+        self.started = started
+        self.timeout = timeout
+        self.idle_timeout = idle_timeout
+        self.last_output = started
+
+    def touch(self) -> None:
+        self.last_output = time.monotonic()
+
+    def wait(self) -> float:
+        now = time.monotonic()
+        left = self.started + self.timeout - now
+        if self.idle_timeout is not None:
+            left = min(left, self.last_output + self.idle_timeout - now)
+        return max(0.001, left)
+
+    def expired(self) -> str | None:
+        """ "timeout", "idle", or None while both deadlines are ahead."""
+        now = time.monotonic()
+        if now >= self.started + self.timeout:
+            return "timeout"
+        if self.idle_timeout is not None and now >= self.last_output + self.idle_timeout:
+            return "idle"
+        return None
+
+
 class StreamForwarder:
     """Decodes chunks incrementally (multi-byte characters may straddle chunks) up to a byte budget."""
 
@@ -77,6 +110,7 @@ def exec_result(
     *,
     timed_out: bool,
     oom: bool = False,
+    idle: bool = False,
 ) -> ExecResult:
     """An exec's result from its raw wait status (None: unknown) and its captured streams; a signal N is
     reported as exit code 128 + N, as a shell would."""
@@ -95,7 +129,8 @@ def exec_result(
         truncated=stdout.truncated or stderr.truncated,
         stdout_bytes=stdout.total,
         stderr_bytes=stderr.total,
-        timed_out=timed_out,
+        timed_out=timed_out or idle,
+        idle_timed_out=idle,
         oom_killed=oom,
         duration=time.monotonic() - started,
     )

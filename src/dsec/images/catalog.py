@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypeVar
@@ -48,6 +48,9 @@ class Catalog:
         self._publishing = 0
         self._no_publish = asyncio.Event()
         self._no_publish.set()
+        # Every version passes this check before it is stored (the node's canary residue scan, set by
+        # ImageStore): a refused publish writes no version record and no tag.
+        self.before_publish: Callable[[ImageVersion], Awaitable[None]] | None = None
 
     # ---- layers ------------------------------------------------------------------------------------
 
@@ -97,9 +100,11 @@ class Catalog:
 
     # ---- versions and tags -------------------------------------------------------------------------
 
-    async def publish(self, version: ImageVersion) -> str:
-        """Store a version and point its name at it; returns the version digest."""
+    async def publish(self, version: ImageVersion, owner: str | None = None) -> str:
+        """Store a version and point its name at it (owned by tenant ``owner``); returns the version digest."""
         digest = version.digest
+        if self.before_publish is not None:
+            await self.before_publish(version)
         current = await self.tag(version.name)
         if current is not None and current.digest != digest:
             raise ImageExists(
@@ -111,7 +116,7 @@ class Catalog:
         if version.parent is not None:
             await self.version(version.parent)
         await self.repo.put(image_key(digest), version.canonical())
-        await self.repo.put(tag_key(version.name), Tag(name=version.name, digest=digest).model_dump_json().encode())
+        await self.repo.put(tag_key(version.name), Tag(name=version.name, digest=digest, owner=owner).dump())
         self._versions[digest] = version
         return digest
 

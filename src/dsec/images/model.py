@@ -112,6 +112,12 @@ class Tag(BaseModel):
 
     name: str
     digest: str = Field(pattern=r"^[0-9a-f]{64}$")
+    # the tenant that published it; absent (public) for built-in images and the operator's, and in
+    # repositories from before tenants. Written only when set, so such tags stay byte-identical.
+    owner: str | None = None
+
+    def dump(self) -> bytes:
+        return self.model_dump_json(exclude_none=True).encode()
 
 
 def layer_key(digest: str) -> str:

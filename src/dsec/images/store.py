@@ -16,17 +16,20 @@ import re
 import secrets
 import shutil
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..errors import ImageExists, ImageNotFound, InvalidRequest
+from ..errors import Forbidden, ImageExists, ImageNotFound, InvalidRequest
 from ..models import GcResult, ImageInfo, ImageStats, LayerInfo, LayerStats
+from ..tenancy import OPERATOR, Caller
 from . import erofs
 from .builtin import BUILTIN
+from .canary import ResidueGuard
 from .catalog import Catalog
 from .layers import NodeLayers
 from .lazy import Fetcher
-from .model import DEFAULT_PATH, ImageConfig, ImageVersion, LayerRef, LayerRole
+from .model import DEFAULT_PATH, ImageConfig, ImageVersion, LayerRef, LayerRole, Tag
 from .repository import open_repository
 from .scrub import ScrubRules
 
@@ -48,6 +51,7 @@ class ImageRef:
     layer_digests: tuple[str, ...] = ()
     user: str = "root"
     layer_files: tuple[Path, ...] = ()  # each layer's EROFS image as a file (VMs attach them as disks)
+    owner: str | None = None  # the tenant whose image it is; None: public
 
 
 @dataclass
@@ -65,7 +69,18 @@ def normalize(name: str) -> str:
     return name if ":" in name.rsplit("/", 1)[-1] else f"{name}:latest"
 
 
-def _info(name: str, digest: str, version: ImageVersion) -> ImageInfo:
+def _not_found(name: str) -> ImageNotFound:
+    """The one answer for a missing image and for another tenant's: the two must not be told apart."""
+    return ImageNotFound(f"image {name!r} not found; `dsec image ls` lists the available ones")
+
+
+def check_publishable(name: str, caller: Caller) -> None:
+    """Tenants may not publish under dsec/: a built-in name not built yet would otherwise be theirs to plant."""
+    if not caller.operator and name.startswith("dsec/"):
+        raise Forbidden(f"image names under dsec/ are reserved for the daemon's built-in images: {name}")
+
+
+def _info(name: str, digest: str, version: ImageVersion, owner: str | None = None) -> ImageInfo:
     return ImageInfo(
         name=name,
         size=version.size,
@@ -77,6 +92,7 @@ def _info(name: str, digest: str, version: ImageVersion) -> ImageInfo:
         parent=version.parent,
         source_sandbox=version.source_sandbox,
         scrubbed=version.scrubbed,
+        owner=owner,
     )
 
 
@@ -90,6 +106,7 @@ class ImageStore:
         cache_max: int = DEFAULT_CACHE,
         mount: bool = True,
         scrub: ScrubRules | None = None,
+        canaries: Iterable[str] = (),
     ) -> None:
         self.root = root
         root.mkdir(parents=True, exist_ok=True)
@@ -100,6 +117,8 @@ class ImageStore:
         self.layers = NodeLayers(root, self.catalog, self.fetcher)
         self.mount = mount  # False: layers are handed out as files (unit tests; kinds that attach files)
         self.scrub = scrub or ScrubRules()
+        self.residue = ResidueGuard(self.layers, canaries, shared_mounts=mount)
+        self.catalog.before_publish = self.residue.check_version
         self._build_locks: dict[str, asyncio.Lock] = {}
         self._refs: dict[str, ImageRef] = {}
         self._traced: set[str] = set()
@@ -135,21 +154,28 @@ class ImageStore:
             if self.mount:
                 await self.layers.start(fetcher_restarted=True)
 
-    async def resolve(self, name: str, *, build: bool = True) -> ImageRef:
+    async def resolve(self, name: str, *, build: bool = True, caller: Caller = OPERATOR) -> ImageRef:
         """The image's layers, ready to use; a built-in image is built on first use."""
         await self._check_fetcher()
         norm = normalize(name)
         if norm in self._refs:
-            return self._refs[norm]
-        try:
-            digest, version = await self.catalog.resolve(norm)
-        except ImageNotFound:
+            cached = self._refs[norm]
+            if not caller.sees(cached.owner):
+                raise _not_found(norm)
+            return cached
+        tag = await self.catalog.tag(norm)
+        if tag is None:
             if norm not in BUILTIN:
-                raise
+                raise _not_found(norm)
             if not build:
                 raise ImageNotFound(f"image {name!r} is not built yet") from None
             await self.ensure(norm)
-            digest, version = await self.catalog.resolve(norm)
+            tag = await self.catalog.tag(norm)
+            if tag is None:
+                raise _not_found(norm)
+        if not caller.sees(tag.owner):
+            raise _not_found(norm)
+        digest, version = tag.digest, await self.catalog.version(tag.digest)
         digests = tuple(ref.digest for ref in version.layers)
         if self.mount:
             layers = tuple(await asyncio.gather(*(self.layers.mount(d) for d in digests)))
@@ -164,19 +190,21 @@ class ImageStore:
             layer_digests=digests,
             user=version.config.user,
             layer_files=tuple(self.layers.file(d) for d in digests),
+            owner=tag.owner,
         )
         self._refs[norm] = ref
         return ref
 
-    async def ensure(self, name: str) -> ImageInfo:
+    async def ensure(self, name: str, caller: Caller = OPERATOR) -> ImageInfo:
         """Build a built-in image unless it is published already."""
         norm = normalize(name)
         async with self._build_locks.setdefault(norm, asyncio.Lock()):
-            if await self.catalog.tag(norm) is None:
-                if norm not in BUILTIN:
+            tag = await self.catalog.tag(norm)
+            if tag is None or not caller.sees(tag.owner):
+                if norm not in BUILTIN or tag is not None:
                     raise ImageNotFound(f"image {name!r} not found and not a built-in image")
                 await self._build_builtin(norm)
-        return await self.info(norm)
+        return await self.info(norm, caller)
 
     async def _build_builtin(self, name: str) -> None:
         description, builder = BUILTIN[name]
@@ -207,6 +235,7 @@ class ImageStore:
 
     async def publish_layer(self, staged: StagedLayer, role: LayerRole, created_by: str) -> LayerRef:
         try:
+            await self.residue.check_staged(staged.blob)  # before a single chunk of it is uploaded
             manifest, _stats = await self.catalog.publish_layer(staged.blob)
         except BaseException:
             staged.blob.unlink(missing_ok=True)
@@ -214,16 +243,27 @@ class ImageStore:
         self.layers.adopt_blob(staged.blob, manifest.digest)  # sandboxes on this node start without a fetch
         return LayerRef(digest=manifest.digest, role=role, size=manifest.size, created_by=created_by)
 
-    async def check_free(self, name: str) -> str:
-        """Fail early, before a sandbox is frozen, if a new version could not take this name."""
+    async def check_free(self, name: str, caller: Caller = OPERATOR) -> str:
+        """Fail early, before a sandbox is frozen, if a new version could not take this name.
+
+        A name another tenant holds is answered like any taken name, without saying whose it is.
+        """
         norm = normalize(name)
+        check_publishable(norm, caller)
         tag = await self.catalog.tag(norm)
         if tag is not None:
             raise ImageExists(f"image {norm} already exists; published images are immutable: choose another tag")
         return norm
 
     async def publish_diff(
-        self, staged: StagedLayer, *, name: str, parent: ImageRef, source_sandbox: str, description: str = ""
+        self,
+        staged: StagedLayer,
+        *,
+        name: str,
+        parent: ImageRef,
+        source_sandbox: str,
+        description: str = "",
+        owner: str | None = None,
     ) -> ImageInfo:
         """pack_diff's second half: the sandbox's staged upper layer on top of its image, as a new version."""
         norm = normalize(name)
@@ -243,8 +283,8 @@ class ImageStore:
                 description=description or f"snapshot of {source_sandbox} on {parent.name}",
                 scrubbed=staged.scan.scrubbed,
             )
-            digest = await self.catalog.publish(version)
-        return _info(norm, digest, version)
+            digest = await self.catalog.publish(version, owner)
+        return _info(norm, digest, version, owner)
 
     async def publish_layers(
         self,
@@ -254,6 +294,7 @@ class ImageStore:
         config: ImageConfig | None = None,
         parent: str | None = None,
         description: str = "",
+        owner: str | None = None,
     ) -> ImageInfo:
         """A new version made of freshly packed layers (imports)."""
         norm = await self.check_free(name)
@@ -261,7 +302,7 @@ class ImageStore:
             refs = [await self.publish_layer(s, role, by) for s, role, by in staged]
             scrubbed = [p for s, _, _ in staged for p in s.scan.scrubbed]
             return await self.publish_version(
-                norm, refs, config=config, parent=parent, description=description, scrubbed=scrubbed
+                norm, refs, config=config, parent=parent, description=description, scrubbed=scrubbed, owner=owner
             )
 
     async def publish_version(
@@ -273,6 +314,7 @@ class ImageStore:
         parent: str | None = None,
         description: str = "",
         scrubbed: builtins.list[str] | None = None,
+        owner: str | None = None,
     ) -> ImageInfo:
         """Publish layers already in the repository as a new version named ``name`` (call in publishing())."""
         norm = normalize(name)
@@ -284,8 +326,8 @@ class ImageStore:
             description=description,
             scrubbed=scrubbed or [],
         )
-        digest = await self.catalog.publish(version)
-        return _info(norm, digest, version)
+        digest = await self.catalog.publish(version, owner)
+        return _info(norm, digest, version, owner)
 
     async def import_image(self, path: str, name: str, reference: str | None = None) -> ImageInfo:
         """Import an OCI image layout directory or a `docker save` tarball on this node as a new image."""
@@ -318,30 +360,45 @@ class ImageStore:
 
     # ---- listing, history, removal, gc, stats ------------------------------------------------------
 
-    async def info(self, name: str) -> ImageInfo:
+    async def _visible(self, norm: str, caller: Caller) -> Tag:
+        """The tag of an image the caller may see; a missing one and another tenant's answer alike."""
+        tag = await self.catalog.tag(norm)
+        if tag is None or not caller.sees(tag.owner):
+            raise _not_found(norm)
+        return tag
+
+    async def info(self, name: str, caller: Caller = OPERATOR) -> ImageInfo:
         norm = normalize(name)
         tag = await self.catalog.tag(norm)
-        if tag is None:
-            if norm in BUILTIN:
+        if tag is None or not caller.sees(tag.owner):
+            if norm in BUILTIN and tag is None:
                 return ImageInfo(name=norm, size=0, ready=False, description=BUILTIN[norm][0])
-            raise ImageNotFound(f"image {name!r} not found")
-        return _info(norm, tag.digest, await self.catalog.version(tag.digest))
+            raise _not_found(norm)
+        return _info(norm, tag.digest, await self.catalog.version(tag.digest), tag.owner)
 
-    async def list(self) -> list[ImageInfo]:
+    async def list(self, caller: Caller = OPERATOR) -> list[ImageInfo]:
         found = {}
         for tag in await self.catalog.tags():
+            if not caller.sees(tag.owner):
+                continue
             with contextlib.suppress(ImageNotFound):
-                found[tag.name] = _info(tag.name, tag.digest, await self.catalog.version(tag.digest))
+                found[tag.name] = _info(tag.name, tag.digest, await self.catalog.version(tag.digest), tag.owner)
         for name, (description, _) in BUILTIN.items():
             found.setdefault(name, ImageInfo(name=name, size=0, ready=False, description=description))
         return [found[n] for n in sorted(found)]
 
-    async def history(self, name: str) -> builtins.list[ImageInfo]:
+    async def history(self, name: str, caller: Caller = OPERATOR) -> builtins.list[ImageInfo]:
+        """Lineage, newest first; ``owner`` is known for the name's own version only (versions carry none)."""
         norm = normalize(name)
-        return [_info(v.name, d, v) for d, v in await self.catalog.history(norm)]
+        tag = await self._visible(norm, caller)
+        chain = await self.catalog.history(norm)
+        return [_info(v.name, d, v, tag.owner if d == tag.digest else None) for d, v in chain]
 
-    async def remove(self, name: str, in_use: set[str]) -> None:
+    async def remove(self, name: str, in_use: set[str], caller: Caller = OPERATOR) -> None:
         norm = normalize(name)
+        tag = await self._visible(norm, caller)
+        if not caller.owns(tag.owner):
+            raise Forbidden(f"image {norm} is public (built-in or the operator's): only the operator removes it")
         await self.catalog.untag(norm, in_use)
         self._refs.pop(norm, None)
 
@@ -367,9 +424,10 @@ class ImageStore:
             in_use=report.in_use,
         )
 
-    async def stats(self, name: str) -> ImageStats:
+    async def stats(self, name: str, caller: Caller = OPERATOR) -> ImageStats:
         """How much of the image this node has fetched, and how reads fared."""
         norm = normalize(name)
+        await self._visible(norm, caller)
         _digest, version = await self.catalog.resolve(norm)
         per_layer = await self.fetcher.stats() if self.fetcher is not None else {}
         fields = set(LayerStats.model_fields) - {"digest", "size"}

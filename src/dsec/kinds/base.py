@@ -11,7 +11,9 @@ from typing import Any, ClassVar
 
 from ..errors import InvalidRequest
 from ..images.store import ImageRef
-from ..models import ExecRequest, ExecResult, FileEntry
+from ..isolation.network.host import NetworkHost
+from ..isolation.network.policy import NetworkSpec, describe
+from ..models import ExecRequest, ExecResult, FileEntry, NetworkStatus
 from ..store.records import SandboxRecord
 
 # Called with ("stdout" | "stderr", chunk) as output arrives, for streaming execs.
@@ -24,6 +26,7 @@ MAX_ARCHIVE = 512 << 20
 @dataclass(frozen=True)
 class BackendContext:
     state_dir: Path
+    net: NetworkHost | None = None  # the node's network side (ruleset, resolver); None: loopback only
 
 
 class Backend(ABC):
@@ -89,6 +92,22 @@ class Backend(ABC):
         """The sandbox's writable layer in overlayfs format, ids as the sandbox sees them, while every
         process in it is frozen (pack_diff). Kinds that cannot snapshot yet keep this default."""
         raise InvalidRequest(f"sandboxes of kind {self.kind!r} cannot be snapshotted yet")
+
+    def check_network(self, policy: NetworkSpec) -> None:
+        """Refuse a network policy this kind cannot enforce, before anything is made."""
+        if policy is not None:
+            raise InvalidRequest(
+                f"network policy {describe(policy)!r} is not supported for kind {self.kind!r}: its sandboxes "
+                "have no network interface (network=None only)"
+            )
+
+    async def set_network(self, rec: SandboxRecord, policy: NetworkSpec) -> None:
+        """Enforce ``policy`` on a running sandbox from now on (and record it in ``rec``)."""
+        self.check_network(policy)
+        rec.network = policy
+
+    async def network_status(self, rec: SandboxRecord) -> NetworkStatus:
+        return NetworkStatus(policy=rec.network)
 
     async def pause(self, rec: SandboxRecord) -> None:
         """Stop every process of the sandbox where it stands (a VM's vCPUs; a container's cgroup)."""

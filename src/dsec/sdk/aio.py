@@ -3,18 +3,25 @@
 from __future__ import annotations
 
 import asyncio
+import base64
 import builtins
 import io
 import tarfile
 import weakref
 from collections.abc import AsyncIterator
+from datetime import datetime
 from pathlib import Path
 from types import TracebackType
 from typing import Any
+from urllib.parse import quote
 
 from ..errors import InvalidRequest, error_from_wire, validation_message
+from ..grade_models import GRADE_DIR, GradeRequest, GradeResult
 from ..images.buildspec import BuildSpec, ImageSpec, load_spec
 from ..models import (
+    DEFAULT_OUTPUT_CAP,
+    AuditList,
+    AuditRecord,
     BuildResult,
     CreateSandbox,
     ExecEvent,
@@ -30,8 +37,15 @@ from ..models import (
     ImageList,
     ImageStats,
     Limits,
+    NetworkAllow,
+    NetworkSpec,
+    NetworkStatus,
     SandboxInfo,
     SandboxList,
+    TenantCreated,
+    TenantInfo,
+    TenantList,
+    TenantRemoved,
 )
 from .transport import Transport
 
@@ -104,11 +118,13 @@ class AsyncClient:
         *,
         args: dict[str, str] | None = None,
         secrets: dict[str, str] | None = None,
+        canaries: builtins.list[str] | None = None,
     ) -> BuildResult:
         """Build an image from a spec file (TOML), a ``BuildSpec`` or an ``ImageSpec`` builder.
 
         Copy steps' sources are read here and uploaded; steps run on the daemon's node in builder
         sandboxes. ``secrets`` reach only the steps that name them and are never packed into a layer.
+        ``canaries``: strings (8+ bytes) no layer of the image may hold; the build is refused if one does.
         """
         resolved: BuildSpec
         if isinstance(spec, ImageSpec):
@@ -127,13 +143,21 @@ class AsyncClient:
                 data = await asyncio.to_thread(_tar_of, Path(step.copy_.src))
                 reply = await self._transport.request("PUT", "/v1/build-contexts", content=data)
                 step.copy_.context = str(reply.json()["context"])
-        body = {"spec": resolved.model_dump(mode="json", by_alias=True), "args": args or {}, "secrets": secrets or {}}
+        body = {
+            "spec": resolved.model_dump(mode="json", by_alias=True),
+            "args": args or {},
+            "secrets": secrets or {},
+            "canaries": canaries or [],
+        }
         reply = await self._transport.request("POST", "/v1/images/builds", json=body, timeout=BUILD_TIMEOUT)
         return BuildResult.model_validate_json(reply.content)
 
-    async def import_image(self, path: str | Path, name: str, reference: str | None = None) -> ImageInfo:
-        """Import an OCI layout directory or `docker save` tarball that is on the daemon's node."""
-        body = {"path": str(path), "name": name, "reference": reference}
+    async def import_image(
+        self, path: str | Path, name: str, reference: str | None = None, *, canaries: builtins.list[str] | None = None
+    ) -> ImageInfo:
+        """Import an OCI layout directory or `docker save` tarball that is on the daemon's node
+        (refused if a layer holds one of ``canaries``)."""
+        body = {"path": str(path), "name": name, "reference": reference, "canaries": canaries or []}
         reply = await self._transport.request("POST", "/v1/images/import", json=body, timeout=CREATE_TIMEOUT)
         return ImageInfo.model_validate_json(reply.content)
 
@@ -146,6 +170,41 @@ class AsyncClient:
 
     async def create(self, **kwargs: Any) -> AsyncSandbox:
         return await AsyncSandbox.create(client=self, **kwargs)
+
+    async def create_tenant(self, name: str) -> TenantCreated:
+        """Operator only: a new tenant and its bearer token, which is shown this once."""
+        reply = await self._transport.request("POST", "/v1/tenants", json={"name": name})
+        return TenantCreated.model_validate_json(reply.content)
+
+    async def tenants(self) -> builtins.list[TenantInfo]:
+        """Operator only: every tenant, removed ones included."""
+        reply = await self._transport.request("GET", "/v1/tenants")
+        return TenantList.model_validate_json(reply.content).tenants
+
+    async def remove_tenant(self, name: str) -> TenantRemoved:
+        """Operator only: revoke the tenant's token and kill its live sandboxes."""
+        reply = await self._transport.request("DELETE", f"/v1/tenants/{quote(name, safe='')}")
+        return TenantRemoved.model_validate_json(reply.content)
+
+    async def audit(
+        self,
+        *,
+        sandbox: str | None = None,
+        tenant: str | None = None,
+        since: datetime | None = None,
+        limit: int = 100,
+    ) -> builtins.list[AuditRecord]:
+        """The newest ``limit`` audited API calls, oldest first: the caller's own (the operator: everyone's,
+        or ``tenant``'s)."""
+        params: dict[str, str | int] = {"limit": limit}
+        if sandbox is not None:
+            params["sandbox"] = sandbox
+        if tenant is not None:
+            params["tenant"] = tenant
+        if since is not None:
+            params["since"] = since.isoformat()
+        reply = await self._transport.request("GET", "/v1/audit", params=params)
+        return AuditList.model_validate_json(reply.content).records
 
     async def aclose(self) -> None:
         await self._transport.aclose()
@@ -221,6 +280,17 @@ class AsyncFiles:
         await asyncio.to_thread(_extract, data, Path(local_dir))
 
 
+def _network_body(policy: NetworkSpec | dict[str, Any]) -> Any:
+    """A policy as JSON, validated here for a clear error before the round trip."""
+    if policy == "full":
+        return "full"
+    try:
+        raw = policy.model_dump() if isinstance(policy, NetworkAllow) else policy
+        return NetworkAllow.model_validate(raw).model_dump()
+    except ValueError as e:
+        raise InvalidRequest(validation_message(e)) from None
+
+
 def _pack(src: Path) -> bytes:
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w") as tar:
@@ -268,12 +338,19 @@ class AsyncSandbox:
         memory: int | str | None = None,
         disk: int | str | None = None,
         pids: int | None = None,
+        nofile: int | None = None,
+        file_size: int | str | None = None,
         timeout: float = 600.0,
         env: dict[str, str] | None = None,
         labels: dict[str, str] | None = None,
+        network: NetworkSpec | dict[str, Any] = None,
         client: AsyncClient | None = None,
     ) -> AsyncSandbox:
-        """Create a sandbox and wait until it runs. ``timeout`` is its time to live in seconds."""
+        """Create a sandbox and wait until it runs. ``timeout`` is its time to live in seconds.
+
+        ``network``: None (loopback only), ``"full"``, or ``{"allow": ["10.1.2.0/24:443", "pypi.org:443"]}``
+        (container kind); see ``set_network``.
+        """
         client = client or default_client()
         limits: dict[str, Any] = {
             k: v
@@ -283,10 +360,20 @@ class AsyncSandbox:
                 "memory": memory,
                 "disk": disk,
                 "pids": pids,
+                "nofile": nofile,
+                "file_size": file_size,
             }.items()
             if v is not None
         }
-        body = {"image": image, "kind": kind, "timeout": timeout, "env": env or {}, "labels": labels or {}}
+        body: dict[str, Any] = {
+            "image": image,
+            "kind": kind,
+            "timeout": timeout,
+            "env": env or {},
+            "labels": labels or {},
+        }
+        if network is not None:
+            body["network"] = _network_body(network)
         if limits:
             body["limits"] = limits
         # Validate locally for a clear error before the round trip; the daemon validates again.
@@ -325,8 +412,11 @@ class AsyncSandbox:
         stdin: str | None,
         output_limit: int | None,
         user: str | None = None,
+        idle_timeout: float | None = None,
     ) -> dict[str, Any]:
         body: dict[str, Any] = {"cmd": cmd, "timeout": timeout, "cwd": cwd, "env": env or {}, "stdin": stdin}
+        if idle_timeout is not None:
+            body["idle_timeout"] = idle_timeout
         if output_limit is not None:
             body["output_limit"] = output_limit
         if user is not None:
@@ -347,14 +437,16 @@ class AsyncSandbox:
         stdin: str | None = None,
         output_limit: int | None = None,
         user: str | None = None,
+        idle_timeout: float | None = None,
     ) -> ExecResult:
         """Run ``cmd`` (a string runs under ``/bin/sh -c``; a list is the argv) and return its result.
 
-        A command still running after ``timeout`` seconds is killed with its whole process tree and
-        the result has ``timed_out=True``. It runs as the image's runtime user unless ``user`` says
-        otherwise (``"root"``, a name or uid of the image).
+        A command still running after ``timeout`` seconds, or silent on stdout and stderr for
+        ``idle_timeout`` seconds, is killed with its whole process tree and the result has
+        ``timed_out=True`` (and ``idle_timed_out=True`` for the latter). It runs as the image's runtime
+        user unless ``user`` says otherwise (``"root"``, a name or uid of the image).
         """
-        body = self._exec_body(cmd, timeout, cwd, env, stdin, output_limit, user)
+        body = self._exec_body(cmd, timeout, cwd, env, stdin, output_limit, user, idle_timeout)
         reply = await self._t.request("POST", f"/v1/sandboxes/{self.id}/exec", json=body, timeout=timeout + 60)
         return ExecResult.model_validate_json(reply.content)
 
@@ -368,9 +460,10 @@ class AsyncSandbox:
         stdin: str | None = None,
         output_limit: int | None = None,
         user: str | None = None,
+        idle_timeout: float | None = None,
     ) -> AsyncIterator[ExecEvent]:
         """Like ``exec``, yielding ``stdout``/``stderr`` events as output arrives, then one ``result`` event."""
-        body = self._exec_body(cmd, timeout, cwd, env, stdin, output_limit, user)
+        body = self._exec_body(cmd, timeout, cwd, env, stdin, output_limit, user, idle_timeout)
         url = f"/v1/sandboxes/{self.id}/exec/stream"
         async with self._t.stream("POST", url, json=body, timeout=timeout + 60) as reply:
             async for line in reply.aiter_lines():
@@ -382,17 +475,73 @@ class AsyncSandbox:
                 yield event
 
     async def snapshot(
-        self, name: str, *, scrub: builtins.list[str] | None = None, scrub_defaults: bool = True, description: str = ""
+        self,
+        name: str,
+        *,
+        scrub: builtins.list[str] | None = None,
+        scrub_defaults: bool = True,
+        description: str = "",
+        canaries: builtins.list[str] | None = None,
     ) -> ImageInfo:
         """Pack this sandbox's changes into a new image ``name`` (repo:tag) on top of its image (pack_diff).
 
         The sandbox is frozen while its writable layer is packed and runs on afterwards. Residue (package
         caches, /tmp, shell history, credentials; plus ``scrub`` globs such as ``"work/answers/*"``) is
-        left out. New sandboxes can start from ``name`` at once.
+        left out. New sandboxes can start from ``name`` at once. ``canaries``: strings (8+ bytes) that no
+        layer of the new image may hold, its parents' included; if one does, ``ResidueFound`` is raised
+        (naming the layer and paths, never the canary) and nothing is published.
         """
-        body = {"name": name, "scrub": scrub or [], "scrub_defaults": scrub_defaults, "description": description}
+        body = {
+            "name": name,
+            "scrub": scrub or [],
+            "scrub_defaults": scrub_defaults,
+            "description": description,
+            "canaries": canaries or [],
+        }
         reply = await self._t.request("POST", f"/v1/sandboxes/{self.id}/snapshot", json=body, timeout=CREATE_TIMEOUT)
         return ImageInfo.model_validate_json(reply.content)
+
+    async def grade(
+        self,
+        cmd: str | builtins.list[str],
+        *,
+        paths: builtins.list[str],
+        tests: dict[str, str | bytes] | None = None,
+        timeout: float = 600.0,
+        output_limit: int = DEFAULT_OUTPUT_CAP,
+        cwd: str = GRADE_DIR,
+        image: str | None = None,
+    ) -> GradeResult:
+        """Grade this sandbox without trusting anything in it: ``cmd`` runs in a fresh sibling sandbox of
+        the exact image version this one started from, against a read-only copy of ``paths`` (this
+        sandbox's work, e.g. ``["/workspace"]``), with ``tests`` (path under /grade -> text or bytes)
+        placed pristine and read-only under /grade, as uid 65534 with a fixed environment (the platform's
+        PATH, no PYTHONPATH, LD_PRELOAD, ...; run Python as ``python3 -I``). The sibling has no network
+        and is destroyed afterwards; this sandbox is left as it was. ``.result`` is the command's result.
+        """
+        files: dict[str, Any] = {}
+        for name, content in (tests or {}).items():
+            if isinstance(content, bytes):
+                files[name] = {"content": base64.b64encode(content).decode(), "encoding": "base64"}
+            else:
+                files[name] = content
+        body: dict[str, Any] = {
+            "cmd": cmd,
+            "paths": paths,
+            "tests": files,
+            "timeout": timeout,
+            "output_limit": output_limit,
+            "cwd": cwd,
+            "image": image,
+        }
+        try:
+            GradeRequest.model_validate(body)
+        except ValueError as e:
+            raise InvalidRequest(validation_message(e)) from None
+        reply = await self._t.request(
+            "POST", f"/v1/sandboxes/{self.id}/grade", json=body, timeout=CREATE_TIMEOUT + timeout
+        )
+        return GradeResult.model_validate_json(reply.content)
 
     async def pause(self) -> None:
         """Stop every process of the sandbox where it stands (VM kinds: the whole machine) until ``resume()``.
@@ -424,6 +573,22 @@ class AsyncSandbox:
         reply = await self._t.request("POST", f"/v1/sandboxes/{self.id}/fork", json=body, timeout=CREATE_TIMEOUT)
         result = ForkResult.model_validate_json(reply.content)
         return [AsyncSandbox(info, self._client) for info in result.sandboxes]
+
+    async def set_network(self, policy: NetworkSpec | dict[str, Any]) -> NetworkStatus:
+        """Change the network policy of this running sandbox; new and open connections follow it at once.
+
+        None: loopback only. ``"full"``: anything but the host, the daemon, metadata (169.254.0.0/16) and
+        other sandboxes. ``{"allow": [...]}``: only ``CIDR:PORT``, ``IP:PORT`` or ``NAME:PORT`` (PORT a
+        number or ``*``), tcp and udp; names resolve through the platform's resolver, which refuses others.
+        """
+        body = None if policy is None else _network_body(policy)
+        reply = await self._t.request("PUT", f"/v1/sandboxes/{self.id}/network", json=body)
+        return NetworkStatus.model_validate_json(reply.content)
+
+    async def network_status(self) -> NetworkStatus:
+        """The policy in force, the sandbox's address, denied packets and DNS queries, what it may reach now."""
+        reply = await self._t.request("GET", f"/v1/sandboxes/{self.id}/network")
+        return NetworkStatus.model_validate_json(reply.content)
 
     async def kill(self) -> None:
         """Stop the sandbox and free everything it holds. Killing a stopped sandbox is not an error."""

@@ -19,7 +19,10 @@ from ..core.manager import SandboxManager
 from ..errors import InvalidRequest
 from ..images.scrub import ScrubRules
 from ..images.store import ImageStore
-from . import errors, routes
+from ..isolation.network.options import NetworkOptions
+from ..store.audit import DEFAULT_KEEP_DAYS, DEFAULT_MAX_RECORDS, AuditLog
+from . import errors, routes, tenant_routes
+from .audit import AuditMiddleware
 from .limits import BodyLimit
 
 log = logging.getLogger("dsec.server")
@@ -33,7 +36,7 @@ def default_listen(state_dir: Path) -> str:
 
 
 def ensure_token(state_dir: Path) -> str:
-    """The bearer token, created with mode 0600 at first start."""
+    """The operator's bearer token, created with mode 0600 at first start (tenants get theirs from it)."""
     path = state_dir / "token"
     try:
         return path.read_text().strip()
@@ -50,6 +53,7 @@ def create_app(manager: SandboxManager, token: str) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         await manager.start()
+        manager.tenants.set_operator_token(token)
         for note in manager.notes:
             log.info("%s", note)
         try:
@@ -62,7 +66,9 @@ def create_app(manager: SandboxManager, token: str) -> FastAPI:
     app.state.token = token
     errors.install(app)
     app.include_router(routes.router)
+    app.include_router(tenant_routes.router)
     app.add_middleware(BodyLimit)
+    app.add_middleware(AuditMiddleware)  # added last: outside the body limit, so its 413s are audited too
     return app
 
 
@@ -70,6 +76,7 @@ def openapi_spec() -> dict[str, Any]:
     """The OpenAPI document, generated from the routes and wire models (no daemon needed)."""
     app = FastAPI(title="dsec", version=__version__)
     app.include_router(routes.router)
+    app.include_router(tenant_routes.router)
     return app.openapi()
 
 
@@ -93,9 +100,23 @@ class ImageOptions:
     cache_max: int = 20 << 30
     lazy: bool = True
     scrub: tuple[str, ...] = ()  # residue rules on top of the defaults, for every layer this node packs
+    canaries: tuple[str, ...] = ()  # strings no image this node publishes may contain, in any layer
 
 
-def serve(state_dir: Path, listen: str | None, images: ImageOptions | None = None, log_level: str = "info") -> None:
+@dataclass(frozen=True)
+class AuditOptions:
+    keep_days: float = DEFAULT_KEEP_DAYS
+    max_records: int = DEFAULT_MAX_RECORDS
+
+
+def serve(
+    state_dir: Path,
+    listen: str | None,
+    images: ImageOptions | None = None,
+    log_level: str = "info",
+    audit: AuditOptions | None = None,
+    network: NetworkOptions | None = None,
+) -> None:
     import uvicorn
 
     state_dir = state_dir.resolve()
@@ -117,8 +138,11 @@ def serve(state_dir: Path, listen: str | None, images: ImageOptions | None = Non
         lazy=images.lazy,
         cache_max=images.cache_max,
         scrub=ScrubRules.of(images.scrub),
+        canaries=images.canaries,
     )
-    manager = SandboxManager(state_dir, store)
+    audit = audit or AuditOptions()
+    audit_log = AuditLog(state_dir / "audit.db", keep_days=audit.keep_days, max_records=audit.max_records)
+    manager = SandboxManager(state_dir, store, audit=audit_log, network=network)
     app = create_app(manager, token)
     # Keep idle connections well past the SDK's own keep-alive expiry: a server that closes first races
     # with a request sent on the same connection, which the client then sees as a dropped read.

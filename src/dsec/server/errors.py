@@ -24,7 +24,8 @@ def install(app: FastAPI) -> None:
     @app.exception_handler(DsecError)
     async def _dsec(_: Request, exc: DsecError) -> JSONResponse:
         if exc.http_status >= 500:
-            log.error("%s: %s", exc.code, exc.message)
+            # messages may quote sandbox output (bounded on the wire, not meant to fill the log)
+            log.error("%s: %.2000s", exc.code, exc.message)
         return error_response(exc.http_status, exc.code, exc.message, exc.detail)
 
     @app.exception_handler(RequestValidationError)

@@ -5,18 +5,19 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import secrets
 from collections.abc import AsyncIterator
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter, Depends, Query, Request, Response
+from fastapi import APIRouter, Body, Depends, Query, Request, Response
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
 
 from .. import __version__
 from ..core.manager import SandboxManager
 from ..core.output import StreamForwarder
-from ..errors import DsecError, InvalidRequest, Unauthorized
+from ..errors import DsecError, InvalidRequest
+from ..grade_models import GradeRequest, GradeResult
+from ..images.canary import call_canaries
 from ..models import (
     BuildRequest,
     BuildResult,
@@ -35,10 +36,14 @@ from ..models import (
     ImageList,
     ImageStats,
     ImportRequest,
+    NetworkAllow,
+    NetworkStatus,
     SandboxInfo,
     SandboxList,
     SnapshotRequest,
 )
+from .audit import note
+from .auth import CallerDep, OperatorDep, authorize
 
 log = logging.getLogger("dsec.server")
 
@@ -48,25 +53,18 @@ async def manager(request: Request) -> SandboxManager:
     return mgr
 
 
-async def authorize(request: Request) -> None:
-    header = request.headers.get("authorization", "")
-    scheme, _, value = header.partition(" ")
-    # compared as bytes: compare_digest refuses non-ASCII str, and a header may carry anything
-    expected = str(request.app.state.token).encode()
-    if scheme.lower() != "bearer" or not secrets.compare_digest(value.strip().encode(errors="replace"), expected):
-        raise Unauthorized("missing or wrong bearer token (see DSEC_TOKEN and the daemon's STATE_DIR/token)")
-
-
 Mgr = Annotated[SandboxManager, Depends(manager)]
 _ERRORS: dict[int | str, dict[str, Any]] = {
     status: {"model": ErrorResponse, "description": why}
     for status, why in (
         (400, "invalid request"),
-        (401, "missing or wrong token"),
-        (404, "no such sandbox, image or file"),
+        (401, "missing, wrong or revoked token"),
+        (403, "the token's tenant may not do this (operator only)"),
+        (404, "no such sandbox, image or file (or another tenant's)"),
         (409, "the sandbox's state does not allow this, or the image name is taken"),
         (410, "the sandbox is stopped, failed or lost"),
         (413, "a size limit was exceeded"),
+        (422, "a build step failed, or a canary was found in an image being published"),
         (500, "the runtime failed"),
     )
 }
@@ -81,13 +79,16 @@ async def health(mgr: Mgr) -> Health:
 
 
 @api.post("/sandboxes", response_model=SandboxInfo, status_code=201)
-async def create_sandbox(body: CreateSandbox, mgr: Mgr) -> SandboxInfo:
-    return await mgr.create(body)
+async def create_sandbox(body: CreateSandbox, mgr: Mgr, caller: CallerDep, request: Request) -> SandboxInfo:
+    info = await mgr.create(body, caller=caller)
+    note(request.scope, sandbox=info.id)
+    return info
 
 
 @api.get("/sandboxes", response_model=SandboxList)
 async def list_sandboxes(
     mgr: Mgr,
+    caller: CallerDep,
     label: Annotated[list[str], Query(description="key=value; repeat to require several")] = [],  # noqa: B006
     all: bool = False,
 ) -> SandboxList:
@@ -97,7 +98,7 @@ async def list_sandboxes(
         if not sep or not key:
             raise InvalidRequest(f"label filter {item!r} must look like key=value")
         labels[key] = value
-    return SandboxList(sandboxes=mgr.list(labels, include_finished=all))
+    return SandboxList(sandboxes=mgr.list(labels, include_finished=all, caller=caller))
 
 
 def _json(model: BaseModel, status: int = 200) -> Response:
@@ -106,24 +107,28 @@ def _json(model: BaseModel, status: int = 200) -> Response:
 
 
 @api.get("/sandboxes/{sandbox_id}", response_model=SandboxInfo)
-async def get_sandbox(sandbox_id: str, mgr: Mgr) -> Response:
-    return _json(mgr.info(sandbox_id))
+async def get_sandbox(sandbox_id: str, mgr: Mgr, caller: CallerDep) -> Response:
+    return _json(mgr.info(sandbox_id, caller=caller))
 
 
 @api.delete("/sandboxes/{sandbox_id}", response_model=SandboxInfo)
-async def kill_sandbox(sandbox_id: str, mgr: Mgr) -> SandboxInfo:
-    return await mgr.kill(sandbox_id)
+async def kill_sandbox(sandbox_id: str, mgr: Mgr, caller: CallerDep) -> SandboxInfo:
+    return await mgr.kill(sandbox_id, caller=caller)
 
 
 @api.post("/sandboxes/{sandbox_id}/exec", response_model=ExecResult)
-async def exec_command(sandbox_id: str, body: ExecRequest, mgr: Mgr) -> Response:
-    return _json(await mgr.exec(sandbox_id, body))
+async def exec_command(sandbox_id: str, body: ExecRequest, mgr: Mgr, caller: CallerDep, request: Request) -> Response:
+    note(request.scope, command=body.cmd)
+    return _json(await mgr.exec(sandbox_id, body, caller=caller))
 
 
 @api.post("/sandboxes/{sandbox_id}/exec/stream", response_class=StreamingResponse)
-async def exec_stream(sandbox_id: str, body: ExecRequest, mgr: Mgr) -> StreamingResponse:
+async def exec_stream(
+    sandbox_id: str, body: ExecRequest, mgr: Mgr, caller: CallerDep, request: Request
+) -> StreamingResponse:
     """Newline-delimited ExecEvent JSON: output chunks as they come, then one ``result`` (or ``error``)."""
-    mgr.info(sandbox_id)  # a 404 before the stream starts, not inside it
+    note(request.scope, command=body.cmd)
+    mgr.info(sandbox_id, caller=caller)  # a 404 before the stream starts, not inside it
     queue: asyncio.Queue[ExecEvent | None] = asyncio.Queue()
     forwarders = {s: StreamForwarder(body.output_limit) for s in ("stdout", "stderr")}
 
@@ -134,7 +139,7 @@ async def exec_stream(sandbox_id: str, body: ExecRequest, mgr: Mgr) -> Streaming
 
     async def run() -> None:
         try:
-            result = await mgr.exec(sandbox_id, body, on_output)
+            result = await mgr.exec(sandbox_id, body, on_output, caller=caller)
             queue.put_nowait(ExecEvent(type="result", result=result))
         except DsecError as e:
             queue.put_nowait(ExecEvent(type="error", error=ErrorBody(code=e.code, message=e.message)))
@@ -162,8 +167,8 @@ PathQ = Annotated[str, Query(min_length=1, max_length=4096, description="Absolut
 
 
 @api.get("/sandboxes/{sandbox_id}/files")
-async def read_file(sandbox_id: str, path: PathQ, mgr: Mgr) -> Response:
-    data = await mgr.read_file(sandbox_id, path)
+async def read_file(sandbox_id: str, path: PathQ, mgr: Mgr, caller: CallerDep) -> Response:
+    data = await mgr.read_file(sandbox_id, path, caller=caller)
     return Response(content=data, media_type="application/octet-stream")
 
 
@@ -173,113 +178,138 @@ async def write_file(
     path: PathQ,
     request: Request,
     mgr: Mgr,
+    caller: CallerDep,
     mode: Annotated[int, Query(ge=0, le=0o7777)] = 0o644,
 ) -> Response:
-    mgr.info(sandbox_id)
-    await mgr.write_file(sandbox_id, path, await request.body(), mode)
+    mgr.info(sandbox_id, caller=caller)
+    await mgr.write_file(sandbox_id, path, await request.body(), mode, caller=caller)
     return Response(status_code=204)
 
 
 @api.get("/sandboxes/{sandbox_id}/files/list", response_model=FileList)
-async def list_files(sandbox_id: str, path: PathQ, mgr: Mgr) -> FileList:
-    return FileList(entries=await mgr.list_dir(sandbox_id, path))
+async def list_files(sandbox_id: str, path: PathQ, mgr: Mgr, caller: CallerDep) -> FileList:
+    return FileList(entries=await mgr.list_dir(sandbox_id, path, caller=caller))
 
 
 @api.post("/sandboxes/{sandbox_id}/files/mkdir", status_code=204)
-async def make_dir(sandbox_id: str, path: PathQ, mgr: Mgr) -> Response:
-    await mgr.mkdir(sandbox_id, path)
+async def make_dir(sandbox_id: str, path: PathQ, mgr: Mgr, caller: CallerDep) -> Response:
+    await mgr.mkdir(sandbox_id, path, caller=caller)
     return Response(status_code=204)
 
 
 @api.delete("/sandboxes/{sandbox_id}/files", status_code=204)
-async def remove_file(sandbox_id: str, path: PathQ, mgr: Mgr, recursive: bool = False) -> Response:
-    await mgr.remove(sandbox_id, path, recursive)
+async def remove_file(sandbox_id: str, path: PathQ, mgr: Mgr, caller: CallerDep, recursive: bool = False) -> Response:
+    await mgr.remove(sandbox_id, path, recursive, caller=caller)
     return Response(status_code=204)
 
 
 @api.put("/sandboxes/{sandbox_id}/archive", status_code=204)
-async def upload_archive(sandbox_id: str, path: PathQ, request: Request, mgr: Mgr) -> Response:
-    mgr.info(sandbox_id)
-    await mgr.upload_tar(sandbox_id, path, await request.body())
+async def upload_archive(sandbox_id: str, path: PathQ, request: Request, mgr: Mgr, caller: CallerDep) -> Response:
+    mgr.info(sandbox_id, caller=caller)
+    await mgr.upload_tar(sandbox_id, path, await request.body(), caller=caller)
     return Response(status_code=204)
 
 
 @api.get("/sandboxes/{sandbox_id}/archive")
-async def download_archive(sandbox_id: str, path: PathQ, mgr: Mgr) -> Response:
-    data = await mgr.download_tar(sandbox_id, path)
+async def download_archive(sandbox_id: str, path: PathQ, mgr: Mgr, caller: CallerDep) -> Response:
+    data = await mgr.download_tar(sandbox_id, path, caller=caller)
     return Response(content=data, media_type="application/x-tar")
 
 
 @api.post("/sandboxes/{sandbox_id}/snapshot", response_model=ImageInfo, status_code=201)
-async def snapshot(sandbox_id: str, body: SnapshotRequest, mgr: Mgr) -> ImageInfo:
+async def snapshot(sandbox_id: str, body: SnapshotRequest, mgr: Mgr, caller: CallerDep) -> ImageInfo:
     """pack_diff: the sandbox's changes become a new immutable image version on top of its image."""
-    return await mgr.snapshot(sandbox_id, body)
+    return await mgr.snapshot(sandbox_id, body, caller=caller)
+
+
+@api.post("/sandboxes/{sandbox_id}/grade", response_model=GradeResult)
+async def grade(sandbox_id: str, body: GradeRequest, mgr: Mgr, caller: CallerDep) -> GradeResult:
+    """Run a grader in a fresh sibling of the candidate's pristine image, against a read-only copy of the
+    candidate's paths, with pristine tests under /grade, as uid 65534 with a fixed environment."""
+    return await mgr.grade(sandbox_id, body, caller=caller)
 
 
 @api.post("/sandboxes/{sandbox_id}/pause", response_model=SandboxInfo)
-async def pause_sandbox(sandbox_id: str, mgr: Mgr) -> SandboxInfo:
+async def pause_sandbox(sandbox_id: str, mgr: Mgr, caller: CallerDep) -> SandboxInfo:
     """Stop every process of the sandbox where it stands (VM kinds: the vCPUs). Not while a command runs."""
-    return await mgr.pause(sandbox_id)
+    return await mgr.pause(sandbox_id, caller=caller)
 
 
 @api.post("/sandboxes/{sandbox_id}/resume", response_model=SandboxInfo)
-async def resume_sandbox(sandbox_id: str, mgr: Mgr) -> SandboxInfo:
-    return await mgr.resume(sandbox_id)
+async def resume_sandbox(sandbox_id: str, mgr: Mgr, caller: CallerDep) -> SandboxInfo:
+    return await mgr.resume(sandbox_id, caller=caller)
 
 
 @api.post("/sandboxes/{sandbox_id}/fork", response_model=ForkResult, status_code=201)
-async def fork_sandbox(sandbox_id: str, body: ForkRequest, mgr: Mgr) -> ForkResult:
+async def fork_sandbox(sandbox_id: str, body: ForkRequest, mgr: Mgr, caller: CallerDep) -> ForkResult:
     """N new sandboxes restored from one memory snapshot of this one (VM kinds), all or none."""
-    return await mgr.fork(sandbox_id, body)
+    return await mgr.fork(sandbox_id, body, caller=caller)
+
+
+@api.get("/sandboxes/{sandbox_id}/network", response_model=NetworkStatus)
+async def network_status(sandbox_id: str, mgr: Mgr, caller: CallerDep) -> NetworkStatus:
+    """The network policy in force, the sandbox's address, what it was denied and what it may reach now."""
+    return await mgr.network_status(sandbox_id, caller=caller)
+
+
+@api.put("/sandboxes/{sandbox_id}/network", response_model=NetworkStatus)
+async def set_network(
+    sandbox_id: str,
+    mgr: Mgr,
+    caller: CallerDep,
+    body: Annotated[Literal["full"] | NetworkAllow | None, Body()] = None,
+) -> NetworkStatus:
+    """Change the policy of a running sandbox (JSON null: loopback only, "full", or {"allow": [...]})."""
+    return await mgr.set_network(sandbox_id, body, caller=caller)
 
 
 ImageName = Annotated[str, Query(min_length=1, max_length=256, description="repo:tag")]
 
 
 @api.get("/images", response_model=ImageList)
-async def list_images(mgr: Mgr) -> ImageList:
-    return ImageList(images=await mgr.images.list())
+async def list_images(mgr: Mgr, caller: CallerDep) -> ImageList:
+    return ImageList(images=await mgr.images.list(caller))
 
 
 @api.get("/image", response_model=ImageInfo)
-async def image_info(mgr: Mgr, name: ImageName) -> ImageInfo:
-    return await mgr.images.info(name)
+async def image_info(mgr: Mgr, caller: CallerDep, name: ImageName) -> ImageInfo:
+    return await mgr.images.info(name, caller)
 
 
 @api.get("/image/history", response_model=ImageList)
-async def image_history(mgr: Mgr, name: ImageName) -> ImageList:
+async def image_history(mgr: Mgr, caller: CallerDep, name: ImageName) -> ImageList:
     """The version a name points at, then its ancestors (lineage), newest first."""
-    return ImageList(images=await mgr.images.history(name))
+    return ImageList(images=await mgr.images.history(name, caller))
 
 
 @api.get("/image/stats", response_model=ImageStats)
-async def image_stats(mgr: Mgr, name: ImageName) -> ImageStats:
-    return await mgr.images.stats(name)
+async def image_stats(mgr: Mgr, caller: CallerDep, name: ImageName) -> ImageStats:
+    return await mgr.images.stats(name, caller)
 
 
 @api.delete("/image", status_code=204)
-async def remove_image(mgr: Mgr, name: ImageName) -> Response:
+async def remove_image(mgr: Mgr, caller: CallerDep, name: ImageName) -> Response:
     """Free the name; its layers go at the next gc unless another image shares them."""
-    await mgr.remove_image(name)
+    await mgr.remove_image(name, caller=caller)
     return Response(status_code=204)
 
 
 @api.post("/images/gc", response_model=GcResult)
-async def gc_images(mgr: Mgr) -> GcResult:
-    """Delete versions, layers and chunks no image references; never one in use."""
+async def gc_images(mgr: Mgr, _: OperatorDep) -> GcResult:
+    """Delete versions, layers and chunks no image references; never one in use (operator only)."""
     return await mgr.gc_images()
 
 
 @api.post("/images/build", response_model=ImageInfo)
-async def build_image(mgr: Mgr, name: ImageName) -> ImageInfo:
+async def build_image(mgr: Mgr, caller: CallerDep, name: ImageName) -> ImageInfo:
     """Build a built-in image if it is not built yet (minutes for dsec/debian:12 on first use)."""
-    return await mgr.images.ensure(name)
+    return await mgr.images.ensure(name, caller)
 
 
 @api.post("/images/builds", response_model=BuildResult, status_code=201)
-async def build(body: BuildRequest, mgr: Mgr) -> BuildResult:
+async def build(body: BuildRequest, mgr: Mgr, caller: CallerDep) -> BuildResult:
     """Build an image from a spec: each step a layer, cached by its inputs (minutes for apt steps)."""
-    return await mgr.builds.build(body)
+    return await mgr.builds.build(body, caller=caller)
 
 
 class ContextRef(BaseModel):
@@ -293,9 +323,12 @@ async def put_context(request: Request, mgr: Mgr) -> ContextRef:
 
 
 @api.post("/images/import", response_model=ImageInfo, status_code=201)
-async def import_image(mgr: Mgr, body: ImportRequest) -> ImageInfo:
-    """Import an OCI image layout directory or a `docker save` tarball that is on the daemon's node."""
-    return await mgr.images.import_image(body.path, body.name, body.reference)
+async def import_image(mgr: Mgr, _: OperatorDep, body: ImportRequest) -> ImageInfo:
+    """Import an OCI image layout directory or a `docker save` tarball that is on the daemon's node.
+
+    Operator only: the path is read with the daemon's rights, which no tenant has."""
+    with call_canaries(body.canaries):  # every layer of the imported image is searched for them
+        return await mgr.images.import_image(body.path, body.name, body.reference)
 
 
 router.include_router(api)

@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any, Literal
 
+from ..isolation.network import policy
+from ..isolation.network.policy import NetworkSpec
 from ..models import Limits, SandboxInfo, State
 
 
@@ -23,7 +25,19 @@ class SandboxRecord:
     reason: str | None = None
     runtime: dict[str, Any] = field(default_factory=dict)  # backend-owned (bundle path, cgroup path, ...)
     image_digest: str = ""  # the image version it runs on: a name can be freed and reused, a version cannot
-    network: str = "none"  # "host" only for the daemon's own builder sandboxes; not persisted (used at create)
+    owner: str = "admin"  # the tenant it belongs to (records from before tenants: the operator's)
+
+    @property
+    def network(self) -> NetworkSpec:
+        """The network policy in force; kept in ``runtime`` so that it is persisted with it."""
+        return policy.from_json(self.runtime.get("network"))
+
+    @network.setter
+    def network(self, value: NetworkSpec) -> None:
+        if value is None:
+            self.runtime.pop("network", None)
+        else:
+            self.runtime["network"] = policy.to_json(value)
 
     def info(self) -> SandboxInfo:
         return SandboxInfo(
@@ -41,6 +55,8 @@ class SandboxRecord:
             started_from=_started_from(self.runtime),
             forked_from=self.runtime.get("forked_from"),
             waiting=self.runtime.get("waiting"),
+            owner=self.owner,
+            network=self.network,
         )
 
 

@@ -24,10 +24,15 @@ CREATE TABLE IF NOT EXISTS sandboxes (
     env TEXT NOT NULL,
     labels TEXT NOT NULL,
     runtime TEXT NOT NULL,
-    image_digest TEXT NOT NULL DEFAULT ''
+    image_digest TEXT NOT NULL DEFAULT '',
+    owner TEXT NOT NULL DEFAULT 'admin'
 );
 CREATE INDEX IF NOT EXISTS sandboxes_state ON sandboxes(state);
 """
+
+
+# named, not `*`: a database migrated with ALTER TABLE has its columns in the order they were added
+COLUMNS = "id, kind, image, state, reason, created_at, expires_at, limits, env, labels, runtime, image_digest, owner"
 
 
 class SandboxStore:
@@ -45,6 +50,8 @@ class SandboxStore:
         columns = {row[1] for row in self._db.execute("PRAGMA table_info(sandboxes)")}
         if "image_digest" not in columns:  # a state database from before image versions
             self._db.execute("ALTER TABLE sandboxes ADD COLUMN image_digest TEXT NOT NULL DEFAULT ''")
+        if "owner" not in columns:  # a state database from before tenants: everything is the operator's
+            self._db.execute("ALTER TABLE sandboxes ADD COLUMN owner TEXT NOT NULL DEFAULT 'admin'")
 
     def close(self) -> None:
         self._db.close()
@@ -52,7 +59,7 @@ class SandboxStore:
     def put(self, rec: SandboxRecord) -> None:
         with self._lock:
             self._db.execute(
-                "INSERT OR REPLACE INTO sandboxes VALUES (?,?,?,?,?,?,?,?,?,?,?,?)",
+                f"INSERT OR REPLACE INTO sandboxes ({COLUMNS}) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)",
                 (
                     rec.id,
                     rec.kind,
@@ -66,22 +73,23 @@ class SandboxStore:
                     json.dumps(rec.labels),
                     json.dumps(rec.runtime),
                     rec.image_digest,
+                    rec.owner,
                 ),
             )
 
     def get(self, sandbox_id: str) -> SandboxRecord | None:
         with self._lock:
-            row = self._db.execute("SELECT * FROM sandboxes WHERE id = ?", (sandbox_id,)).fetchone()
+            row = self._db.execute(f"SELECT {COLUMNS} FROM sandboxes WHERE id = ?", (sandbox_id,)).fetchone()
         return _row(row) if row else None
 
     def all(self, states: set[State] | None = None) -> list[SandboxRecord]:
         with self._lock:
             if states is None:
-                rows = self._db.execute("SELECT * FROM sandboxes ORDER BY created_at").fetchall()
+                rows = self._db.execute(f"SELECT {COLUMNS} FROM sandboxes ORDER BY created_at").fetchall()
             else:
                 marks = ",".join("?" * len(states))
                 rows = self._db.execute(
-                    f"SELECT * FROM sandboxes WHERE state IN ({marks}) ORDER BY created_at",
+                    f"SELECT {COLUMNS} FROM sandboxes WHERE state IN ({marks}) ORDER BY created_at",
                     tuple(s.value for s in states),
                 ).fetchall()
         return [_row(r) for r in rows]
@@ -97,7 +105,7 @@ class SandboxStore:
 
 
 def _row(row: tuple[object, ...]) -> SandboxRecord:
-    (sid, kind, image, state, reason, created, expires, limits, env, labels, runtime, image_digest) = row
+    (sid, kind, image, state, reason, created, expires, limits, env, labels, runtime, image_digest, owner) = row
     return SandboxRecord(
         id=str(sid),
         kind=str(kind),
@@ -111,4 +119,5 @@ def _row(row: tuple[object, ...]) -> SandboxRecord:
         labels=json.loads(str(labels)),
         runtime=json.loads(str(runtime)),
         image_digest=str(image_digest),
+        owner=str(owner),
     )

@@ -31,11 +31,14 @@ from ...images.store import ImageRef
 from ...isolation import cgroups, seccomp, users
 from ...isolation.idmap import UidSlots, idmapped_bind, make_userns
 from ...isolation.mounts import MS_NODEV, MS_NOSUID, is_mountpoint, mount, umount
+from ...isolation.network.host import Attached
+from ...isolation.network.policy import NetworkSpec
 from ...isolation.rootpath import RootFS, clean_path
 from ...models import ExecRequest, ExecResult, FileEntry
 from ...proc import run
 from ...store.records import SandboxRecord
-from ..base import MAX_FILE_READ, Backend, BackendContext, OutputCallback
+from ..base import MAX_FILE_READ, BackendContext, OutputCallback
+from ..network import PolicyNetwork
 from . import agent, spec
 from .agent import AgentChannel
 from .execution import ExecPlan, run_via_agent, run_via_runtime
@@ -46,7 +49,7 @@ log = logging.getLogger("dsec.container")
 AGENT_READY_TIMEOUT = 10.0
 
 
-class ContainerBackend(Backend):
+class ContainerBackend(PolicyNetwork):
     kind = "container"
 
     def __init__(self, ctx: BackendContext) -> None:
@@ -183,11 +186,13 @@ class ContainerBackend(Backend):
         rootfs = bundle / "rootfs"
         use_agent = self.agent_error is None
         # what later calls (and a restarted daemon) need and cannot derive from the id
-        rec.runtime = {
-            "init": "agent" if use_agent else "catatonit",
-            "env": spec.sandbox_env(rec, image),
-            "cwd": image.workdir or "/",
-        }
+        rec.runtime.update(
+            {
+                "init": "agent" if use_agent else "catatonit",
+                "env": spec.sandbox_env(rec, image),
+                "cwd": image.workdir or "/",
+            }
+        )
         uid_base = None
         if self.userns_error is None:
             uid_base = self.uid_slots.take()
@@ -204,6 +209,11 @@ class ContainerBackend(Backend):
             if "HOME" not in rec.env and "HOME" not in image.env:
                 rec.runtime["env"]["HOME"] = account.home
         init = [f"{spec.HELPER_MOUNT}/agent"] if use_agent else [f"{spec.HELPER_MOUNT}/catatonit", "-P"]
+        if not use_agent:
+            # the init's stdio is the runtime's log file on the host; catatonit, unlike the agent, stays
+            # dumpable, so the workload could write to it without bound through /proc/1/fd: give it none
+            bb = f"{spec.HELPER_MOUNT}/busybox"
+            init = [bb, "sh", "-c", 'exec "$@" </dev/null >/dev/null 2>&1', "dsec-init", *init]
         cfg = spec.config(
             rec, image, str(rootfs), str(self.helper_dir), self._cg_path(rec), init, self.seccomp_bpf, uid_base
         )
@@ -231,6 +241,8 @@ class ContainerBackend(Backend):
                 await chan.aclose()
                 raise BackendError(f"the sandbox agent did not start: {e}") from e
             self._channels[rec.id] = chan
+        if rec.network is not None:
+            await self._join_network(rec, rec.network)
 
     async def destroy(self, rec: SandboxRecord) -> None:
         layout = self._layout()
@@ -240,6 +252,7 @@ class ContainerBackend(Backend):
         self._attach_locks.pop(rec.id, None)
         if self.runtime:
             await run(self._runtime_argv("delete", "--force", rec.id), timeout=30)
+        await self._leave_network(rec)
         cg = layout.unified_dir(self._cg_path(rec))
         await asyncio.to_thread(self._cleanup, rec, cg)
 
@@ -279,7 +292,24 @@ class ContainerBackend(Backend):
         base = rec.runtime.get("uid_base")
         if running and isinstance(base, int):
             self.uid_slots.mark(base)  # re-adopted after a restart: its uid range stays taken
+        if running:
+            await self._adopt_network(rec)
         return running
+
+    # ---- network -----------------------------------------------------------------------------------
+
+    async def _attach_network(self, rec: SandboxRecord, policy: NetworkSpec) -> Attached:
+        pid = await self._init_pid(rec)
+        if pid is None:
+            raise SandboxGone(f"sandbox {rec.id} is no longer running")
+        return await self.net.attach(rec.id, pid, policy)
+
+    async def _configure_sandbox_side(self, rec: SandboxRecord, attached: Attached) -> None:
+        resolver = await self.net.resolver_address()
+        base = rec.runtime.get("uid_base")
+        owner = (base, base) if isinstance(base, int) else None
+        fs = RootFS(str(self._bundle(rec) / "rootfs"), owner=owner)
+        await asyncio.to_thread(fs.write, "/etc/resolv.conf", f"nameserver {resolver}\n".encode(), 0o644)
 
     async def _init_pid(self, rec: SandboxRecord) -> int | None:
         state = await self._running_state(rec)
@@ -305,6 +335,8 @@ class ContainerBackend(Backend):
             env=dict(req.env),
             on_output=on_output,
             user=user,
+            idle_timeout=req.idle_timeout,
+            rlimits=(rec.limits.nofile, rec.limits.fsize()),
         )
         return await self._run(rec, plan)
 

@@ -12,12 +12,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import resource
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ...core.output import CappedBuffer, exec_result
+from ...core.output import CappedBuffer, Deadlines, exec_result
 from ...errors import BackendError, LimitExceeded, SandboxGone
 from ...isolation import cgroups
 from ...models import ExecResult
@@ -44,6 +45,9 @@ class ExecPlan:
     on_output: OutputCallback | None = None
     raw: bytearray | None = None  # keep all of stdout (archives), bounded by MAX_ARCHIVE
     user: tuple[int, int] | None = None  # (uid, gid) in the sandbox; None: root
+    idle_timeout: float | None = None  # seconds without output before the tree is killed
+    # (RLIMIT_NOFILE, RLIMIT_FSIZE) for the runtime path; the agent path inherits the init's (spec.py)
+    rlimits: tuple[int, int] | None = None
 
 
 class _Capture:
@@ -59,6 +63,7 @@ class _Capture:
         else:
             self.in_r, self.in_w = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC), -1
         self.tasks: list[asyncio.Future[None]] = []
+        self.clock = Deadlines(time.monotonic(), plan.timeout, plan.idle_timeout)
 
     def child_fds(self) -> list[int]:
         return [self.in_r, self.out_w, self.err_w]
@@ -85,6 +90,7 @@ class _Capture:
         cap, plan = self.caps[stream], self.plan
 
         def feed(data: bytes) -> None:
+            self.clock.touch()
             cap.feed(data)
             if plan.raw is not None and stream == "stdout":
                 plan.raw += data
@@ -119,26 +125,34 @@ class _Capture:
             if task.done() and not task.cancelled() and (exc := task.exception()) is not None:
                 raise exc
 
-    def result(self, status: int, started: float, timed_out: bool, oom: bool) -> ExecResult:
-        """``status`` is a raw wait status."""
-        return exec_result(status, self.caps["stdout"], self.caps["stderr"], started, timed_out=timed_out, oom=oom)
+    def result(self, status: int, started: float, expired: str | None, oom: bool) -> ExecResult:
+        """``status`` is a raw wait status; ``expired`` the deadline that killed the command, if any."""
+        return exec_result(
+            status,
+            self.caps["stdout"],
+            self.caps["stderr"],
+            started,
+            timed_out=expired == "timeout",
+            idle=expired == "idle",
+            oom=oom,
+        )
 
 
-async def _supervise(
-    plan: ExecPlan,
-    group: Path,
-    exited: Awaitable[int],
-    started: float,
-) -> tuple[int, bool]:
-    """Wait for the command; on timeout kill its cgroup. Returns (raw wait status, timed out)."""
+async def _supervise(group: Path, exited: Awaitable[int], clock: Deadlines) -> tuple[int, str | None]:
+    """Wait for the command; when its wall clock or idle-output deadline passes, kill its cgroup.
+    Returns (raw wait status, the deadline that expired or None)."""
     fut = asyncio.ensure_future(exited)
-    remaining = max(0.001, plan.timeout - (time.monotonic() - started))
     try:
-        return await asyncio.wait_for(asyncio.shield(fut), remaining), False
-    except TimeoutError:
+        while True:
+            try:
+                return await asyncio.wait_for(asyncio.shield(fut), clock.wait()), None
+            except TimeoutError:
+                expired = clock.expired()
+                if expired is not None:
+                    break
         cgroups.kill_group(group)
         try:
-            return await asyncio.wait_for(fut, 10), True
+            return await asyncio.wait_for(fut, 10), expired
         except TimeoutError:
             raise BackendError("the command did not die after its cgroup was killed") from None
     except asyncio.CancelledError:  # the caller went away (a streaming client disconnected)
@@ -163,14 +177,15 @@ async def run_via_agent(
         env = [f"{k}={v}" for k, v in {**base_env, **plan.env}.items()]
         oom_before = layout.oom_kills(cg_path)
         started = time.monotonic()
+        cap.clock = Deadlines(started, plan.timeout, plan.idle_timeout)
         exited = await chan.spawn(plan.argv, env, plan.cwd or default_cwd, [*cap.child_fds(), procs_fd], plan.user)
         _close(procs_fd)
         procs_fd = -1
         cap.close_child_ends()
         cap.start()
-        status, timed_out = await _supervise(plan, group, exited, started)
+        status, expired = await _supervise(group, exited, cap.clock)
         await cap.finish()
-        return cap.result(status, started, timed_out, _oom_killed(layout, cg_path, oom_before, status))
+        return cap.result(status, started, expired, _oom_killed(layout, cg_path, oom_before, status))
     finally:
         _close(procs_fd)
         await cap.cleanup()
@@ -202,6 +217,7 @@ async def run_via_runtime(
     try:
         oom_before = layout.oom_kills(cg_path)
         started = time.monotonic()
+        cap.clock = Deadlines(started, plan.timeout, plan.idle_timeout)
         pid = spawn(cmd, {0: cap.in_r, 1: cap.out_w, 2: cap.err_w, 3: go_r, 4: ready_w})
         for fd in (go_r, ready_w):
             os.close(fd)
@@ -217,6 +233,10 @@ async def run_via_runtime(
             if host_pid is not None:
                 with contextlib.suppress(OSError):
                     cgroups.move_pid(group, host_pid)
+                if plan.rlimits is not None:
+                    # crun's exec gives the process crun's own limits, not the sandbox's: set them
+                    # before the launcher becomes the command
+                    _prlimit(host_pid, plan.rlimits)
         with contextlib.suppress(OSError):
             os.write(go_w, b"\n")
 
@@ -227,16 +247,23 @@ async def run_via_runtime(
                 return code - 128
             return (code & 0xFF) << 8 if code >= 0 else -code
 
-        status, timed_out = await _supervise(plan, group, exited(), started)
+        status, expired = await _supervise(group, exited(), cap.clock)
         await cap.finish()
         if not line.strip() and status != 0 and not await alive():
             raise SandboxGone(f"sandbox {sandbox_id} is no longer running")
-        return cap.result(status, started, timed_out, _oom_killed(layout, cg_path, oom_before, status))
+        return cap.result(status, started, expired, _oom_killed(layout, cg_path, oom_before, status))
     finally:
         for fd in (go_r, go_w, ready_r, ready_w):
             _close(fd)
         await cap.cleanup()
         _remove_group(group)
+
+
+def _prlimit(pid: int, limits: tuple[int, int]) -> None:
+    nofile, fsize = limits
+    for which, value in ((resource.RLIMIT_NOFILE, nofile), (resource.RLIMIT_FSIZE, fsize)):
+        with contextlib.suppress(OSError, ValueError):
+            resource.prlimit(pid, which, (value, value))
 
 
 def _oom_killed(layout: cgroups.CgroupLayout, cg_path: str, before: int, status: int) -> bool:

@@ -66,17 +66,13 @@ def sandbox_env(rec: SandboxRecord, image: ImageRef) -> dict[str, str]:
 NAMESPACES = ("pid", "network", "ipc", "uts", "mount", "cgroup")
 
 
-def _host_network_mounts(rec: SandboxRecord) -> list[dict[str, Any]]:
-    """A builder on the host's network resolves names as the host does and trusts the CAs the host
-    trusts (a TLS-intercepting proxy's, say), both read-only and never packed into a layer."""
-    if rec.network != "host":
+def _full_network_mounts(rec: SandboxRecord) -> list[dict[str, Any]]:
+    """A sandbox with full network (builders) trusts the CAs the host trusts (a TLS-intercepting
+    proxy's, say): read-only and never packed into a layer. Its resolv.conf names the platform resolver."""
+    if rec.network != "full" or not os.path.exists(HOST_CA_BUNDLE):
         return []
-    mounts = []
-    for source, destination in (("/etc/resolv.conf", "/etc/resolv.conf"), (HOST_CA_BUNDLE, BUILDER_CA)):
-        if os.path.exists(source):
-            real = os.path.realpath(source)
-            mounts.append({"destination": destination, "type": "bind", "source": real, "options": ["bind", "ro"]})
-    return mounts
+    real = os.path.realpath(HOST_CA_BUNDLE)
+    return [{"destination": BUILDER_CA, "type": "bind", "source": real, "options": ["bind", "ro"]}]
 
 
 def config(
@@ -99,11 +95,10 @@ def config(
         cpu["period"] = CPU_PERIOD_US
     caps = list(CAPABILITIES)
     # Raising a hard limit needs CAP_SYS_RESOURCE, which the daemon may lack (nested sandboxes).
-    nofile = min(65536, resource.getrlimit(resource.RLIMIT_NOFILE)[1])
+    nofile = min(limits.nofile, resource.getrlimit(resource.RLIMIT_NOFILE)[1])
     annotations = {"run.oci.seccomp_bpf_data": seccomp_bpf} if seccomp_bpf else {}
-    # Builder sandboxes share the host's network (apt, pip); every other sandbox has only its loopback.
-    kinds = ("pid", "ipc", "uts", "mount", "cgroup") if rec.network == "host" else NAMESPACES
-    namespaces = [{"type": t} for t in kinds]
+    # Every sandbox has a network namespace of its own: loopback only, or a veth added once it runs.
+    namespaces = [{"type": t} for t in NAMESPACES]
     id_maps: dict[str, Any] = {}
     if uid_base is not None:
         # root in the sandbox is uid_base on the host; the sandbox's 65536 ids are its own
@@ -124,6 +119,8 @@ def config(
             "rlimits": [
                 {"type": "RLIMIT_NOFILE", "hard": nofile, "soft": nofile},
                 {"type": "RLIMIT_CORE", "hard": 0, "soft": 0},
+                # inherited by every exec (the agent forks them); a write past it gets SIGXFSZ / EFBIG
+                {"type": "RLIMIT_FSIZE", "hard": limits.fsize(), "soft": limits.fsize()},
             ],
             "noNewPrivileges": True,
             "oomScoreAdj": 500,
@@ -179,7 +176,7 @@ def config(
                 "source": helper_dir,
                 "options": ["rbind", "ro", "nosuid", "nodev"],
             },
-            *_host_network_mounts(rec),
+            *_full_network_mounts(rec),
         ],
         "linux": {
             "cgroupsPath": cgroups_path,

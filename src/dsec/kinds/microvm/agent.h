@@ -34,6 +34,10 @@
 #define CGROUP2_MAGIC 0x63677270
 #define CGROUP_MOUNT "/sys/fs/cgroup"
 #define CGROUP_DIR CGROUP_MOUNT "/dsec"
+#define PRIVATE_CGROUP "/dev/.dsec-cgroup" /* beside an init that mounts no cgroup2 (kind vm) */
+#define FLAG_STDIN 1u
+#define FLAG_RLIMITS 2u /* u64 RLIMIT_NOFILE, u64 RLIMIT_FSIZE follow the exec header */
+#define SHM_SIZE "67108864" /* /dev/shm of a microvm, as a container's */
 
 struct buf {
     char *data;

@@ -8,6 +8,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mount.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <sys/statfs.h>
 #include <sys/wait.h>
@@ -65,12 +67,38 @@ int setup_cgroups(const char *dir, int quiet) {
 }
 
 /* Beside the image's init, cgroup2 is whatever that init mounted (systemd does, early; busybox's init
- * does not): looked for before each command until found, and never mounted by the agent, so that the
- * init finds /sys/fs/cgroup as it expects it. */
+ * does not): looked for before each command, and the agent never mounts /sys/fs/cgroup itself, so that
+ * the init finds it as it expects it. An init that mounts no cgroup2 would leave the agent with process
+ * groups only, which a command escapes with setsid(); once the init has had its time (the first command
+ * comes after the host saw the guest settle), the agent mounts the same hierarchy on a private directory
+ * of its own instead. */
+static int init_without_cgroups(void) {
+    struct stat init_root, own_root;
+    char exe[256];
+    /* still the initramfs's pid 1: the image's init has not started yet */
+    if (stat("/proc/1/root/", &init_root) < 0 || stat("/", &own_root) < 0 || init_root.st_dev != own_root.st_dev ||
+        init_root.st_ino != own_root.st_ino)
+        return 0;
+    ssize_t n = readlink("/proc/1/exe", exe, sizeof exe - 1);
+    if (n <= 0) return 0;
+    exe[n] = 0;
+    const char *base = strrchr(exe, '/');
+    return !(base && strcmp(base, "/systemd") == 0); /* systemd mounts its own, early */
+}
+
 void adopt_cgroups(void) {
     struct statfs sf;
-    if (cg_root || statfs(CGROUP_MOUNT, &sf) < 0 || sf.f_type != CGROUP2_MAGIC) return;
-    if (setup_cgroups(CGROUP_DIR, 1) == 0) logmsg("exec cgroups under " CGROUP_DIR);
+    if (cg_root) return;
+    if (statfs(CGROUP_MOUNT, &sf) == 0 && sf.f_type == CGROUP2_MAGIC) {
+        if (setup_cgroups(CGROUP_DIR, 1) == 0) logmsg("exec cgroups under " CGROUP_DIR);
+        return;
+    }
+    if (!init_without_cgroups()) return;
+    if (mkdir(PRIVATE_CGROUP, 0700) < 0 && errno != EEXIST) return;
+    if ((statfs(PRIVATE_CGROUP, &sf) == 0 && sf.f_type == CGROUP2_MAGIC) ||
+        mount("cgroup2", PRIVATE_CGROUP, "cgroup2", MS_NOSUID | MS_NODEV | MS_NOEXEC, NULL) == 0) {
+        if (setup_cgroups(PRIVATE_CGROUP "/dsec", 1) == 0) logmsg("exec cgroups under " PRIVATE_CGROUP "/dsec");
+    }
 }
 
 /* ---- commands ------------------------------------------------------------------------------------ */
@@ -167,7 +195,7 @@ void stdin_data(uint32_t id, const char *p, size_t n) {
 }
 
 static void child(const char *procs, int in_fd, int out_fd, int err_fd, uint32_t uid, uint32_t gid, const char *cwd,
-                  char **argv, char **envp) {
+                  char **argv, char **envp, const uint64_t *limits) {
     for (int s = 1; s < NSIG; s++) signal(s, SIG_DFL); /* ignored dispositions would survive exec */
     sigset_t none;
     sigemptyset(&none);
@@ -185,6 +213,13 @@ static void child(const char *procs, int in_fd, int out_fd, int err_fd, uint32_t
         if (fd >= 0) {
             (void)!write(fd, "0", 1);
             close(fd);
+        }
+    }
+    if (limits) { /* the sandbox's limits, set while still root (raising a hard limit needs it) */
+        struct rlimit nofile = {limits[0], limits[0]}, fsize = {limits[1], limits[1]};
+        if (setrlimit(RLIMIT_NOFILE, &nofile) < 0 || setrlimit(RLIMIT_FSIZE, &fsize) < 0) {
+            dprintf(err_fd, "dsec: cannot set resource limits: %s\n", strerror(errno));
+            _exit(125);
         }
     }
     if (in_fd < 0) in_fd = open("/dev/null", O_RDONLY | O_CLOEXEC);
@@ -224,7 +259,17 @@ void start_exec(uint32_t id, char *p, size_t n) {
     }
     memcpy(hdr, p, sizeof hdr);
     uint32_t argc = hdr[0], envc = hdr[1], flags = hdr[2], uid = hdr[3], gid = hdr[4];
-    if (argc == 0 || (uint64_t)argc + envc > n) { /* each string takes at least its NUL */
+    uint64_t limits[2];
+    size_t skip = sizeof hdr;
+    if (flags & FLAG_RLIMITS) {
+        if (n < sizeof hdr + sizeof limits) {
+            send_failure(id, EINVAL, "malformed exec request (limits)");
+            return;
+        }
+        memcpy(limits, p + sizeof hdr, sizeof limits);
+        skip += sizeof limits;
+    }
+    if (argc == 0 || (uint64_t)argc + envc > n - skip) { /* each string takes at least its NUL */
         send_failure(id, EINVAL, "malformed exec request (argc %u, envc %u)", argc, envc);
         return;
     }
@@ -242,7 +287,7 @@ void start_exec(uint32_t id, char *p, size_t n) {
     }
     char **argv = calloc((size_t)argc + 1, sizeof(char *));
     char **envp = calloc((size_t)envc + 1, sizeof(char *));
-    char *s = p + sizeof hdr, *end = p + n;
+    char *s = p + skip, *end = p + n;
     char *cwd = next_str(&s, end);
     int ok = argv && envp && cwd;
     for (uint32_t i = 0; ok && i < argc; i++) ok = (argv[i] = next_str(&s, end)) != NULL;
@@ -261,7 +306,9 @@ void start_exec(uint32_t id, char *p, size_t n) {
     if (cg_root && group_path(group, sizeof group, id, NULL) == 0 && (mkdir(group, 0755) == 0 || errno == EEXIST))
         has_group = group_path(group, sizeof group, id, "cgroup.procs") == 0;
     pid_t pid = fork();
-    if (pid == 0) child(has_group ? group : NULL, in[0], out[1], err[1], uid, gid, cwd, argv, envp);
+    if (pid == 0)
+        child(has_group ? group : NULL, in[0], out[1], err[1], uid, gid, cwd, argv, envp,
+              (flags & FLAG_RLIMITS) ? limits : NULL);
     if (pid < 0) {
         send_failure(id, errno, "cannot fork: %s", strerror(errno));
         if (has_group) rmdir_group(id);

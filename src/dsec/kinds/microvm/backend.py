@@ -27,11 +27,15 @@ from typing import Any, ClassVar
 from ...errors import BackendError, DsecError, InvalidRequest, SandboxGone
 from ...images.store import ImageRef
 from ...isolation import users
+from ...isolation.network import addresses
+from ...isolation.network.host import Attached
+from ...isolation.network.policy import NetworkSpec
 from ...models import ExecRequest, ExecResult, FileEntry
 from ...proc import wait
 from ...store.records import SandboxRecord
-from ..base import Backend, BackendContext, OutputCallback
-from . import accel, guest, jail, launcher_build, pack, qemu, snapshots, templates
+from ..base import BackendContext, OutputCallback
+from ..network import PolicyNetwork
+from . import accel, guest, jail, launcher_build, network, pack, qemu, snapshots, templates
 from .agent_build import build_agent
 from .channel import GuestChannel, connect_agent
 from .files import GuestFiles
@@ -69,9 +73,10 @@ exit 0
 TEMPLATES = os.environ.get("DSEC_VM_TEMPLATES", "1") != "0"
 
 
-class MicroVMBackend(Backend):
+class MicroVMBackend(PolicyNetwork):
     kind: ClassVar[str] = "microvm"
     machine: ClassVar[str] = "microvm"
+    keep_interface = True  # the tap is QEMU's: a lifted policy leaves it down and empty
 
     def __init__(self, ctx: BackendContext) -> None:
         super().__init__(ctx)
@@ -182,7 +187,7 @@ class MicroVMBackend(Backend):
             **image.env,
             **rec.env,
         }
-        rec.runtime = {"env": env, "cwd": image.workdir or "/", "accel": self.accel, "user_spec": image.user}
+        rec.runtime.update({"env": env, "cwd": image.workdir or "/", "accel": self.accel, "user_spec": image.user})
         key = snapshots.template_key(spec, image.layer_digests)
         memory = self.templates / key / templates.MEMORY
         restore = TEMPLATES and await asyncio.to_thread(memory.exists)
@@ -210,6 +215,8 @@ class MicroVMBackend(Backend):
                 rec.runtime["user"] = [account.uid, account.gid]
                 if "HOME" not in rec.env and "HOME" not in image.env:
                     env["HOME"] = account.home
+        if rec.network is not None:
+            await self._join_network(rec, rec.network)
 
     async def _launch(self, rec: SandboxRecord, spec: qemu.VMSpec, memory: Path | None) -> GuestChannel:
         """Start QEMU (booting, or restoring ``memory``) and wait for its agent. Boots and restores queue
@@ -354,6 +361,7 @@ class MicroVMBackend(Backend):
                 raise SandboxGone(f"the guest agent of {rec.id} stopped answering: {e}") from e
 
     async def destroy(self, rec: SandboxRecord) -> None:
+        await self._leave_network(rec)
         await self._stop_vm(rec)
         await asyncio.to_thread(shutil.rmtree, self._bundle(rec), True)
 
@@ -384,7 +392,22 @@ class MicroVMBackend(Backend):
         if ok and isinstance(pid, int) and rec.id not in self._stops:
             # a VM adopted after a daemon restart: a console nobody drains stalls the guest's writes
             self._watch(rec.id, pid)
+        if ok:
+            await self._adopt_network(rec)
         return ok
+
+    # ---- network (see .network) --------------------------------------------------------------------
+
+    async def _attach_network(self, rec: SandboxRecord, policy: NetworkSpec) -> Attached:
+        return await self.net.attach_tap(rec.id, policy)
+
+    async def _configure_sandbox_side(self, rec: SandboxRecord, attached: Attached) -> None:
+        pair = addresses.Pair(attached.index)
+        argv = network.guest_setup(pair.sandbox, pair.host, await self.net.resolver_address())
+        status, _, err = await (await self._channel(rec)).run_bytes(argv, None, 30.0)
+        if status != 0:
+            await self._leave_network(rec)
+            raise BackendError(f"the guest could not configure its network interface: {err.strip()[-300:]}")
 
     # ---- pause, resume, fork -----------------------------------------------------------------------
 
@@ -473,6 +496,8 @@ class MicroVMBackend(Backend):
                 output_limit=req.output_limit,
                 on_output=on_output,
                 user=user,
+                idle_timeout=req.idle_timeout,
+                rlimits=(rec.limits.nofile, rec.limits.fsize()),
             )
         except SandboxGone as e:
             raise SandboxGone(await self._why_gone(rec, str(e))) from e

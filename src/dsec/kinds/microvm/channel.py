@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ...core.output import CappedBuffer, exec_result
+from ...core.output import CappedBuffer, Deadlines, exec_result
 from ...errors import BackendError, InvalidRequest, LimitExceeded, SandboxGone, SandboxTimeout
 from ...models import ExecResult
 from ..base import MAX_ARCHIVE, OutputCallback
@@ -38,9 +38,11 @@ SIGKILL = 9
 HELPER_ENV = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"}
 HELPER_STDERR = 64 << 10
 FLAG_STDIN = 1
+FLAG_RLIMITS = 2  # u64 RLIMIT_NOFILE, u64 RLIMIT_FSIZE follow the header, set by the agent before exec
 
 _HEADER = struct.Struct("<IcI")
 _EXEC = struct.Struct("<IIIII")
+_RLIMITS = struct.Struct("<QQ")
 _STREAMS = {b"O": "stdout", b"e": "stderr"}
 
 
@@ -54,6 +56,7 @@ class _Exec:
     on_output: OutputCallback | None
     # the raw wait status; None when the agent could not start the command (see ``failure``)
     exited: asyncio.Future[int | None]
+    clock: Deadlines
     pid: int | None = None
     failure: tuple[int, str] | None = None
     callback_error: Exception | None = None
@@ -149,8 +152,13 @@ class GuestChannel:
         output_limit: int,
         on_output: OutputCallback | None = None,
         user: tuple[int, int] | None = None,
+        idle_timeout: float | None = None,
+        rlimits: tuple[int, int] | None = None,
     ) -> ExecResult:
-        """Run a command in the guest; ``env`` is its whole environment, ``user`` (uid, gid), None: root."""
+        """Run a command in the guest; ``env`` is its whole environment, ``user`` (uid, gid), None: root.
+
+        ``idle_timeout``: seconds without output before the command's tree is killed, as on a timeout.
+        ``rlimits``: (RLIMIT_NOFILE, RLIMIT_FSIZE) the command starts with; None: the agent's own."""
         if not argv:
             raise InvalidRequest("the command is empty")
         if self.closed:
@@ -161,27 +169,32 @@ class GuestChannel:
         envs = [f"{k}={v}" for k, v in env.items()]
         strings = b"".join(s.encode() + b"\0" for s in [cwd, *argv, *envs])
         uid, gid = user if user is not None else (0, 0)
-        flags = FLAG_STDIN if stdin is not None else 0
-        payload = _EXEC.pack(len(argv), len(envs), flags, uid, gid) + strings
+        flags = (FLAG_STDIN if stdin is not None else 0) | (FLAG_RLIMITS if rlimits is not None else 0)
+        extra = _RLIMITS.pack(*rlimits) if rlimits is not None else b""
+        payload = _EXEC.pack(len(argv), len(envs), flags, uid, gid) + extra + strings
         if 5 + len(payload) > MAX_FRAME:
             raise InvalidRequest(f"the command line and environment exceed {MAX_FRAME} bytes")
         ex = _Exec(
             caps={"stdout": CappedBuffer(output_limit), "stderr": CappedBuffer(output_limit)},
             on_output=on_output,
             exited=asyncio.get_running_loop().create_future(),
+            clock=Deadlines(time.monotonic(), timeout, idle_timeout),
         )
         self._execs[exec_id] = ex
-        started = time.monotonic()
+        started = ex.clock.started
         try:
             await self._send(_frame(b"E", exec_id, payload))
             if stdin is not None:
                 ex.stdin_task = asyncio.create_task(self._feed_stdin(exec_id, stdin))
-            timed_out = False
-            status: int | None
-            try:
-                status = await asyncio.wait_for(asyncio.shield(ex.exited), max(0.001, timeout))
-            except TimeoutError:
-                timed_out = True
+            expired: str | None = None
+            status: int | None = None
+            while expired is None:
+                try:
+                    status = await asyncio.wait_for(asyncio.shield(ex.exited), ex.clock.wait())
+                    break
+                except TimeoutError:
+                    expired = ex.clock.expired()
+            if expired is not None:
                 self._kill_nowait(exec_id)
                 try:
                     status = await asyncio.wait_for(asyncio.shield(ex.exited), KILL_GRACE)
@@ -190,7 +203,7 @@ class GuestChannel:
                     status = None
             if ex.callback_error is not None:
                 raise ex.callback_error
-            return _result(ex, status, started, timed_out)
+            return _result(ex, status, started, expired)
         except asyncio.CancelledError:  # the caller went away (a streaming client disconnected)
             if not ex.exited.done():
                 self._kill_nowait(exec_id)
@@ -300,6 +313,7 @@ class GuestChannel:
                 ex.exited.set_result(None)
 
     def _output(self, ident: int, ex: _Exec, stream: str, data: bytes) -> None:
+        ex.clock.touch()
         ex.caps[stream].feed(data)
         if ex.on_output is None or ex.callback_error is not None:
             return
@@ -323,14 +337,16 @@ class GuestChannel:
                 fut.exception()  # consumed: nobody may be waiting any more
 
 
-def _result(ex: _Exec, status: int | None, started: float, timed_out: bool) -> ExecResult:
+def _result(ex: _Exec, status: int | None, started: float, expired: str | None) -> ExecResult:
     """``status`` is a raw wait status, or None if unknown (a start failure, or an unconfirmed kill)."""
     if ex.failure is not None:
         err, message = ex.failure
         # the same codes a shell (and the container kind) gives a command that cannot be run
         status = (127 if err == errno.ENOENT else 126) << 8
         ex.caps["stderr"].feed(f"dsec: {message}\n".encode())
-    return exec_result(status, ex.caps["stdout"], ex.caps["stderr"], started, timed_out=timed_out)
+    return exec_result(
+        status, ex.caps["stdout"], ex.caps["stderr"], started, timed_out=expired == "timeout", idle=expired == "idle"
+    )
 
 
 async def connect_agent(sock: Path, timeout: float, gone: Callable[[], str | None], kick: bool = False) -> GuestChannel:

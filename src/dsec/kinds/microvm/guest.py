@@ -32,7 +32,16 @@ from ...errors import BackendError
 from . import agent_build
 
 KERNEL_FLAVOUR = "cloud-amd64"
-MODULES = ("virtio_mmio", "virtio_pci", "virtio_blk", "virtio_console", "virtio_rng", "erofs", "overlay")
+MODULES = (
+    "virtio_mmio",
+    "virtio_pci",
+    "virtio_blk",
+    "virtio_console",
+    "virtio_rng",
+    "virtio_net",
+    "erofs",
+    "overlay",
+)
 _DEPENDS = re.compile(rb"depends=([^\0]*)\0")
 
 INIT = r"""#!/bin/busybox sh
@@ -69,7 +78,11 @@ while [ "$i" -lt "$layers" ]; do
   i=$((i + 1))
 done
 mkdir -p /rw /newroot
-mount -t tmpfs -o "size=$disk,mode=0755" tmpfs /rw || fail "cannot make the writable layer"
+# an inode per 4 KiB of the disk limit, within [16384, 4Mi]: as a container's writable layer (rootfs.py)
+inodes=$((disk / 4096))
+[ "$inodes" -lt 16384 ] && inodes=16384
+[ "$inodes" -gt 4194304 ] && inodes=4194304
+mount -t tmpfs -o "size=$disk,nr_inodes=$inodes,mode=0755" tmpfs /rw || fail "cannot make the writable layer"
 mkdir -p /rw/upper /rw/work
 mount -t overlay overlay -o "lowerdir=$lower,upperdir=/rw/upper,workdir=/rw/work" /newroot || fail "overlay failed"
 helper=$(find_disk dsec-helper) || fail "helper disk is missing"

@@ -21,6 +21,8 @@
  * Frames, both ways, all integers little endian:  u32 len | u8 type | u32 id | payload  (len = 5 + payload)
  *   host -> agent  'E' exec      u32 argc u32 envc u32 flags u32 uid u32 gid | cwd\0 argv...\0 env...\0
  *                                flags bit 0: stdin follows as 'I' frames (else stdin is /dev/null)
+ *                                flags bit 1: u64 RLIMIT_NOFILE u64 RLIMIT_FSIZE follow the five u32s
+ *                                (before the strings); the command starts with them
  *                  'I' stdin     bytes; an empty payload closes the command's stdin
  *                  'K' kill      u32 signal, for the exec's whole tree (its cgroup, else its process group)
  *                  'P' ping      any payload, echoed back as 'p'
@@ -80,7 +82,7 @@ static void init_system(void) {
     mount_fs("sysfs", "/sys", "sysfs", MS_NOSUID | MS_NODEV | MS_NOEXEC, NULL);
     mount_fs("devtmpfs", "/dev", "devtmpfs", MS_NOSUID, "mode=0755");
     mount_fs("devpts", "/dev/pts", "devpts", MS_NOSUID | MS_NOEXEC, "newinstance,ptmxmode=0666,mode=0620,gid=5");
-    mount_fs("tmpfs", "/dev/shm", "tmpfs", MS_NOSUID | MS_NODEV, "mode=1777");
+    mount_fs("tmpfs", "/dev/shm", "tmpfs", MS_NOSUID | MS_NODEV, "mode=1777,size=" SHM_SIZE ",nr_inodes=16384");
     mount_fs("cgroup2", "/sys/fs/cgroup", "cgroup2", MS_NOSUID | MS_NODEV | MS_NOEXEC, NULL);
     const char *links[][2] = {{"/proc/self/fd", "/dev/fd"}, {"/proc/self/fd/0", "/dev/stdin"},
                               {"/proc/self/fd/1", "/dev/stdout"}, {"/proc/self/fd/2", "/dev/stderr"},

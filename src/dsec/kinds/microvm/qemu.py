@@ -17,13 +17,16 @@ from pathlib import Path
 
 from ...errors import BackendError
 from ...proc import spawn
-from . import jail, launcher_build
+from . import jail, launcher_build, network
 
 QEMU = "qemu-system-x86_64"
 MIN_MEMORY_MIB = 128  # measured here: 64 MB guests reboot-loop under TCG
 CONSOLE_CAP = 1 << 20  # bytes kept per console log file; one older generation is kept beside it
-# QEMU's descriptors: 3 is the incoming memory snapshot; the daemon binds the sockets and QEMU listens on them
-INCOMING_FD, CONSOLE_FD, AGENT_FD, QMP_FD = 3, 4, 5, 6
+QEMU_LOG_CAP = 1 << 20
+LOG_CHECK_S = 2.0
+# QEMU's descriptors: 3 is the incoming memory snapshot; the daemon binds the sockets and QEMU listens on
+# them; 7 is the NIC's tap (see .network)
+INCOMING_FD, CONSOLE_FD, AGENT_FD, QMP_FD, TAP_FD = 3, 4, 5, 6, 7
 
 
 @dataclass(frozen=True)
@@ -123,6 +126,8 @@ def argv(spec: VMSpec, tsc_khz: int | None = None) -> list[str]:
         # QEMU's own seccomp filter: no new programs, no privilege changes, no obsolete syscalls
         "-sandbox", "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny",
     ]  # fmt: skip
+    nic = "virtio-net-device" if mmio else "virtio-net-pci,romfile="
+    args += ["-netdev", f"tap,id=net0,fd={TAP_FD}", "-device", f"{nic},netdev=net0,mac={network.GUEST_MAC}"]
     disks = [*((f"dsec-l{i}", layer) for i, layer in enumerate(spec.layers)), ("dsec-helper", spec.helper)]
     for serial, path in disks:
         args += ["-drive", f"id={serial},file={path},format=raw,if=none,readonly=on"]
@@ -165,6 +170,9 @@ def start(spec: VMSpec, incoming: Path | None = None) -> int:
         owned.append(null)
         sources = {0: null, 1: log_fd, 2: log_fd}
         sources |= {CONSOLE_FD: socks[0].fileno(), AGENT_FD: socks[1].fileno(), QMP_FD: socks[2].fileno()}
+        tap = network.open_tap(network.tap_name(spec.name))
+        owned.append(tap)
+        sources[TAP_FD] = tap
         if incoming is not None:
             mem = os.open(incoming, os.O_RDONLY | os.O_CLOEXEC)
             owned.append(mem)
@@ -226,7 +234,10 @@ async def drain_console(sock: Path, log: Path, stop: asyncio.Event) -> None:
     """Keep reading the guest's console into ``log``, capped: a flood costs neither memory nor disk.
 
     When the log reaches CONSOLE_CAP it becomes ``log.1`` (replacing the older one) and a new one starts.
+    QEMU's own log beside it (``qemu.log``, its stderr, where some devices report what a guest did to them)
+    is capped the same way every few seconds while the VM runs.
     """
+    qemu_log = log.with_name("qemu.log")
     for _ in range(200):
         if stop.is_set() or await asyncio.to_thread(sock.exists):
             break
@@ -236,11 +247,18 @@ async def drain_console(sock: Path, log: Path, stop: asyncio.Event) -> None:
     except OSError:
         return
     f = await asyncio.to_thread(open, log, "ab")
+    next_check = 0.0
     try:
         size = f.tell()
         while not stop.is_set():
+            loop_time = asyncio.get_running_loop().time()
+            if loop_time >= next_check:
+                await asyncio.to_thread(cap_appended_log, qemu_log, QEMU_LOG_CAP)
+                next_check = loop_time + LOG_CHECK_S
             try:
-                data = await reader.read(65536)
+                data = await asyncio.wait_for(reader.read(65536), LOG_CHECK_S)
+            except TimeoutError:
+                continue
             except OSError:  # QEMU went away mid-read: the console ends here as at EOF
                 break
             if not data:
@@ -258,6 +276,25 @@ async def drain_console(sock: Path, log: Path, stop: asyncio.Event) -> None:
         writer.close()
         with contextlib.suppress(OSError):
             await writer.wait_closed()
+        with contextlib.suppress(OSError):
+            cap_appended_log(qemu_log, QEMU_LOG_CAP)
+
+
+def cap_appended_log(path: Path, cap: int) -> None:
+    """A file another process appends to (O_APPEND), kept under ``cap``: past it, its last ``cap // 2``
+    bytes go to ``path.1`` and the file is emptied in place (the writer's next append lands at 0)."""
+    try:
+        size = os.stat(path).st_size
+    except FileNotFoundError:
+        return
+    if size <= cap:
+        return
+    with open(path, "r+b") as f:
+        f.seek(max(0, f.seek(0, os.SEEK_END) - cap // 2))
+        tail = f.read(cap // 2)
+        f.truncate(0)
+    with open(path.with_name(path.name + ".1"), "wb") as old:
+        old.write(tail)
 
 
 def log_tail(bundle: Path, limit: int = 2000) -> str:

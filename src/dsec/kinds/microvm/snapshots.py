@@ -71,9 +71,14 @@ class QMP:
             self.sock.close()
 
 
+# the VM's device set beyond what VMSpec says (a snapshot restores only into the same devices)
+DEVICES = "nic1"
+
+
 def template_key(spec: VMSpec, layer_digests: tuple[str, ...]) -> str:
     """What a restored VM must share with its template: machine, size, guest assets, layers."""
     parts = [
+        DEVICES,
         spec.machine,
         spec.accel,
         str(spec.memory_mib),

@@ -92,7 +92,7 @@ class VMBackend(MicroVMBackend):
         lines = out.decode(errors="replace").splitlines()
         report = dict(line.partition("=")[::2] for line in lines if "=" in line)
         log.info(
-            "%s: %s is pid 1%s, %.1fs after the agent answered",
+            "%s: %.200s is pid 1%.200s, %.1fs after the agent answered",
             spec.name,
             report.get("init", "?"),
             f" (systemd: {report['state']})" if "state" in report else "",

@@ -1,0 +1,202 @@
+"""The audit log: one record per authenticated (or refused) API call, in its own SQLite file.
+
+Recording must cost an exec next to nothing, so a call only appends a tuple to a list in memory; a
+background task writes the batch in one transaction off the event loop every ``FLUSH_INTERVAL``
+(and at shutdown). A daemon that is killed loses at most that last fraction of a second of records.
+A separate file from the state database keeps these writes from queueing behind sandbox records.
+Retention: records older than ``keep_days`` and beyond the newest ``max_records`` are deleted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import sqlite3
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+log = logging.getLogger("dsec.audit")
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS audit (
+    id INTEGER PRIMARY KEY,
+    time REAL NOT NULL,
+    tenant TEXT,
+    method TEXT NOT NULL,
+    route TEXT NOT NULL,
+    sandbox TEXT,
+    status INTEGER NOT NULL,
+    duration_ms REAL NOT NULL,
+    command TEXT
+);
+CREATE INDEX IF NOT EXISTS audit_time ON audit(time);
+CREATE INDEX IF NOT EXISTS audit_sandbox ON audit(sandbox, id);
+CREATE INDEX IF NOT EXISTS audit_tenant ON audit(tenant, id);
+"""
+FLUSH_INTERVAL = 0.25
+PRUNE_INTERVAL = 60.0
+MAX_BATCH = 4096  # a flush writes at most this many; the rest wait for the next tick
+MAX_PENDING = 200_000  # a stuck disk must not grow the daemon's memory without bound
+COMMAND_BYTES = 256
+DEFAULT_KEEP_DAYS = 90.0
+DEFAULT_MAX_RECORDS = 1_000_000
+
+
+@dataclass(frozen=True, slots=True)
+class Entry:
+    time: float
+    tenant: str | None  # None: the token was missing, wrong or revoked
+    method: str
+    route: str  # the route template, e.g. /v1/sandboxes/{sandbox_id}/exec
+    sandbox: str | None
+    status: int
+    duration_ms: float
+    command: str | None = None
+
+
+def command_head(cmd: str | Sequence[str]) -> str:
+    """The first COMMAND_BYTES bytes of a command (an argv joined by spaces), cut on a character boundary."""
+    text = cmd if isinstance(cmd, str) else " ".join(cmd)
+    raw = text.encode(errors="replace")[:COMMAND_BYTES]
+    return raw.decode(errors="ignore")
+
+
+class AuditLog:
+    def __init__(
+        self, path: Path, *, keep_days: float = DEFAULT_KEEP_DAYS, max_records: int = DEFAULT_MAX_RECORDS
+    ) -> None:
+        if keep_days <= 0 or max_records <= 0:
+            raise ValueError("audit retention must be positive")
+        self.path = path
+        self.keep_days = keep_days
+        self.max_records = max_records
+        self.dropped = 0  # records lost because the writer could not keep up
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        os.close(fd)
+        os.chmod(path, 0o600)
+        self._db = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None)
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute("PRAGMA synchronous=NORMAL")
+        self._db.executescript(SCHEMA)
+        self._db_lock = threading.Lock()
+        self._pending: list[Entry] = []
+        self._task: asyncio.Task[None] | None = None
+        self._last_prune = 0.0
+        self._closed = False
+
+    def record(self, entry: Entry) -> None:
+        if len(self._pending) >= MAX_PENDING:
+            self.dropped += 1
+            return
+        self._pending.append(entry)
+
+    async def start(self) -> None:
+        if self._task is None:
+            await asyncio.to_thread(self.prune)
+            self._task = asyncio.create_task(self._flush_forever())
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        if not self._closed:
+            while batch := self._take():
+                self._insert(batch)
+            self._closed = True
+            self._db.close()
+
+    async def _flush_forever(self) -> None:
+        while True:
+            await asyncio.sleep(FLUSH_INTERVAL)
+            try:
+                await self.flush()
+                if time.time() - self._last_prune >= PRUNE_INTERVAL:
+                    await asyncio.to_thread(self.prune)
+            except Exception:  # never let a full disk end auditing for the daemon's lifetime
+                log.exception("writing audit records failed")
+
+    async def flush(self) -> None:
+        while batch := self._take():
+            await asyncio.to_thread(self._insert, batch)
+
+    def _take(self) -> list[Entry]:
+        # on the event loop's thread, like record(): nothing is appended while the list is cut
+        batch = self._pending[:MAX_BATCH]
+        del self._pending[:MAX_BATCH]
+        return batch
+
+    def _insert(self, batch: list[Entry]) -> None:
+        rows = [
+            (e.time, e.tenant, e.method, e.route, e.sandbox, e.status, round(e.duration_ms, 3), e.command)
+            for e in batch
+        ]
+        with self._db_lock:
+            self._db.execute("BEGIN")
+            try:
+                self._db.executemany(
+                    "INSERT INTO audit (time, tenant, method, route, sandbox, status, duration_ms, command) "
+                    "VALUES (?,?,?,?,?,?,?,?)",
+                    rows,
+                )
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+            self._db.execute("COMMIT")
+
+    def prune(self, now: float | None = None) -> int:
+        """Apply the retention bounds; returns how many records went."""
+        now = time.time() if now is None else now
+        self._last_prune = now
+        with self._db_lock:
+            gone = self._db.execute("DELETE FROM audit WHERE time < ?", (now - self.keep_days * 86400,)).rowcount
+            row = self._db.execute(
+                "SELECT id FROM audit ORDER BY id DESC LIMIT 1 OFFSET ?", (self.max_records,)
+            ).fetchone()
+            if row is not None:
+                gone += self._db.execute("DELETE FROM audit WHERE id <= ?", (row[0],)).rowcount
+        return gone
+
+    async def query(
+        self,
+        *,
+        tenant: str | None = None,
+        sandbox: str | None = None,
+        since: float | None = None,
+        limit: int = 100,
+        include_unknown: bool = True,
+    ) -> list[Entry]:
+        """The newest ``limit`` matching records, oldest first; pending ones are written first."""
+        await self.flush()
+        return await asyncio.to_thread(self._select, tenant, sandbox, since, limit, include_unknown)
+
+    def _select(
+        self, tenant: str | None, sandbox: str | None, since: float | None, limit: int, include_unknown: bool
+    ) -> list[Entry]:
+        where: list[str] = []
+        args: list[str | float] = []
+        if tenant is not None:
+            where.append("tenant = ?")
+            args.append(tenant)
+        elif not include_unknown:
+            where.append("tenant IS NOT NULL")
+        if sandbox is not None:
+            where.append("sandbox = ?")
+            args.append(sandbox)
+        if since is not None:
+            where.append("time >= ?")
+            args.append(since)
+        clause = f"WHERE {' AND '.join(where)}" if where else ""
+        sql = (
+            "SELECT time, tenant, method, route, sandbox, status, duration_ms, command FROM audit "
+            f"{clause} ORDER BY id DESC LIMIT ?"
+        )
+        with self._db_lock:
+            rows = self._db.execute(sql, (*args, limit)).fetchall()
+        return [Entry(*row) for row in reversed(rows)]
