@@ -14,6 +14,8 @@ import asyncio
 import contextlib
 import logging
 import os
+import secrets
+import shutil
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -21,6 +23,7 @@ from typing import TYPE_CHECKING
 import blake3
 
 from ..errors import BuildFailed, InvalidRequest
+from ..images import squash
 from ..images.buildspec import BUILDER_CA, HOST_CA_BUNDLE, BuildSpec, Step
 from ..images.canary import call_canaries
 from ..images.model import CachedStep, ImageConfig, LayerRef
@@ -176,6 +179,11 @@ class Builder:
                         scrubbed=step_scrubbed,
                     )
                 )
+            own = layers[len(base_version.layers) :]
+            if len(own) > 1:
+                merged = await self._squash_residue(name, own, rules)
+                if merged is not None:
+                    layers = [*base_version.layers, merged]
             info = await self.images.publish_version(
                 name,
                 layers,
@@ -186,6 +194,25 @@ class Builder:
                 owner=caller.owner,
             )
         return BuildResult(image=info, steps=results, seconds=round(time.monotonic() - started, 3))
+
+    async def _squash_residue(self, name: str, own: list[LayerRef], rules: ScrubRules) -> LayerRef | None:
+        """One layer for the build's steps if a later step deleted or hid what an earlier one wrote (see
+        images/squash.py); None if nothing is shadowed. The step layers stay in this caller's build cache
+        only: no published version refers to them."""
+        dirs = list(await asyncio.gather(*(self.images.layers.mount(layer.digest) for layer in own)))
+        hidden = await asyncio.to_thread(squash.shadowed, dirs)
+        if not hidden:
+            return None
+        tree = self.images.layers.tmp / f"squash-{secrets.token_hex(8)}"
+        try:
+            await asyncio.to_thread(tree.mkdir)
+            await asyncio.to_thread(squash.squash, dirs, tree)
+            staged = await self.images.pack(tree, rules)
+        finally:
+            await asyncio.to_thread(shutil.rmtree, tree, True)
+        why = f"{len(own)} build steps squashed: later steps deleted {len(hidden)} paths earlier ones wrote"
+        log.info("build %s: %s (e.g. %s)", name, why, ", ".join(hidden[:3]))
+        return await self.images.publish_layer(staged, own[-1].role, why)
 
     async def _run_step(
         self,
