@@ -12,12 +12,9 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-import pytest
-
 import dsec
 
-from ..integration.conftest import qemu_pid
-from .conftest import VM_KINDS, Daemon, heartbeat
+from .conftest import Daemon, heartbeat
 
 # the daemon may grow by this much over a flood: far below what the flood writes (gigabytes)
 DAEMON_RSS_SLACK_KB = 64 << 10
@@ -47,23 +44,18 @@ def test_fork_bomb_is_contained(
     kind: str, fresh_attacker: Callable[..., dsec.Sandbox], neighbour: dsec.Sandbox
 ) -> None:
     sb = fresh_attacker()
-    try:
-        with heartbeat(neighbour):
-            res = sb.exec("bomb() { bomb | bomb & }; bomb; sleep 5", timeout=4)
-    except dsec.SandboxGone:
-        # Per kind: on a VM (1 vCPU, TCG here) the bomb can starve the guest agent past the daemon's
-        # grace after the timeout, and the daemon kills the VM. Contained — the attacker loses only its
-        # own VM — and checked from the host: its QEMU is gone.
-        assert kind in VM_KINDS, "a container sandbox must survive a fork bomb"
-        with pytest.raises(AssertionError, match="no QEMU"):
-            qemu_pid(sb.id)
-        return
+    count = "ps -o pid | wc -l"  # a VM's guest lists its kernel threads too: compared with before the bomb
+    before = int(sb.exec(count).stdout)
+    # every kind bounds the bomb with the sandbox's pids limit (a VM: the guest's cgroup holding every
+    # exec's own), so the sandbox, its agent and the neighbour stay up
+    with heartbeat(neighbour):
+        res = sb.exec("bomb() { bomb | bomb & }; bomb; sleep 5", timeout=4)
     assert res.timed_out
     _recovered(sb)
     deadline = time.monotonic() + 10
-    while (left := int(sb.exec("ps -o pid | wc -l").stdout)) >= 15 and time.monotonic() < deadline:
+    while (left := int(sb.exec(count).stdout) - before) > 3 and time.monotonic() < deadline:
         time.sleep(0.5)
-    assert left < 15, f"{left} processes of the bomb outlived its step"
+    assert left <= 3, f"{left} processes of the bomb outlived its step"
 
 
 def test_memory_bomb_is_oom_killed(kind: str, attacker: dsec.Sandbox, neighbour: dsec.Sandbox) -> None:
@@ -71,11 +63,9 @@ def test_memory_bomb_is_oom_killed(kind: str, attacker: dsec.Sandbox, neighbour:
         res = attacker.exec("x=a; while true; do x=$x$x; done", timeout=60)
     assert not res.timed_out and (res.exit_code == 137 or res.signal == 9), res
     _recovered(attacker)
-    if kind in VM_KINDS and not res.oom_killed:
-        # the guest kernel's OOM killer ended it (SIGKILL above, the VM and the neighbour fine), but the
-        # platform's result does not say so: the guest agent does not report guest OOM kills
-        pytest.xfail("VM kinds: a guest OOM kill is reported as a plain SIGKILL (oom_killed=False)")
+    # VM kinds: the guest agent reports an OOM kill by the guest's kernel during the command
     assert res.oom_killed, res
+    assert not attacker.exec("true").oom_killed  # and only then
 
 
 def test_dev_shm_fill_is_bounded(kind: str, attacker: dsec.Sandbox, neighbour: dsec.Sandbox) -> None:

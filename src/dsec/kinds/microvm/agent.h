@@ -54,11 +54,13 @@ struct exec {
     int in_eof;
     int reaped, status;
     int64_t reaped_at;
+    uint64_t oom_start; /* the guest's OOM kill count when the command started */
 };
 
 struct exit_rec {
     uint32_t id;
     int32_t status;
+    uint8_t flags; /* EXIT_OOM */
     uint64_t queued_end; /* enq_total after its 'X' was queued; 0: not queued on this connection */
 };
 
@@ -96,7 +98,9 @@ int send_frame(char type, uint32_t id, const void *payload, size_t n);
 void send_failure(uint32_t id, int err, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
 void prune_exits(void);
 void queue_exit(struct exit_rec *r);
-void report_exit(uint32_t id, int status);
+#define EXIT_OOM 1 /* the guest killed a process for lack of memory while the command ran */
+void report_exit(uint32_t id, int status, uint8_t flags);
+uint64_t oom_kills(void);
 
 /* agent_exec.c */
 int setup_cgroups(const char *dir, int quiet);

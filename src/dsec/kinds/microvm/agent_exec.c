@@ -125,8 +125,25 @@ void kill_tree(struct exec *x, uint32_t id, int sig) {
     if (x && x->pgid > 0) kill(-x->pgid, sig);
 }
 
+/* The guest kernel's count of OOM kills (/proc/vmstat oom_kill); 0 when unknown. */
+uint64_t oom_kills(void) {
+    FILE *f = fopen("/proc/vmstat", "re");
+    if (!f) return 0;
+    char name[64];
+    unsigned long long v, found = 0;
+    while (fscanf(f, "%63s %llu", name, &v) == 2)
+        if (strcmp(name, "oom_kill") == 0) {
+            found = v;
+            break;
+        }
+    fclose(f);
+    return found;
+}
+
 void finish(struct exec *x) {
-    report_exit(x->id, x->status);
+    /* a VM's memory is the sandbox's: an OOM kill anywhere in the guest while the command ran is the
+     * command's (the host's memory cgroup of a container reports the same) */
+    report_exit(x->id, x->status, oom_kills() > x->oom_start ? EXIT_OOM : 0);
     close_fd(&x->in_fd);
     close_fd(&x->out_fd);
     close_fd(&x->err_fd);
@@ -305,6 +322,7 @@ void start_exec(uint32_t id, char *p, size_t n) {
     }
     if (cg_root && group_path(group, sizeof group, id, NULL) == 0 && (mkdir(group, 0755) == 0 || errno == EEXIST))
         has_group = group_path(group, sizeof group, id, "cgroup.procs") == 0;
+    uint64_t oom_start = oom_kills();
     pid_t pid = fork();
     if (pid == 0)
         child(has_group ? group : NULL, in[0], out[1], err[1], uid, gid, cwd, argv, envp,
@@ -318,6 +336,7 @@ void start_exec(uint32_t id, char *p, size_t n) {
     x->used = 1;
     x->id = id;
     x->pid = x->pgid = pid;
+    x->oom_start = oom_start;
     x->in_fd = in[1];
     x->out_fd = out[0];
     x->err_fd = err[0];

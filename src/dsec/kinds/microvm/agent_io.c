@@ -133,10 +133,13 @@ void prune_exits(void) {
 }
 
 void queue_exit(struct exit_rec *r) {
-    if (send_frame('X', r->id, &r->status, 4) == 0) r->queued_end = enq_total;
+    unsigned char payload[5];
+    memcpy(payload, &r->status, 4);
+    payload[4] = r->flags;
+    if (send_frame('X', r->id, payload, sizeof payload) == 0) r->queued_end = enq_total;
 }
 
-void report_exit(uint32_t id, int status) {
+void report_exit(uint32_t id, int status, uint8_t flags) {
     if (nexits == MAX_EXITS) { /* nobody has listened for a long time: forget the oldest */
         logmsg("too many undelivered exit statuses; dropping exec %u's", exits[0].id);
         memmove(exits, exits + 1, sizeof exits[0] * (MAX_EXITS - 1));
@@ -145,6 +148,7 @@ void report_exit(uint32_t id, int status) {
     struct exit_rec *r = &exits[nexits++];
     r->id = id;
     r->status = status;
+    r->flags = flags;
     r->queued_end = 0;
     queue_exit(r);
 }

@@ -206,6 +206,7 @@ class MicroVMBackend(PolicyNetwork):
         rec.runtime["restored"] = restore
         if not restore:
             await self._settle(chan, spec)
+        await self._bound_pids(rec, chan)
         if TEMPLATES and not restore and key not in self._building:
             self._building.add(key)
             self._background(self._build_template(key, spec, image.layer_digests))
@@ -217,6 +218,14 @@ class MicroVMBackend(PolicyNetwork):
                     env["HOME"] = account.home
         if rec.network is not None:
             await self._join_network(rec, rec.network)
+
+    async def _bound_pids(self, rec: SandboxRecord, chan: GuestChannel) -> None:
+        """``limits.pids`` for everything the sandbox runs: the guest's cgroup that holds every exec's own."""
+        status, _, err = await chan.run_bytes(
+            ["/.dsec/busybox", "sh", "-c", guest.BOUND_PIDS, "bound-pids", str(rec.limits.pids)], None, 30.0
+        )
+        if status != 0:
+            raise BackendError(f"cannot apply the pids limit in the guest: {err.strip()[-300:]}")
 
     async def _launch(self, rec: SandboxRecord, spec: qemu.VMSpec, memory: Path | None) -> GuestChannel:
         """Start QEMU (booting, or restoring ``memory``) and wait for its agent. Boots and restores queue
@@ -462,7 +471,7 @@ class MicroVMBackend(PolicyNetwork):
         rec.runtime.update(
             {k: v for k, v in parent.runtime.items() if k in ("env", "cwd", "accel", "user_spec", "user")}
         )
-        await self._launch(rec, spec, checkpoint.memory)
+        await self._bound_pids(rec, await self._launch(rec, spec, checkpoint.memory))
         rec.runtime["restored"] = True
 
     @contextlib.asynccontextmanager

@@ -59,6 +59,7 @@ class _Exec:
     clock: Deadlines
     pid: int | None = None
     failure: tuple[int, str] | None = None
+    oom: bool = False  # the guest OOM-killed a process while the command ran
     callback_error: Exception | None = None
     stdin_task: asyncio.Task[None] | None = field(default=None, repr=False)
 
@@ -304,6 +305,7 @@ class GuestChannel:
         elif kind == b"S" and len(payload) >= 8:
             (ex.pid,) = struct.unpack_from("<q", payload)
         elif kind == b"X" and len(payload) >= 4:
+            ex.oom = len(payload) >= 5 and bool(payload[4] & 1)  # agents before the flag sent 4 bytes
             if not ex.exited.done():
                 ex.exited.set_result(struct.unpack_from("<i", payload)[0])
         elif kind == b"F" and len(payload) >= 4:
@@ -345,7 +347,13 @@ def _result(ex: _Exec, status: int | None, started: float, expired: str | None) 
         status = (127 if err == errno.ENOENT else 126) << 8
         ex.caps["stderr"].feed(f"dsec: {message}\n".encode())
     return exec_result(
-        status, ex.caps["stdout"], ex.caps["stderr"], started, timed_out=expired == "timeout", idle=expired == "idle"
+        status,
+        ex.caps["stdout"],
+        ex.caps["stderr"],
+        started,
+        timed_out=expired == "timeout",
+        idle=expired == "idle",
+        oom=ex.oom,
     )
 
 

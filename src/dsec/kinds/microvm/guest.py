@@ -44,6 +44,19 @@ MODULES = (
 )
 _DEPENDS = re.compile(rb"depends=([^\0]*)\0")
 
+# Run by the daemon after a VM starts (booted or restored): the sandbox's pids limit on the cgroup under
+# which the agent makes each exec's own (microvm: /sys/fs/cgroup/dsec; kind vm: the same under the
+# image's init, or the agent's private cgroup2 mount beside an init that mounts none). $1: the limit.
+BOUND_PIDS = r"""
+for d in /sys/fs/cgroup/dsec /dev/.dsec-cgroup/dsec; do
+  [ -d "$d" ] || continue
+  echo +pids > "${d%/dsec}/cgroup.subtree_control" 2>/dev/null
+  echo "$1" > "$d/pids.max" && exit 0
+done
+echo "no exec cgroup in the guest to bound" >&2
+exit 1
+"""
+
 INIT = r"""#!/bin/busybox sh
 # dsec's initramfs: mount the image's layers, stack them, hand over to the agent on the helper disk
 # (microvm), or to the image's own init with the agent beside it (vm: /etc/dsec-init says "image").

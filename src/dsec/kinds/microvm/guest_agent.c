@@ -34,7 +34,8 @@
  *   agent -> host  'R' ready     id 0, the agent's version; first frame of every connection
  *                  'S' started   i64 pid          'F' not started   u32 errno | message
  *                  'O' stdout    'e' stderr       chunks of at most 64 KiB
- *                  'X' exited    i32 raw wait status; after all of the exec's 'O'/'e'
+ *                  'X' exited    i32 raw wait status, u8 flags (bit 0: the guest OOM-killed a process while
+ *                                the command ran); after all of the exec's 'O'/'e'
  * A frame over 8 MiB, or shorter than 5, is a protocol error: the agent forgets the connection's state
  * and ignores the port until the host hangs up (with --fd it exits).
  *
