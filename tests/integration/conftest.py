@@ -201,3 +201,17 @@ def qemu_pid(sandbox_id: str) -> int:
             except OSError:
                 continue
     raise AssertionError(f"no QEMU process for {sandbox_id}")
+
+
+@pytest.fixture(scope="session")
+def runtime_daemon() -> Iterator[Daemon]:
+    """A daemon whose container execs go through the runtime's exec (crun exec), not the sandbox agent."""
+    os.environ["DSEC_CONTAINER_EXEC"] = "runtime"
+    try:
+        d = start_daemon(Path(tempfile.mkdtemp(prefix="dsec-rt-")))
+    finally:
+        del os.environ["DSEC_CONTAINER_EXEC"]
+    yield d
+    d.stop()
+    release_node(d.state_dir)
+    shutil.rmtree(d.state_dir, ignore_errors=True)

@@ -4,31 +4,14 @@ write the host's runtime log through the init's stdio."""
 
 from __future__ import annotations
 
-import os
-import shutil
-import tempfile
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
 import dsec
 
-from .conftest import Daemon, release_node, start_daemon
-
-
-@pytest.fixture(scope="module")
-def runtime_daemon() -> Iterator[Daemon]:
-    os.environ["DSEC_CONTAINER_EXEC"] = "runtime"
-    try:
-        d = start_daemon(Path(tempfile.mkdtemp(prefix="dsec-rtq-")))
-    finally:
-        del os.environ["DSEC_CONTAINER_EXEC"]
-    yield d
-    d.stop()
-    release_node(d.state_dir)
-    shutil.rmtree(d.state_dir, ignore_errors=True)
+from .conftest import Daemon
 
 
 @pytest.fixture(scope="module")

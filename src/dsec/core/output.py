@@ -108,12 +108,12 @@ def exec_result(
     stderr: CappedBuffer,
     started: float,
     *,
-    timed_out: bool,
+    expired: str | None,
     oom: bool = False,
-    idle: bool = False,
 ) -> ExecResult:
     """An exec's result from its raw wait status (None: unknown) and its captured streams; a signal N is
-    reported as exit code 128 + N, as a shell would."""
+    reported as exit code 128 + N, as a shell would. ``expired``: the deadline that killed it, if any
+    ("timeout" or "idle", as ``Deadlines`` names them)."""
     signal: int | None = None
     code: int | None = None
     if status is not None and os.WIFSIGNALED(status):
@@ -129,8 +129,8 @@ def exec_result(
         truncated=stdout.truncated or stderr.truncated,
         stdout_bytes=stdout.total,
         stderr_bytes=stderr.total,
-        timed_out=timed_out or idle,
-        idle_timed_out=idle,
+        timed_out=expired is not None,
+        idle_timed_out=expired == "idle",
         oom_killed=oom,
         duration=time.monotonic() - started,
     )

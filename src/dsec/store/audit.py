@@ -12,13 +12,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
-import sqlite3
 import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+
+from .db import open_private
 
 log = logging.getLogger("dsec.audit")
 
@@ -76,13 +76,7 @@ class AuditLog:
         self.keep_days = keep_days
         self.max_records = max_records
         self.dropped = 0  # records lost because the writer could not keep up
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        os.close(fd)
-        os.chmod(path, 0o600)
-        self._db = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None)
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute("PRAGMA synchronous=NORMAL")
-        self._db.executescript(SCHEMA)
+        self._db = open_private(path, SCHEMA)
         self._db_lock = threading.Lock()
         self._pending: list[Entry] = []
         self._task: asyncio.Task[None] | None = None

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import json
-import os
-import sqlite3
 import threading
 from pathlib import Path
 
 from ..models import Limits, State
+from .db import open_private
 from .records import SandboxRecord
 
 SCHEMA = """
@@ -39,14 +38,7 @@ class SandboxStore:
     def __init__(self, path: Path) -> None:
         self.path = path
         self._lock = threading.Lock()
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)  # create it private before SQLite does
-        os.close(fd)
-        os.chmod(path, 0o600)
-        self._db = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None)
-        self._db.execute("PRAGMA journal_mode=WAL")
-        # NORMAL in WAL mode: a committed transaction survives a daemon crash; a power loss may drop the last ones.
-        self._db.execute("PRAGMA synchronous=NORMAL")
-        self._db.executescript(SCHEMA)
+        self._db = open_private(path, SCHEMA)
         columns = {row[1] for row in self._db.execute("PRAGMA table_info(sandboxes)")}
         if "image_digest" not in columns:  # a state database from before image versions
             self._db.execute("ALTER TABLE sandboxes ADD COLUMN image_digest TEXT NOT NULL DEFAULT ''")

@@ -12,9 +12,7 @@ and audit records still name it.
 from __future__ import annotations
 
 import hashlib
-import os
 import secrets
-import sqlite3
 import threading
 import time
 from dataclasses import dataclass
@@ -22,6 +20,7 @@ from pathlib import Path
 
 from ..errors import Forbidden, InvalidRequest, NotFound, TenantExists
 from ..tenancy import ADMIN, OPERATOR, Caller, check_tenant_name
+from .db import open_private
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS tenants (
@@ -55,13 +54,7 @@ class Tenant:
 class TenantStore:
     def __init__(self, path: Path) -> None:
         self._lock = threading.Lock()
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        os.close(fd)
-        self._db = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None)
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute("PRAGMA synchronous=NORMAL")
-        self._db.execute("PRAGMA busy_timeout=5000")  # the sandbox store writes to the same file
-        self._db.executescript(SCHEMA)
+        self._db = open_private(path, SCHEMA, busy_timeout_ms=5000)  # the sandbox store writes the same file
         self._by_hash: dict[str, Caller] = {}
         self._tenants: dict[str, Tenant] = {}
         for name, digest, created, operator, revoked in self._db.execute("SELECT * FROM tenants"):

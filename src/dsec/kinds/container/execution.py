@@ -127,15 +127,7 @@ class _Capture:
 
     def result(self, status: int, started: float, expired: str | None, oom: bool) -> ExecResult:
         """``status`` is a raw wait status; ``expired`` the deadline that killed the command, if any."""
-        return exec_result(
-            status,
-            self.caps["stdout"],
-            self.caps["stderr"],
-            started,
-            timed_out=expired == "timeout",
-            idle=expired == "idle",
-            oom=oom,
-        )
+        return exec_result(status, self.caps["stdout"], self.caps["stderr"], started, expired=expired, oom=oom)
 
 
 async def _supervise(group: Path, exited: Awaitable[int], clock: Deadlines) -> tuple[int, str | None]:

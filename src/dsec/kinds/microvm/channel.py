@@ -346,15 +346,7 @@ def _result(ex: _Exec, status: int | None, started: float, expired: str | None) 
         # the same codes a shell (and the container kind) gives a command that cannot be run
         status = (127 if err == errno.ENOENT else 126) << 8
         ex.caps["stderr"].feed(f"dsec: {message}\n".encode())
-    return exec_result(
-        status,
-        ex.caps["stdout"],
-        ex.caps["stderr"],
-        started,
-        timed_out=expired == "timeout",
-        idle=expired == "idle",
-        oom=ex.oom,
-    )
+    return exec_result(status, ex.caps["stdout"], ex.caps["stderr"], started, expired=expired, oom=ex.oom)
 
 
 async def connect_agent(sock: Path, timeout: float, gone: Callable[[], str | None], kick: bool = False) -> GuestChannel:
