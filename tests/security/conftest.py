@@ -7,12 +7,16 @@ daemon's stated reason) against one daemon for the whole session. Each case asse
 
 **Heartbeat, precisely.** The neighbour is a sandbox of the same kind as the attacker, shared by all
 cases of that kind. One heartbeat sample is the wall-clock round trip of ``neighbour.exec(["true"])``
-through the daemon (SDK → daemon → sandbox agent → back). Just before an attack, the *baseline* is the
-median of 5 samples taken ~100 ms apart. During the attack a thread takes a sample every ~100 ms,
-from the moment the attack starts until it returns, and at least 5 samples (so a short attack is
-also measured over its immediate aftermath, when the platform's cleanup — cgroup kill, OOM, unmount —
-lands). The case fails unless the *attack median* is at most 2 × the baseline median, and every
-sample succeeded (exit code 0). No floor or slack is added to that bound.
+through the daemon (SDK → daemon → sandbox agent → back). Samples are taken back to back, 5 ms apart:
+on this machine (a PVM guest) a vCPU left idle for 20 ms or more costs 10–15 ms to wake, so samples
+spaced 100 ms apart measured the host's idle exits (a container's round trip read 3–37 ms, bimodal)
+rather than the platform, whose warm round trip is ~2 ms (100 samples each: p50 2.5 ms at 5 ms
+spacing, 14.2 ms at 50 ms). Just before an attack, the *baseline* is the median of 20 samples.
+During the attack a thread samples from the moment the attack starts until it returns, and takes at
+least 20 samples (so a short attack is also measured over its immediate aftermath, when the
+platform's cleanup — cgroup kill, OOM, unmount — lands). The case fails unless the *attack median*
+is at most 2 × the baseline median, and every sample succeeded (exit code 0). No floor or slack is
+added to that bound.
 
 The attack inside the window is the hostile *workload*: where possible one exec running a whole
 script, because the API requests that drive it come from the sandbox's owner (the trainer), not
@@ -53,9 +57,9 @@ WEAK = os.environ.get("DSEC_SECURITY_WEAK") == "1"
 HERE = Path(__file__).parent
 # the daemon refuses to publish any image holding this (``dsec serve --canary``)
 CANARY = "dsec-canary-" + secrets.token_hex(16)
-HEARTBEAT_PERIOD = 0.1
-BASELINE_SAMPLES = 5
-MIN_ATTACK_SAMPLES = 5
+HEARTBEAT_PERIOD = 0.005
+BASELINE_SAMPLES = 20
+MIN_ATTACK_SAMPLES = 20
 # What every attacker is created with, as a trainer would configure untrusted work: small enough that
 # bombs hit their limits quickly, and a CPU ceiling of one core. Without the ceiling a CPU-bound
 # attacker takes both cores of this machine and the neighbour's exec round trip (daemon + crun +
