@@ -87,6 +87,18 @@ async def write_all(fd: int, data: bytes) -> None:
         loop.remove_writer(fd)
 
 
+def empty_input() -> int:
+    """A read end that is at EOF at once: standard input for helpers and commands that get none.
+
+    Never the host's /dev/null: an OCI runtime hands its stdio to the container and chowns it to the
+    container's root (crun does, for ``run`` and ``exec``), which made the host's /dev/null the property
+    of a sandbox that could then chmod it for the whole host.
+    """
+    r, w = os.pipe2(os.O_CLOEXEC)
+    os.close(w)
+    return r
+
+
 async def run(
     argv: Sequence[str],
     *,
@@ -106,11 +118,11 @@ async def run(
         else:
             out_fd = os.open(log_file, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
             stack.callback(os.close, out_fd)
-        null = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+        empty = empty_input()
         try:
-            pid = spawn(argv, {0: null, 1: out_fd, 2: out_fd, **(extra_fds or {})})
+            pid = spawn(argv, {0: empty, 1: out_fd, 2: out_fd, **(extra_fds or {})})
         finally:
-            os.close(null)
+            os.close(empty)
         try:
             status = await asyncio.wait_for(wait(pid), timeout)
         except TimeoutError:

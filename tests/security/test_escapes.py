@@ -231,3 +231,26 @@ def test_setuid_root_binary_gains_nothing_for_an_unprivileged_user(
         assert res.stdout in ("uid=65534 euid=0\n", "uid=65534 euid=65534\n"), res
     else:
         assert res.stdout == "uid=65534 euid=65534\n", res  # no_new_privs: the bit is ignored
+
+
+HOST_DEVICES = ("/dev/null", "/dev/zero", "/dev/full", "/dev/random", "/dev/urandom")
+
+
+def test_host_device_nodes_cannot_be_taken_over(attacker: dsec.Sandbox, neighbour: dsec.Sandbox) -> None:
+    """The device nodes a container sees are the host's own, bound in: chmod or chown of them from inside
+    must fail, and from the host they stay root's, mode 666. (Found 2026-12-03: crun chowned the host's
+    /dev/null, handed to it as stdin, to the sandbox's root, which could then chmod it host-wide.)"""
+    devs = " ".join(HOST_DEVICES)
+    script = (
+        f"for d in {devs}; do chmod 600 $d 2>/dev/null && echo chmod-ok $d; "
+        "chown 0:0 $d 2>/dev/null && echo chown-ok $d; done; echo x > /dev/null; cat /dev/null; echo done"
+    )
+    with heartbeat(neighbour):
+        res = attacker.exec(script, timeout=30)
+    assert res.stdout.endswith("done\n"), res
+    for dev in HOST_DEVICES:
+        st = Path(dev).stat()
+        assert (st.st_uid, st.st_gid, st.st_mode & 0o7777) == (0, 0, 0o666), f"host {dev}: {st}"
+    # in a container none of them may change hands; a VM's guest root owns its guest's own nodes
+    if attacker.kind == "container":
+        assert "-ok" not in res.stdout, res.stdout

@@ -49,6 +49,24 @@ log = logging.getLogger("dsec.container")
 AGENT_READY_TIMEOUT = 10.0
 
 
+def _repair_host_devices() -> list[str]:
+    """dsec before 2026-12-03 gave crun the host's /dev/null as stdin, which crun chowned to a sandbox's
+    root: give it back to host root (a sandbox bound it in and could chmod it for the whole host)."""
+    notes = []
+    for dev in ("/dev/null", "/dev/zero", "/dev/full", "/dev/random", "/dev/urandom", "/dev/tty"):
+        try:
+            st = os.stat(dev)
+            if (st.st_uid, st.st_gid) != (0, 0) or (st.st_mode & 0o7777) != 0o666:
+                os.chown(dev, 0, 0)
+                os.chmod(dev, 0o666)
+                notes.append(
+                    f"container kind: {dev} was owned by {st.st_uid} mode {st.st_mode & 0o7777:o}; reset to root 666"
+                )
+        except OSError:
+            continue
+    return notes
+
+
 class ContainerBackend(PolicyNetwork):
     kind = "container"
 
@@ -80,6 +98,7 @@ class ContainerBackend(PolicyNetwork):
             raise BackendError("no OCI runtime found: install crun (apt-get install crun) or runc")
         self.layout = cgroups.detect()
         notes = cgroups.prepare_host(self.layout)
+        notes += _repair_host_devices()
         for d in (self.run_root, self.helper_dir, self.sandbox_dir):
             d.mkdir(parents=True, exist_ok=True)
         if not is_mountpoint(self.helper_dir):

@@ -22,7 +22,7 @@ from ...core.output import CappedBuffer, Deadlines, exec_result
 from ...errors import BackendError, LimitExceeded, SandboxGone
 from ...isolation import cgroups
 from ...models import ExecResult
-from ...proc import read_fd, read_line, spawn, wait, write_all
+from ...proc import empty_input, read_fd, read_line, spawn, wait, write_all
 from ..base import MAX_ARCHIVE, OutputCallback
 from .agent import AgentChannel
 
@@ -61,7 +61,7 @@ class _Capture:
         if plan.stdin is not None:
             self.in_r, self.in_w = os.pipe()
         else:
-            self.in_r, self.in_w = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC), -1
+            self.in_r, self.in_w = empty_input(), -1
         self.tasks: list[asyncio.Future[None]] = []
         self.clock = Deadlines(time.monotonic(), plan.timeout, plan.idle_timeout)
 
