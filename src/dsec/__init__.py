@@ -29,8 +29,9 @@ from .errors import (
 from .grade_models import GradeResult
 from .images.buildspec import BuildSpec, ImageSpec
 from .models import ExecResult, FileEntry, ImageInfo, NetworkAllow, NetworkStatus, SandboxInfo, State
+from .run_models import PoolInfo, RunResult
 from .sdk.aio import AsyncClient, AsyncSandbox
-from .sdk.sync import Client, Sandbox
+from .sdk.sync import Client, Sandbox, run
 
 __all__ = [
     "AsyncClient",
@@ -57,8 +58,10 @@ __all__ = [
     "NetworkAllow",
     "NetworkStatus",
     "NotFound",
+    "PoolInfo",
     "QuotaExceeded",
     "ResidueFound",
+    "RunResult",
     "Sandbox",
     "SandboxGone",
     "SandboxInfo",
@@ -68,4 +71,5 @@ __all__ = [
     "TenantExists",
     "Unauthorized",
     "__version__",
+    "run",
 ]

@@ -18,7 +18,7 @@ import dsec
 from ..integration.conftest import SKIP, Daemon, shut_down, start_daemon
 
 # "vm" boots dsec/busybox's own init (busybox init, /bin/init) on a q35 machine
-KINDS = ("container", "microvm", "vm")
+KINDS = ("container", "function", "microvm", "vm")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

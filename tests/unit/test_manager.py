@@ -90,9 +90,11 @@ async def test_create_unknown_image(core: Core) -> None:
     assert backend.created == []
 
 
-@pytest.mark.parametrize(("kind", "why"), [("function", "not available"), ("vm", "not enabled on this node")])
+@pytest.mark.parametrize(
+    ("kind", "why"), [("function", "not enabled on this node"), ("vm", "not enabled on this node")]
+)
 async def test_create_of_a_kind_this_node_does_not_run(core: Core, kind: str, why: str) -> None:
-    mgr, _ = core  # a planned kind (function) and a real one this manager did not start (vm)
+    mgr, _ = core  # real kinds this manager did not start
     with pytest.raises(InvalidRequest, match=why):
         await mgr.create(req(kind=kind))
     assert mgr.store.all() == []

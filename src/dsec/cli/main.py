@@ -99,12 +99,32 @@ def serve(
     audit_max_records: Annotated[
         int, typer.Option(min=1, help="Keep at most this many audit records (the newest; ~170 bytes each).")
     ] = 1_000_000,
+    function_pool: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--function-pool",
+            help="IMAGE=N: keep N function workers of IMAGE (default limits) warm from start (repeatable).",
+        ),
+    ] = None,
+    function_max: Annotated[
+        int, typer.Option(min=1, max=4096, help="Function workers per pool (image, limits, network, tenant).")
+    ] = 64,
+    function_idle_ttl: Annotated[
+        float, typer.Option(min=0.1, help="Seconds an idle function worker above its pool's minimum is kept.")
+    ] = 60.0,
+    function_tenant_max: Annotated[
+        int, typer.Option(min=1, help="Function workers one tenant may hold at once (all its pools).")
+    ] = 256,
+    function_max_uses: Annotated[
+        int, typer.Option(min=1, help="Users a function worker serves before it is replaced anyway.")
+    ] = 500,
     log_level: Annotated[str, typer.Option(help="debug, info, warning, error.")] = "info",
 ) -> None:
     """Run the node daemon."""
     from ..images.canary import check_canaries
     from ..isolation.network.options import NetworkOptions, parse_full_deny
     from ..isolation.network.static import parse_resolve
+    from ..kinds.function.options import FunctionOptions
     from ..server.app import AuditOptions, ImageOptions
     from ..server.app import serve as run_server
     from ..units import parse_size
@@ -126,7 +146,10 @@ def serve(
         if full_deny:
             network = dataclasses.replace(network, full_deny=parse_full_deny(full_deny))
         audit = AuditOptions(keep_days=audit_keep_days, max_records=audit_max_records)
-        run_server(state_dir, listen, options, log_level, audit, network)
+        function = FunctionOptions.of(
+            function_pool or [], function_max, function_idle_ttl, function_tenant_max, function_max_uses
+        )
+        run_server(state_dir, listen, options, log_level, audit, network, function)
     except DsecError as e:
         _fail(e)
 
@@ -197,6 +220,47 @@ def ps(
             i.reason or "",
         )
     console.print(table)
+    try:
+        pools = _client(url, token).pools()
+    except DsecError:
+        pools = []
+    if pools:
+        ptable = Table(
+            "FUNCTION POOL",
+            "TENANT",
+            "WORKERS",
+            "IDLE",
+            "LENT",
+            "MIN",
+            "MAX",
+            "HITS",
+            "MISSES",
+            "RESETS",
+            "REJECTED",
+            "WAITED",
+            title="warm pools",
+        )
+        for p in pools:
+            ptable.add_row(
+                p.image,
+                p.tenant,
+                *(
+                    str(v)
+                    for v in (
+                        p.workers,
+                        p.idle,
+                        p.lent,
+                        p.min_idle,
+                        p.max_workers,
+                        p.hits,
+                        p.misses,
+                        p.resets,
+                        p.rejected,
+                        p.waited,
+                    )
+                ),
+            )
+        console.print(ptable)
 
 
 @app.command("exec")
@@ -360,6 +424,27 @@ def bench_lifecycle(
     from ..bench.lifecycle import main as bench_main
 
     raise typer.Exit(bench_main(n=n, burst=burst, json_out=json_out, state_dir=state_dir, skip_podman=skip_podman))
+
+
+@bench_app.command("function")
+def bench_function(
+    n: Annotated[int, typer.Option("--n", help="Sequential calls per latency measurement.", min=5)] = 200,
+    calls: Annotated[int, typer.Option("--calls", help="Calls per throughput measurement.", min=64)] = 1000,
+    json_out: Annotated[Path, typer.Option("--json", help="Where to write the JSON results.")] = Path(
+        "bench-function.json"
+    ),
+    state_dir: Annotated[Path, typer.Option(help="State dir of the daemon the bench starts.")] = Path(
+        "/var/lib/dsec-bench-function"
+    ),
+    repository: Annotated[
+        Path | None, typer.Option(help="Layer repository holding dsec/busybox and dsec/debian:12.")
+    ] = None,
+) -> None:
+    """One-shot `true` and python latency and calls/s at concurrency 1/8/64: a warm function pool beside
+    a fresh container per call and a bare host subprocess."""
+    from ..bench.function import main as function_main
+
+    raise typer.Exit(function_main(n=n, calls=calls, json_out=json_out, state_dir=state_dir, repository=repository))
 
 
 @bench_app.command("density")

@@ -15,7 +15,7 @@ import secrets
 import time
 from collections.abc import Awaitable, Sequence
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from ..errors import BackendError, DsecError, InvalidRequest, InvalidState, SandboxGone, SandboxNotFound
 from ..grade_models import GradeRequest, GradeResult
@@ -50,6 +50,7 @@ from ..store.tenants import TenantStore
 from ..tenancy import OPERATOR, Caller
 from .builds import Builder
 from .grading import Grader
+from .oneshot import Runner
 
 log = logging.getLogger("dsec.core")
 T = TypeVar("T")
@@ -90,6 +91,7 @@ class SandboxManager:
         kinds: Sequence[str] | None = None,
         audit: AuditLog | None = None,
         network: NetworkOptions | None = None,
+        kind_options: dict[str, Any] | None = None,
     ) -> None:
         self.state_dir = state_dir
         state_dir.mkdir(parents=True, exist_ok=True)
@@ -97,7 +99,7 @@ class SandboxManager:
         self.tenants = TenantStore(state_dir / "state.db")
         self.audit = audit or AuditLog(state_dir / "audit.db")
         self.images = images or ImageStore(state_dir / "images")
-        self.ctx = BackendContext(state_dir=state_dir, net=NetworkHost(state_dir, network))
+        self.ctx = BackendContext(state_dir=state_dir, net=NetworkHost(state_dir, network), options=kind_options or {})
         self.backends: dict[str, Backend] = {}
         self._locks: dict[str, asyncio.Lock] = {}
         # Records of live sandboxes, kept in memory (written through to the store): the hot path of
@@ -113,8 +115,12 @@ class SandboxManager:
         self._packing: dict[str, asyncio.Event] = {}
         self.builds = Builder(self)
         self.grader = Grader(self)
+        self.runner = Runner(self)
         self._background: set[asyncio.Task[None]] = set()
         self._busy: dict[str, int] = {}  # sandbox id -> execs in flight (a VM is not paused under one)
+        # one-shot runs' sandboxes: never written to the state database (a daemon that dies mid-run
+        # fails the call; the worker it held is cleaned up as stale on the next start)
+        self._ephemeral: set[str] = set()
 
     # ---- daemon lifecycle --------------------------------------------------------------------------
 
@@ -141,6 +147,12 @@ class SandboxManager:
                 continue
             self.backends[kind] = backend
         await self.readopt()
+        for backend in self.backends.values():
+            await backend.readopted()
+            try:
+                self.notes += await backend.prewarm(self.images.resolve)
+            except DsecError as e:  # a pool that cannot be filled must not keep the node down
+                self.notes.append(f"{backend.kind} kind: pre-warming failed: {e.message}")
         self._reaper = asyncio.create_task(self._reap_forever())
 
     async def close(self) -> None:
@@ -213,8 +225,10 @@ class SandboxManager:
     def _set_state(self, rec: SandboxRecord, state: State, reason: str | None = None) -> None:
         rec.state = state
         rec.reason = reason
-        self.store.put(rec)
+        if rec.id not in self._ephemeral:
+            self.store.put(rec)
         if state in TERMINAL_STATES:
+            self._ephemeral.discard(rec.id)
             self._live.pop(rec.id, None)
         else:
             self._live[rec.id] = rec
@@ -245,7 +259,7 @@ class SandboxManager:
 
     # ---- actions -----------------------------------------------------------------------------------
 
-    async def create(self, req: CreateSandbox, *, caller: Caller = OPERATOR) -> SandboxInfo:
+    async def create(self, req: CreateSandbox, *, caller: Caller = OPERATOR, persist: bool = True) -> SandboxInfo:
         if req.kind not in self.backends:
             if req.kind in self.unavailable:
                 raise InvalidRequest(f"kind {req.kind!r} is not available on this node: {self.unavailable[req.kind]}")
@@ -254,16 +268,21 @@ class SandboxManager:
         if req.limits.memory > _host_memory():
             raise InvalidRequest(f"memory limit {req.limits.memory} exceeds this node's {_host_memory()} bytes")
         image = await self.images.resolve(req.image, caller=caller)
-        return (await self.create_on(req, image, owner=caller.tenant)).info()
+        return (await self.create_on(req, image, owner=caller.tenant, persist=persist)).info()
 
-    async def create_on(self, req: CreateSandbox, image: ImageRef, *, owner: str = OPERATOR.tenant) -> SandboxRecord:
+    async def create_on(
+        self, req: CreateSandbox, image: ImageRef, *, owner: str = OPERATOR.tenant, persist: bool = True
+    ) -> SandboxRecord:
         """Create on a resolved image (builder sandboxes the daemon runs itself come here too)."""
         backend = self.backends[req.kind]
         backend.check_network(req.network)
         rec = _new_record(req.kind, image.name, image.digest, req.timeout, req.limits, req.env, req.labels)
         rec.owner = owner
         rec.network = req.network
-        self.store.put(rec)
+        if persist:
+            self.store.put(rec)
+        else:
+            self._ephemeral.add(rec.id)
         self._live[rec.id] = rec
         slots = self._create_slots.setdefault(req.kind, asyncio.Semaphore(MAX_CONCURRENT_CREATES))
         async with slots, self._lock(rec.id):
@@ -492,7 +511,10 @@ class SandboxManager:
     # ---- images ------------------------------------------------------------------------------------
 
     def images_in_use(self) -> set[str]:
-        return {r.image_digest for r in self._live.values() if r.image_digest}
+        used = {r.image_digest for r in self._live.values() if r.image_digest}
+        for backend in self.backends.values():
+            used |= backend.images_in_use()
+        return used
 
     async def snapshot(self, sandbox_id: str, req: SnapshotRequest, *, caller: Caller = OPERATOR) -> ImageInfo:
         """pack_diff: freeze the sandbox, pack its writable layer, thaw it, publish a new image version.

@@ -47,6 +47,41 @@ class CgroupLayout:
             pass
         return 0
 
+    def pid_max_hits(self, cg_path: str) -> int:
+        """Forks refused so far by this sandbox's pid limit."""
+        base = self.unified if self.mode == "v2" else CGROUP_ROOT / "pids"
+        return _counter(base / cg_path.strip("/") / "pids.events", "max")
+
+    def limit_values(self, cg_path: str) -> tuple[str, ...]:
+        """The sandbox's memory, pid and CPU limits as the kernel holds them (v2 or v1 files)."""
+        rel = cg_path.strip("/")
+        if self.mode == "v2":
+            d = self.unified / rel
+            files = [d / n for n in ("memory.max", "memory.swap.max", "pids.max", "cpu.max", "cpu.weight")]
+        else:
+            mem = (self.memory_v1 or CGROUP_ROOT / "memory") / rel
+            cpu = CGROUP_ROOT / "cpu" / rel
+            files = [mem / "memory.limit_in_bytes", mem / "memory.memsw.limit_in_bytes"]
+            files += [CGROUP_ROOT / "pids" / rel / "pids.max", cpu / "cpu.cfs_quota_us", cpu / "cpu.shares"]
+        values = []
+        for f in files:
+            try:
+                values.append(f.read_text().strip())
+            except OSError:
+                values.append("")
+        return tuple(values)
+
+
+def _counter(f: Path, key: str) -> int:
+    try:
+        for line in f.read_text().splitlines():
+            k, _, v = line.partition(" ")
+            if k == key:
+                return int(v)
+    except (OSError, ValueError):
+        pass
+    return 0
+
 
 def _fs_type(path: Path) -> str | None:
     target = str(path)

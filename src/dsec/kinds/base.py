@@ -4,16 +4,18 @@ from __future__ import annotations
 
 import contextlib
 from abc import ABC, abstractmethod
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
 from ..errors import InvalidRequest
 from ..images.store import ImageRef
+from ..isolation.idmap import UidSlots
 from ..isolation.network.host import NetworkHost
 from ..isolation.network.policy import NetworkSpec, describe
 from ..models import ExecRequest, ExecResult, FileEntry, NetworkStatus
+from ..run_models import PoolInfo
 from ..store.records import SandboxRecord
 
 # Called with ("stdout" | "stderr", chunk) as output arrives, for streaming execs.
@@ -27,6 +29,11 @@ MAX_ARCHIVE = 512 << 20
 class BackendContext:
     state_dir: Path
     net: NetworkHost | None = None  # the node's network side (ruleset, resolver); None: loopback only
+    # host uid ranges taken by live sandboxes, shared by every kind that hands them out (container,
+    # function): two sandboxes must never share a range
+    uid_slots: UidSlots = field(default_factory=UidSlots)
+    # per kind, the node's settings for it (``dsec serve``); a kind reads its own entry
+    options: dict[str, Any] = field(default_factory=dict)
 
 
 class Backend(ABC):
@@ -44,6 +51,22 @@ class Backend(ABC):
     async def start(self) -> list[str]:
         """Check and prepare the host once at daemon start; returns notes for the log."""
         return []
+
+    async def readopted(self) -> None:
+        """Called once after the daemon re-adopted the sandboxes of a previous run (``alive``)."""
+        return None
+
+    async def prewarm(self, resolve: Callable[[str], Awaitable[ImageRef]]) -> list[str]:
+        """Fill the kind's warm pools configured at daemon start; returns notes for the log."""
+        return []
+
+    def pool_stats(self) -> list[PoolInfo]:
+        """The kind's warm pools, if it keeps any."""
+        return []
+
+    def images_in_use(self) -> set[str]:
+        """Image versions the kind holds beyond its live sandboxes' own (warm pools)."""
+        return set()
 
     async def close(self) -> None:
         """The daemon is stopping: end the kind's own background work (sandboxes themselves live on)."""

@@ -9,12 +9,11 @@ from .base import Backend, BackendContext
 
 _KINDS: dict[str, str] = {
     "container": "dsec.kinds.container.backend:ContainerBackend",
+    "function": "dsec.kinds.function.backend:FunctionBackend",
     "microvm": "dsec.kinds.microvm.backend:MicroVMBackend",
     "vm": "dsec.kinds.vm.backend:VMBackend",
 }
-_PLANNED = {
-    "function": "issue 6 (warm pools)",
-}
+_PLANNED: dict[str, str] = {}
 
 
 def available() -> list[str]:

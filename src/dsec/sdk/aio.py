@@ -46,6 +46,7 @@ from ..models import (
     TenantRemoved,
 )
 from .files import AsyncFiles
+from .oneshot import RunClient
 from .transport import Transport
 
 CREATE_TIMEOUT = 1800.0  # the first use of a built-in image builds it
@@ -66,7 +67,7 @@ def _tar_of(src: Path) -> bytes:
     return buf.getvalue()
 
 
-class AsyncClient:
+class AsyncClient(RunClient):
     """A connection to a dsec daemon (``DSEC_URL`` / ``DSEC_TOKEN``, or the local daemon's defaults)."""
 
     def __init__(self, url: str | None = None, token: str | None = None) -> None:

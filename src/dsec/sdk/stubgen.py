@@ -25,8 +25,9 @@ from collections.abc import Iterator
 from datetime import datetime
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import Any, Literal
 
+from ..errors import DsecError
 from ..grade_models import GradeResult
 from ..images.buildspec import BuildSpec, ImageSpec
 from ..models import (
@@ -46,7 +47,10 @@ from ..models import (
     TenantInfo,
     TenantRemoved,
 )
+from ..run_models import PoolInfo, RunRequest, RunResult
 """
+
+RUN = "def run(*args: Any, client: Client | None = None, **kwargs: Any) -> RunResult: ..."
 
 EXTRA = {
     "Client": [
@@ -107,7 +111,10 @@ def render() -> str:
         lines.append(f"\nclass {sync_name}:")
         init = cls.__init__
         lines.append(f"    def __init__({_params(init, drop_first=True)}) -> None: ...")
-        for name, member in vars(cls).items():
+        members: dict[str, Any] = {}
+        for base in reversed(cls.__mro__[:-1]):  # as sync.synchronize sees them: mixins too
+            members.update(vars(base))
+        for name, member in members.items():
             if name.startswith("_"):
                 continue
             if isinstance(member, classmethod):
@@ -120,6 +127,7 @@ def render() -> str:
             elif inspect.iscoroutinefunction(member) or inspect.isasyncgenfunction(member):
                 lines.append(f"    def {name}({_params(member, drop_first=True)}) -> {_returns(member)}: ...")
         lines.extend(EXTRA[sync_name])
+    lines.append("\n" + RUN)
     return "\n".join(lines) + "\n"
 
 

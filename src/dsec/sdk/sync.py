@@ -110,7 +110,10 @@ def _property(name: str) -> property:
 def synchronize(async_cls: type, name: str, doc: str | None = None) -> type:
     """A blocking class with the public API of ``async_cls``."""
     namespace: dict[str, Any] = {"__doc__": doc or async_cls.__doc__, "__module__": "dsec"}
-    for attr, value in vars(async_cls).items():
+    members: dict[str, Any] = {}
+    for base in reversed(async_cls.__mro__[:-1]):  # mixins first, the class's own last (overrides win)
+        members.update(vars(base))
+    for attr, value in members.items():
         if attr.startswith("_"):
             continue
         if isinstance(value, classmethod) and inspect.iscoroutinefunction(value.__func__):
@@ -143,3 +146,20 @@ def synchronize(async_cls: type, name: str, doc: str | None = None) -> type:
 Files: Any = synchronize(aio.AsyncFiles, "Files")
 Client: Any = synchronize(aio.AsyncClient, "Client")
 Sandbox: Any = synchronize(aio.AsyncSandbox, "Sandbox")
+
+
+_default_client: Any = None
+_default_lock = threading.Lock()
+
+
+def run(*args: Any, client: Any = None, **kwargs: Any) -> Any:
+    """``dsec.run(image, command, *, code=, language=, stdin=, files=, timeout=, ...)``: one command in a
+    warm function sandbox, blocking; see ``AsyncClient.run``. ``client``: a ``dsec.Client`` (default:
+    one shared client from ``DSEC_URL`` / ``DSEC_TOKEN``)."""
+    global _default_client
+    if client is None:
+        with _default_lock:
+            if _default_client is None:
+                _default_client = Client()
+            client = _default_client
+    return client.run(*args, **kwargs)

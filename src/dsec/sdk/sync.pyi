@@ -4,8 +4,9 @@ from collections.abc import Iterator
 from datetime import datetime
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import Any, Literal
 
+from ..errors import DsecError
 from ..grade_models import GradeResult
 from ..images.buildspec import BuildSpec, ImageSpec
 from ..models import (
@@ -25,10 +26,14 @@ from ..models import (
     TenantInfo,
     TenantRemoved,
 )
+from ..run_models import PoolInfo, RunRequest, RunResult
 
 
 class Client:
     def __init__(self, url: str | None = None, token: str | None = None) -> None: ...
+    def run(self, image: str = 'dsec/debian:12', command: str | builtins.list[str] | None = None, *, code: str | None = None, language: Literal['python', 'bash', 'sh'] = 'python', stdin: str | None = None, files: dict[str, str | bytes] | None = None, cwd: str = '/tmp', env: dict[str, str] | None = None, timeout: float = 60.0, idle_timeout: float | None = None, output_limit: int = 1048576, user: str | None = None, kind: str = 'function', limits: dict[str, Any] | None = None, network: NetworkSpec | dict[str, Any] = None) -> RunResult: ...
+    def run_many(self, runs: builtins.list[RunRequest | dict[str, Any]], concurrency: int = 64) -> builtins.list[RunResult | DsecError]: ...
+    def pools(self) -> builtins.list[PoolInfo]: ...
     @property
     def url(self) -> str: ...
     def health(self) -> Health: ...
@@ -91,3 +96,5 @@ class Sandbox:
     files: Files
     def __enter__(self) -> Sandbox: ...
     def __exit__(self, *exc: object) -> None: ...
+
+def run(*args: Any, client: Client | None = None, **kwargs: Any) -> RunResult: ...

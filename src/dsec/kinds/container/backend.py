@@ -18,6 +18,7 @@ import itertools
 import json
 import logging
 import os
+import random
 import secrets
 import shutil
 import socket
@@ -29,7 +30,7 @@ from pathlib import Path
 from ...errors import BackendError, DsecError, InvalidRequest, SandboxGone
 from ...images.store import ImageRef
 from ...isolation import cgroups, seccomp, users
-from ...isolation.idmap import UidSlots, idmapped_bind, make_userns
+from ...isolation.idmap import idmapped_bind, make_userns
 from ...isolation.mounts import MS_NODEV, MS_NOSUID, is_mountpoint, mount, umount
 from ...isolation.network.host import Attached
 from ...isolation.network.policy import NetworkSpec
@@ -47,6 +48,8 @@ from .rootfs import mount_rootfs, unmount_rootfs
 log = logging.getLogger("dsec.container")
 
 AGENT_READY_TIMEOUT = 10.0
+# names that only need to be unpredictable to a sandbox, not secret (getrandom is slow per call here)
+_names = random.Random(secrets.randbits(128))
 
 
 def _repair_host_devices() -> list[str]:
@@ -82,7 +85,7 @@ class ContainerBackend(PolicyNetwork):
         self.agent_error: str | None = None
         self.seccomp_bpf: str | None = None
         self.userns_error: str | None = None
-        self.uid_slots = UidSlots()
+        self.uid_slots = ctx.uid_slots
         self._userns_fds: dict[int, int] = {}
         self._channels: dict[str, AgentChannel] = {}
         self._attach_locks: dict[str, asyncio.Lock] = {}
@@ -218,7 +221,8 @@ class ContainerBackend(PolicyNetwork):
             rec.runtime["uid_base"] = uid_base
         try:
             userns_fd = await self._userns_for(uid_base) if uid_base is not None else None
-            await asyncio.to_thread(mount_rootfs, bundle, image.layers, rec.limits.disk, uid_base, userns_fd)
+            scratch = bool(rec.runtime.get("worker"))
+            await asyncio.to_thread(mount_rootfs, bundle, image.layers, rec.limits.disk, uid_base, userns_fd, scratch)
         except OSError as e:
             raise BackendError(f"cannot prepare the root filesystem: {e}") from e
         account = await asyncio.to_thread(self._account, rec, image.user)
@@ -374,9 +378,10 @@ class ContainerBackend(PolicyNetwork):
 
     async def _run(self, rec: SandboxRecord, plan: ExecPlan) -> ExecResult:
         layout = self._layout()
-        name = f"exec-{self._boot}-{next(self._seq)}"
         chan = await self._channel(rec)
         if chan is not None:
+            # a function worker's first exec of a use runs in the group its reset left ready
+            ready = rec.runtime.pop("ready_group", None)
             return await run_via_agent(
                 chan,
                 layout,
@@ -384,8 +389,10 @@ class ContainerBackend(PolicyNetwork):
                 dict(rec.runtime.get("env") or {}),
                 str(rec.runtime.get("cwd") or "/"),
                 plan,
-                name,
+                ready if isinstance(ready, str) else self._exec_name(rec),
+                reuse_group=isinstance(ready, str),
             )
+        name = self._exec_name(rec)
 
         async def alive() -> bool:
             return await self.alive(rec)
@@ -400,6 +407,13 @@ class ContainerBackend(PolicyNetwork):
             name,
             alive,
         )
+
+    def _exec_name(self, rec: SandboxRecord) -> str:
+        if rec.runtime.get("worker"):
+            # a function worker's next user sees its exec's cgroup name: a counter would tell it how
+            # many commands ran before
+            return f"exec-{_names.getrandbits(48):012x}"
+        return f"exec-{self._boot}-{next(self._seq)}"
 
     async def _channel(self, rec: SandboxRecord) -> AgentChannel | None:
         """The sandbox's agent channel, re-attached after a daemon restart; None: use the runtime's exec."""
@@ -431,7 +445,9 @@ class ContainerBackend(PolicyNetwork):
 
     # ---- files -------------------------------------------------------------------------------------
 
-    def _fs(self, rec: SandboxRecord) -> RootFS:
+    def _fs(self, rec: SandboxRecord, path: str = "/") -> tuple[RootFS, str]:
+        """The file API's view of ``path``: the overlay root, or for a function worker's /tmp (bound
+        from beside the writable layer, which the overlay does not show) that directory."""
         base = rec.runtime.get("uid_base")
         account = rec.runtime.get("user")
         uid, gid = (int(account[0]), int(account[1])) if isinstance(account, list) else (0, 0)
@@ -439,7 +455,11 @@ class ContainerBackend(PolicyNetwork):
             owner: tuple[int, int] | None = (base + uid, base + gid)
         else:
             owner = (uid, gid) if uid or gid else None
-        return RootFS(str(self._bundle(rec) / "rootfs"), owner=owner)
+        clean = clean_path(path)
+        if rec.runtime.get("worker") and (clean == "tmp" or clean.startswith("tmp/")):
+            scratch = self._bundle(rec) / "disk" / "tmp"
+            return RootFS(str(scratch), owner=owner), "/" + clean.removeprefix("tmp").lstrip("/")
+        return RootFS(str(self._bundle(rec) / "rootfs"), owner=owner), path
 
     async def pause(self, rec: SandboxRecord) -> None:
         await self._runtime_call(rec, "pause")
@@ -517,19 +537,24 @@ class ContainerBackend(PolicyNetwork):
             self.uid_slots.release(base)
 
     async def read_file(self, rec: SandboxRecord, path: str) -> bytes:
-        return await asyncio.to_thread(self._fs(rec).read, path, MAX_FILE_READ)
+        fs, path = self._fs(rec, path)
+        return await asyncio.to_thread(fs.read, path, MAX_FILE_READ)
 
     async def write_file(self, rec: SandboxRecord, path: str, data: bytes, mode: int = 0o644) -> None:
-        await asyncio.to_thread(self._fs(rec).write, path, data, mode)
+        fs, path = self._fs(rec, path)
+        await asyncio.to_thread(fs.write, path, data, mode)
 
     async def list_dir(self, rec: SandboxRecord, path: str) -> list[FileEntry]:
-        return await asyncio.to_thread(self._fs(rec).list, path)
+        fs, path = self._fs(rec, path)
+        return await asyncio.to_thread(fs.list, path)
 
     async def remove(self, rec: SandboxRecord, path: str, recursive: bool = False) -> None:
-        await asyncio.to_thread(self._fs(rec).remove, path, recursive)
+        fs, path = self._fs(rec, path)
+        await asyncio.to_thread(fs.remove, path, recursive)
 
     async def mkdir(self, rec: SandboxRecord, path: str) -> None:
-        await asyncio.to_thread(self._fs(rec).mkdir, path)
+        fs, path = self._fs(rec, path)
+        await asyncio.to_thread(fs.mkdir, path)
 
     # Archives are packed and unpacked by the helper busybox inside the sandbox's own namespaces, so
     # whatever a hostile archive names (absolute paths, .., links, devices) stays inside the sandbox.

@@ -1,7 +1,8 @@
 """A container sandbox's root filesystem: image layers under a writable layer on a size-limited tmpfs.
 
 Layout in the bundle: ``lower-N/`` (the image's layers, idmapped when the sandbox has its own user
-namespace), ``disk/`` (the tmpfs holding ``upper/`` and ``work/``), ``rootfs/`` (the overlay).
+namespace), ``disk/`` (the tmpfs holding ``upper/`` and ``work/``, and a function worker's ``tmp/``),
+``rootfs/`` (the overlay).
 """
 
 from __future__ import annotations
@@ -15,8 +16,15 @@ from ...isolation.mounts import MS_NODEV, MS_NOSUID, mount, umount
 
 
 def mount_rootfs(
-    bundle: Path, layers: Sequence[Path], disk_bytes: int, uid_base: int | None, userns_fd: int | None
+    bundle: Path,
+    layers: Sequence[Path],
+    disk_bytes: int,
+    uid_base: int | None,
+    userns_fd: int | None,
+    scratch: bool = False,
 ) -> Path:
+    """``scratch``: also a ``tmp/`` beside the writable layer, bound at the sandbox's /tmp (function
+    workers, whose /tmp is emptied between users without touching the overlay)."""
     rootfs, disk = bundle / "rootfs", bundle / "disk"
     rootfs.mkdir(parents=True)
     disk.mkdir()
@@ -25,10 +33,12 @@ def mount_rootfs(
     inodes = max(16384, min(disk_bytes // 4096, 4 << 20))
     owner = f",uid={uid_base},gid={uid_base}" if uid_base is not None else ""
     mount("tmpfs", disk, "tmpfs", MS_NOSUID | MS_NODEV, f"size={disk_bytes},nr_inodes={inodes},mode=0755{owner}")
-    for sub in ("upper", "work"):
+    for sub in ("upper", "work", "tmp") if scratch else ("upper", "work"):
         (disk / sub).mkdir()
         if uid_base is not None:
             os.chown(disk / sub, uid_base, uid_base)
+    if scratch:
+        os.chmod(disk / "tmp", 0o1777)
     lowers = list(layers)
     if userns_fd is not None:
         # each layer shown through the sandbox's id mapping: host root's files are the sandbox root's

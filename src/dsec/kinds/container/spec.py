@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import resource
+from pathlib import Path
 from typing import Any
 
 from ...images.buildspec import BUILDER_CA, HOST_CA_BUNDLE
@@ -73,6 +74,24 @@ def _full_network_mounts(rec: SandboxRecord) -> list[dict[str, Any]]:
         return []
     real = os.path.realpath(HOST_CA_BUNDLE)
     return [{"destination": BUILDER_CA, "type": "bind", "source": real, "options": ["bind", "ro"]}]
+
+
+def _cgroup_or_scratch_mounts(rec: SandboxRecord, rootfs: str) -> list[dict[str, Any]]:
+    """A function worker (issue 6) serves one user after another: its cgroup's counters (peak memory,
+    CPU time, OOM events) would tell the next user about the last, and cannot be reset, so it has no
+    cgroup file system; its /tmp is a directory beside its writable layer that the daemon empties between users."""
+    if not rec.runtime.get("worker"):
+        return [
+            {
+                "destination": "/sys/fs/cgroup",
+                "type": "cgroup",
+                "source": "cgroup",
+                "options": ["nosuid", "noexec", "nodev", "relatime", "ro"],
+            }
+        ]
+    # the worker's /tmp sits on the tmpfs of its writable layer (rootfs.py): one disk limit for both
+    scratch = str(Path(rootfs).parent / "disk" / "tmp")
+    return [{"destination": "/tmp", "type": "bind", "source": scratch, "options": ["rbind", "nosuid", "nodev"]}]
 
 
 def config(
@@ -164,12 +183,7 @@ def config(
                 "source": "sysfs",
                 "options": ["nosuid", "noexec", "nodev", "ro"],
             },
-            {
-                "destination": "/sys/fs/cgroup",
-                "type": "cgroup",
-                "source": "cgroup",
-                "options": ["nosuid", "noexec", "nodev", "relatime", "ro"],
-            },
+            *_cgroup_or_scratch_mounts(rec, rootfs),
             {
                 "destination": HELPER_MOUNT,
                 "type": "bind",

@@ -1,0 +1,1 @@
+"""The function kind: warm pools of reusable container workers (issue 6)."""
