@@ -38,7 +38,7 @@ integration: install
 	$(VENV)/bin/pytest -q tests/integration
 
 test: lint
-	$(VENV)/bin/pytest -q -ra tests
+	$(VENV)/bin/pytest -q -ra --durations=25 tests
 
 bench: install
 	$(VENV)/bin/dsec bench lifecycle --n 100 --json bench-lifecycle.json
