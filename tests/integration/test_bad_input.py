@@ -39,9 +39,10 @@ def test_unknown_sandbox(daemon: object) -> None:
         dsec.Sandbox.connect("x" * 500)
 
 
-def test_kinds_not_yet_available(daemon: object) -> None:
-    with pytest.raises(dsec.InvalidRequest, match="not available"):
-        dsec.Sandbox.create(image="dsec/busybox", kind="function")
+def test_an_unknown_kind_is_refused_naming_the_known_ones(daemon: object) -> None:
+    with pytest.raises(dsec.InvalidRequest, match="'function'") as e:
+        dsec.Sandbox.create(image="dsec/busybox", kind="teapot")
+    assert "container" in str(e.value) and "microvm" in str(e.value)
 
 
 def test_raw_http_errors_are_4xx_with_codes(daemon: object) -> None:

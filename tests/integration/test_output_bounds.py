@@ -1,6 +1,7 @@
-"""Output floods cost the daemon bounded memory: a 2 GB line without a newline, streamed and not, and both
-streams flooding at once (container kind: VM kinds carry output through the same capped buffers, and
-under TCG here 2 GB through a guest would take many minutes). Plus the VM console's cap."""
+"""Output floods cost the daemon bounded memory: a 2 GB line without a newline, streamed (container kind:
+VM kinds carry output through the same capped buffers, and under TCG here 2 GB through a guest would
+take many minutes). Plus the VM console's cap. The unstreamed 2 GB line and both streams at once, with
+the daemon's memory checked, are red-team cases for every kind (tests/security/test_resources.py)."""
 
 from __future__ import annotations
 
@@ -61,16 +62,6 @@ def flood_box(daemon: Daemon) -> Iterator[dsec.Sandbox]:
 LINE = "head -c 2147483648 /dev/zero | tr '\\0' a"
 
 
-def test_a_2gb_line_costs_bounded_memory(flood_box: dsec.Sandbox, daemon: Daemon) -> None:
-    with peak_rss(daemon.proc.pid) as growth:
-        res = flood_box.exec(LINE, timeout=600)
-    assert res.exit_code == 0 and res.truncated and res.stdout_bytes == 2 * GiB
-    assert res.stdout.startswith("a" * 1000) and res.stdout.endswith("a" * 1000)
-    assert len(res.stdout) < 2 << 20
-    print(f"\n[dsec] 2 GiB line, not streamed: daemon RSS grew by {growth() >> 20} MiB")
-    assert growth() < GROWTH_BOUND
-
-
 def test_a_2gb_line_streamed_costs_bounded_memory(flood_box: dsec.Sandbox, daemon: Daemon) -> None:
     received = 0
     final = None
@@ -84,20 +75,6 @@ def test_a_2gb_line_streamed_costs_bounded_memory(flood_box: dsec.Sandbox, daemo
     assert received <= 1 << 20  # events stop at output_limit; the result still counts every byte
     print(f"\n[dsec] 2 GiB line, streamed: daemon RSS grew by {growth() >> 20} MiB")
     assert growth() < GROWTH_BOUND
-
-
-def test_both_streams_flooding_at_once(flood_box: dsec.Sandbox, daemon: Daemon) -> None:
-    both = "head -c 1073741824 /dev/zero | tr '\\0' a & head -c 1073741824 /dev/zero | tr '\\0' b >&2; wait"
-    with peak_rss(daemon.proc.pid) as growth:
-        res = flood_box.exec(both, timeout=600, output_limit=64 << 20)  # the largest a caller may ask for
-        events = sum(1 for _ in flood_box.exec_stream(both, timeout=600))
-    assert res.stdout_bytes == GiB and res.stderr_bytes == GiB and res.truncated
-    assert res.stdout.startswith("a" * 1000) and res.stderr.startswith("b" * 1000)
-    assert events > 2
-    print(f"\n[dsec] 1 GiB on each stream, 64 MiB kept per stream: daemon RSS grew by {growth() >> 20} MiB")
-    # two 64 MiB captures plus their JSON rendering are the legitimate cost here
-    assert growth() < GROWTH_BOUND + 4 * (64 << 20)
-    assert flood_box.exec("echo alive").stdout == "alive\n"
 
 
 @pytest.mark.parametrize("kind", ["microvm"])

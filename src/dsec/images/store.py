@@ -39,8 +39,6 @@ __all__ = ["BUILTIN", "DEFAULT_PATH", "ImageRef", "ImageStore", "StagedLayer", "
 
 _NAME_RE = re.compile(r"^[a-z0-9][a-z0-9._-]*(/[a-z0-9][a-z0-9._-]*)*(:[A-Za-z0-9_][A-Za-z0-9._-]{0,127})?$")
 DEFAULT_CACHE = 20 << 30
-# how often a create checks that the fetcher process still runs (a waitpid per create was measurable)
-FETCHER_CHECK_INTERVAL = 0.25
 
 
 @dataclass(frozen=True)
@@ -125,7 +123,6 @@ class ImageStore:
         self._refs: dict[str, ImageRef] = {}
         self._traced: set[str] = set()
         self._fetcher_lock = asyncio.Lock()
-        self._fetcher_checked = -FETCHER_CHECK_INTERVAL
 
     async def start(self) -> list[str]:
         notes = []
@@ -146,11 +143,7 @@ class ImageStore:
     async def _check_fetcher(self) -> None:
         """A fetcher that died under a running daemon is replaced, and the layer mounts it served are
         detached so new sandboxes get working ones (running sandboxes see read errors, not zeros)."""
-        now = time.monotonic()
-        if self.fetcher is None or now - self._fetcher_checked < FETCHER_CHECK_INTERVAL:
-            return
-        self._fetcher_checked = now
-        if self.fetcher.alive():
+        if self.fetcher is None or self.fetcher.alive():
             return
         async with self._fetcher_lock:
             if self.fetcher.alive():
