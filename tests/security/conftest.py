@@ -10,7 +10,7 @@ cases of that kind. One heartbeat sample is the wall-clock round trip of ``neigh
 through the daemon (SDK → daemon → sandbox agent → back), taken by a process of its own (beater.py:
 a thread of the test process shared its GIL and SDK loop with the attack's requests). Samples are
 taken back to back, 5 ms apart: on this machine (a PVM guest) a vCPU left idle for 20 ms or more
-costs 10–15 ms to wake, so samples spaced 100 ms apart measured the host's idle exits (a container's
+costs 10–15 ms to wake, so samples spaced 50–100 ms apart measured the host's idle exits (a container's
 round trip read 3–37 ms, bimodal) rather than the platform, whose warm round trip is a few ms (100
 samples each: p50 2.5 ms at 5 ms spacing, 14.2 ms at 50 ms). The *baseline* brackets the attack: 10
 samples just before it and 10 after the attack window, its median over all 20 (a baseline taken only
