@@ -98,12 +98,20 @@ def release_node(state_dir: Path) -> None:
     unmount_under(state_dir)
 
 
-def stop_daemon(proc: subprocess.Popen[bytes]) -> None:
+def unwind_on_sigterm() -> None:
+    """The daemon has a session of its own, so SIGTERM must unwind the bench like Ctrl-C for its
+    sandboxes to be killed; re-raised as SIGINT, it gets asyncio.run's clean cancellation."""
+    interruptible = signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    on_term = (lambda *_: signal.raise_signal(signal.SIGINT)) if interruptible else signal.default_int_handler
+    signal.signal(signal.SIGTERM, on_term)
+
+
+def stop_daemon(proc: subprocess.Popen[bytes], timeout: float = 10.0) -> None:
     if proc.poll() is not None:
         return
     proc.send_signal(signal.SIGTERM)
     try:
-        proc.wait(timeout=10)
+        proc.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait()

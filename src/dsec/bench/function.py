@@ -10,11 +10,9 @@ the interpreter's own start-up is part of every python figure.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import os
 import shutil
-import signal
 import subprocess
 import time
 from collections import Counter
@@ -30,7 +28,18 @@ from rich.table import Table
 from ..errors import DsecError
 from ..run_models import MAX_BATCH, RunRequest
 from ..sdk.aio import AsyncClient
-from .common import Json, connect, host_facts, kill_leftovers, phase, release_node, start_daemon, stop_daemon, summarize
+from .common import (
+    Json,
+    connect,
+    host_facts,
+    kill_leftovers,
+    phase,
+    release_node,
+    start_daemon,
+    stop_daemon,
+    summarize,
+    unwind_on_sigterm,
+)
 
 WORKLOADS: dict[str, tuple[str, list[str]]] = {
     "shell": ("dsec/busybox", ["true"]),
@@ -339,23 +348,11 @@ def print_summary(console: Console, result: Json) -> None:
         console.print(f"{marks[target['met']]}  {target['target']}  (value: {target['value']})")
 
 
-def shutdown(proc: subprocess.Popen[bytes]) -> None:
-    # stop_daemon allows 10 s; destroying a full pool's workers one by one can take longer
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(timeout=STOP_TIMEOUT)
-    stop_daemon(proc)
-
-
 def main(n: int, calls: int, json_out: Path, state_dir: Path, repository: Path | None = None) -> int:
     console = Console()
     when = datetime.now(UTC).isoformat(timespec="seconds")
     state_dir = state_dir.resolve()
-    # As in the lifecycle bench: SIGTERM unwinds like Ctrl-C, so that the run's sandboxes are killed.
-    interruptible = signal.getsignal(signal.SIGINT) is signal.default_int_handler
-    on_term = (lambda *_: signal.raise_signal(signal.SIGINT)) if interruptible else signal.default_int_handler
-    signal.signal(signal.SIGTERM, on_term)
+    unwind_on_sigterm()
     load_before = os.getloadavg()
     # a second --repository overrides start_daemon's default (the last one given wins)
     proc = start_daemon(state_dir, *(["--repository", str(repository)] if repository is not None else []))
@@ -377,7 +374,8 @@ def main(n: int, calls: int, json_out: Path, state_dir: Path, repository: Path |
         console.print(f"[red]bench failed[/red]: {e}")
         return 1
     finally:
-        shutdown(proc)
+        # destroying a full pool's workers one by one takes longer than stop_daemon's default
+        stop_daemon(proc, timeout=STOP_TIMEOUT)
         release_node(state_dir)
 
     ratios, targets = judge(figures["latency"], figures["throughput"])

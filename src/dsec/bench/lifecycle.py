@@ -12,7 +12,6 @@ import os
 import platform
 import shlex
 import shutil
-import signal
 import subprocess
 import tempfile
 import time
@@ -36,6 +35,7 @@ from .common import (
     stop_daemon,
     summarize,
     tail,
+    unwind_on_sigterm,
 )
 
 IMAGE = "dsec/busybox"
@@ -388,11 +388,7 @@ def main(n: int, burst: int, json_out: Path, state_dir: Path, skip_podman: bool)
     console = Console()
     when = datetime.now(UTC).isoformat(timespec="seconds")
     state_dir = state_dir.resolve()
-    # The daemon has a session of its own, so SIGTERM must unwind like Ctrl-C for the sandboxes to be
-    # killed; re-raised as SIGINT, it gets asyncio.run's clean cancellation of the running phase.
-    interruptible = signal.getsignal(signal.SIGINT) is signal.default_int_handler
-    on_term = (lambda *_: signal.raise_signal(signal.SIGINT)) if interruptible else signal.default_int_handler
-    signal.signal(signal.SIGTERM, on_term)
+    unwind_on_sigterm()
     proc = start_daemon(state_dir)
     try:
 

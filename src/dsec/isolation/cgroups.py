@@ -38,14 +38,7 @@ class CgroupLayout:
             assert self.memory_v1 is not None
             f = self.memory_v1 / cg_path.strip("/") / "memory.oom_control"
             key = "oom_kill"
-        try:
-            for line in f.read_text().splitlines():
-                k, _, v = line.partition(" ")
-                if k == key:
-                    return int(v)
-        except OSError:
-            pass
-        return 0
+        return _counter(f, key)
 
     def pid_max_hits(self, cg_path: str) -> int:
         """Forks refused so far by this sandbox's pid limit."""

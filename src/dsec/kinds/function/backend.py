@@ -216,28 +216,19 @@ class FunctionBackend(Backend):
         return notes
 
     def pool_stats(self) -> list[PoolInfo]:
-        out = []
-        for pool in self.pools.pools.values():
-            s = pool.stats
-            out.append(
-                PoolInfo(
-                    tenant=pool.tenant,
-                    image=pool.label,
-                    workers=pool.total,
-                    idle=len(pool.idle),
-                    lent=pool.lent,
-                    min_idle=pool.config.min_idle,
-                    max_workers=pool.config.max_workers,
-                    hits=s.hits,
-                    misses=s.misses,
-                    made=s.made,
-                    destroyed=s.destroyed,
-                    resets=s.resets,
-                    rejected=s.rejected,
-                    waited=s.waited,
-                )
+        return [
+            PoolInfo(
+                tenant=pool.tenant,
+                image=pool.label,
+                workers=pool.total,
+                idle=len(pool.idle),
+                lent=pool.lent,
+                min_idle=pool.config.min_idle,
+                max_workers=pool.config.max_workers,
+                **dataclasses.asdict(pool.stats),
             )
-        return out
+            for pool in self.pools.pools.values()
+        ]
 
     def images_in_use(self) -> set[str]:
         """Image versions held by workers (lent or idle): the image store must keep them."""
