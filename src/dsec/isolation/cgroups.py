@@ -181,6 +181,27 @@ def remove_group(group: Path) -> bool:
     return ok
 
 
+def describe_members(group: Path, most: int = 8) -> str:
+    """The processes left in a group, as the sandbox sees them (its own pids), with their state and
+    where the kernel holds them: what a kill that did not work needs to be understood."""
+    pids = group_pids(group)
+    if not pids:
+        return "nothing in its cgroup (the exit was not reported)"
+    parts = []
+    for pid in pids[:most]:
+        try:
+            status = dict(
+                line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines() if ":" in line
+            )
+            wchan = Path(f"/proc/{pid}/wchan").read_text().strip() or "-"
+            ns_pid = status.get("NSpid", "?").split()[-1]
+            parts.append(f"{status.get('Name', '?').strip()}[{ns_pid}] {status.get('State', '?').strip()} in {wchan}")
+        except (OSError, IndexError):
+            parts.append("(exited meanwhile)")
+    more = f" and {len(pids) - most} more" if len(pids) > most else ""
+    return "; ".join(parts) + more
+
+
 def host_pid_for_nspid(group: Path, ns_pid: int) -> int | None:
     """The host pid of the process in ``group`` whose innermost pid-namespace pid is ``ns_pid``."""
     try:

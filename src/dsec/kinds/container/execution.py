@@ -31,6 +31,9 @@ from .agent import AgentChannel
 DRAIN_GRACE = 0.2
 PIPE_SIZE = 1 << 20
 HANDSHAKE_TIMEOUT = 30.0
+# After a deadline kill: how long to wait for the exit, in rounds that each repeat the kill.
+KILL_ROUNDS = 20
+KILL_ROUND = 0.5
 # The runtime path's launcher (run by the read-only /.dsec/busybox sh): report our pid on fd 4, wait
 # for the go on fd 3 (the daemon moves us into the exec cgroup meanwhile), then become the command.
 LAUNCH = 'echo $$ >&4; exec 4>&-; read -r _ <&3; exec 3<&-; exec "$@"'
@@ -144,11 +147,16 @@ async def _supervise(group: Path, exited: Awaitable[int], clock: Deadlines) -> t
                 expired = clock.expired()
                 if expired is not None:
                     break
-        cgroups.kill_group(group)
-        try:
-            return await asyncio.wait_for(fut, 10), expired
-        except TimeoutError:
-            raise BackendError("the command did not die after its cgroup was killed") from None
+        # cgroup.kill reaches only the members of the moment: a process still on its way into the
+        # group (the command's first step is to join it) arrives afterwards, so the kill is repeated.
+        for _ in range(KILL_ROUNDS):
+            cgroups.kill_group(group)
+            try:
+                return await asyncio.wait_for(asyncio.shield(fut), KILL_ROUND), expired
+            except TimeoutError:
+                continue
+        left = cgroups.describe_members(group)
+        raise BackendError(f"the command did not die after its cgroup was killed; left: {left}", detail={"left": left})
     except asyncio.CancelledError:  # the caller went away (a streaming client disconnected)
         cgroups.kill_group(group)
         raise
