@@ -7,6 +7,7 @@ __version__ = "0.1.0"
 from .errors import (
     BackendError,
     BuildFailed,
+    CallInterrupted,
     DaemonUnreachable,
     DsecError,
     FileNotFoundInSandbox,
@@ -24,6 +25,7 @@ from .errors import (
     SandboxNotFound,
     SandboxTimeout,
     TenantExists,
+    TrajectoryDiverged,
     Unauthorized,
 )
 from .grade_models import GradeResult
@@ -32,6 +34,8 @@ from .models import ExecResult, FileEntry, ImageInfo, NetworkAllow, NetworkStatu
 from .run_models import PoolInfo, RunResult
 from .sdk.aio import AsyncClient, AsyncSandbox
 from .sdk.sync import Client, Sandbox, run
+from .sdk.trajectory import Trajectory
+from .trajectory_models import RecordedCall, TrajectoryInfo
 
 __all__ = [
     "AsyncClient",
@@ -39,6 +43,7 @@ __all__ = [
     "BackendError",
     "BuildFailed",
     "BuildSpec",
+    "CallInterrupted",
     "Client",
     "DaemonUnreachable",
     "DsecError",
@@ -60,6 +65,7 @@ __all__ = [
     "NotFound",
     "PoolInfo",
     "QuotaExceeded",
+    "RecordedCall",
     "ResidueFound",
     "RunResult",
     "Sandbox",
@@ -69,6 +75,9 @@ __all__ = [
     "SandboxTimeout",
     "State",
     "TenantExists",
+    "Trajectory",
+    "TrajectoryDiverged",
+    "TrajectoryInfo",
     "Unauthorized",
     "__version__",
     "run",

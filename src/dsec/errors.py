@@ -154,6 +154,22 @@ class ResidueFound(DsecError, ValueError):
     http_status = 422
 
 
+class TrajectoryDiverged(InvalidState, ValueError):
+    """A call in a trajectory differs from the one recorded at its position (``detail``: position,
+    recorded and given digests, the recorded call's op), or skips positions. Nothing was run."""
+
+    code = "trajectory_diverged"
+    http_status = 409
+
+
+class CallInterrupted(InvalidState):
+    """The recorded call at this position of a trajectory was interrupted (the daemon died, or the
+    caller went away, while it ran): whether it took effect is unknown, so it is not replayed as done."""
+
+    code = "call_interrupted"
+    http_status = 409
+
+
 ERRORS_BY_CODE: dict[str, type[DsecError]] = {
     cls.code: cls
     for cls in (
@@ -177,6 +193,8 @@ ERRORS_BY_CODE: dict[str, type[DsecError]] = {
         BackendError,
         BuildFailed,
         ResidueFound,
+        TrajectoryDiverged,
+        CallInterrupted,
     )
 }
 

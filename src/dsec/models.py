@@ -95,6 +95,10 @@ class Limits(_Strict):
         return self.file_size if self.file_size is not None else self.disk
 
 
+# letters, digits and . _ : / @ + -, starting with a letter or digit; at most 200
+TRAJECTORY_ID = r"^[A-Za-z0-9][A-Za-z0-9._:/@+-]{0,199}$"
+
+
 class CreateSandbox(_Strict):
     image: str = Field("dsec/debian:12", min_length=1, max_length=256, description="Image name, repo:tag.")
     kind: Kind = Field("container", description="Sandbox kind.")
@@ -107,6 +111,12 @@ class CreateSandbox(_Strict):
         description="None: loopback only. 'full': anything but the host, the daemon, metadata and other sandboxes. "
         "{'allow': ['CIDR:PORT', 'IP:PORT', 'NAME:PORT', ...]} (PORT a number or '*'): only those, tcp and udp; "
         "names through the platform's resolver. Container kind only for now.",
+    )
+    trajectory: str | None = Field(
+        None,
+        pattern=TRAJECTORY_ID,
+        description="Bind the sandbox to this trajectory (e.g. 'job-17/rollout-3'): its calls are logged, and "
+        "creating with the same id again returns the bound sandbox (rebuilt if it is gone) to fast-forward.",
     )
 
     @field_validator("env")
@@ -152,6 +162,12 @@ class SandboxInfo(BaseModel):
     )
     owner: str | None = Field(default=None, description="The tenant the sandbox belongs to.")
     network: NetworkSpec = Field(default=None, description="The sandbox's network policy now.")
+    trajectory: str | None = Field(default=None, description="The trajectory this sandbox is bound to, if any.")
+    trajectory_length: int | None = Field(
+        default=None,
+        description="Calls the trajectory has recorded, its create included (in a create's answer): a client "
+        "that resumes fast-forwards through them.",
+    )
 
 
 class NetworkStatus(BaseModel):
@@ -260,6 +276,7 @@ class ExecResult(BaseModel):
     idle_timed_out: bool = Field(False, description="Killed because it wrote no output for idle_timeout seconds.")
     oom_killed: bool = False
     duration: float = 0.0
+    replayed: bool = Field(False, description="The recorded result of a trajectory's call, not a new run.")
 
     @property
     def ok(self) -> bool:

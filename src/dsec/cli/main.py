@@ -19,12 +19,14 @@ from .common import fail as _fail
 from .image import image_app
 from .machine import fork, pause, resume
 from .tenant import audit, tenant_app
+from .trajectory import trajectory_app
 
 app = typer.Typer(help="dsec: elastic sandboxes for training and evaluating AI agents.", no_args_is_help=True)
 bench_app = typer.Typer(help="Benchmarks that write JSON, with peers measured side by side.", no_args_is_help=True)
 app.add_typer(bench_app, name="bench")
 app.add_typer(image_app, name="image")
 app.add_typer(tenant_app, name="tenant")
+app.add_typer(trajectory_app, name="trajectory")
 
 
 @app.command()
@@ -118,9 +120,27 @@ def serve(
     function_max_uses: Annotated[
         int, typer.Option(min=1, help="Users a function worker serves before it is replaced anyway.")
     ] = 500,
+    trajectory_db: Annotated[
+        str | None,
+        typer.Option(
+            help="Where the trajectory log lives: sqlite:///PATH or postgresql://USER@HOST/DB (several nodes "
+            "sharing one log). Default: trajectories.db in the state directory."
+        ),
+    ] = None,
+    trajectory_durable: Annotated[
+        bool,
+        typer.Option(
+            help="SQLite: sync every commit of the trajectory log to disk (synchronous=FULL), so it survives "
+            "a power loss too; by default it survives the daemon's crash, not the machine's."
+        ),
+    ] = False,
+    trajectory_keep_days: Annotated[
+        float, typer.Option(min=0.001, help="Delete trajectories not written to for this many days.")
+    ] = 30.0,
     log_level: Annotated[str, typer.Option(help="debug, info, warning, error.")] = "info",
 ) -> None:
     """Run the node daemon."""
+    from ..core.trajectory.recorder import TrajectoryOptions
     from ..images.canary import check_canaries
     from ..isolation.network.options import NetworkOptions, parse_full_deny
     from ..isolation.network.static import parse_resolve
@@ -149,7 +169,10 @@ def serve(
         function = FunctionOptions.of(
             function_pool or [], function_max, function_idle_ttl, function_tenant_max, function_max_uses
         )
-        run_server(state_dir, listen, options, log_level, audit, network, function)
+        if trajectory_db is not None and not trajectory_db.startswith(("sqlite:///", "postgresql://", "postgres://")):
+            raise InvalidRequest("--trajectory-db: use sqlite:///PATH or postgresql://USER@HOST/DB")
+        trajectory = TrajectoryOptions(trajectory_db, trajectory_durable, trajectory_keep_days)
+        run_server(state_dir, listen, options, log_level, audit, network, function, trajectory)
     except DsecError as e:
         _fail(e)
 
@@ -445,6 +468,35 @@ def bench_function(
     from ..bench.function import main as function_main
 
     raise typer.Exit(function_main(n=n, calls=calls, json_out=json_out, state_dir=state_dir, repository=repository))
+
+
+@bench_app.command("trajectory")
+def bench_trajectory(
+    steps: Annotated[
+        int, typer.Option("--steps", help="Exec steps recorded live, then fast-forwarded.", min=10, max=100_000)
+    ] = 10000,
+    n: Annotated[
+        int,
+        typer.Option(
+            "--n",
+            help="Sequential `true` calls on each latency sandbox (logged and plain, alternately).",
+            min=10,
+            max=100_000,
+        ),
+    ] = 500,
+    json_out: Annotated[Path, typer.Option("--json", help="Where to write the JSON results.")] = Path(
+        "bench-trajectory.json"
+    ),
+    state_dir: Annotated[Path, typer.Option(help="State dir of the daemon the bench starts.")] = Path(
+        "/var/lib/dsec-bench-trajectory"
+    ),
+    repository: Annotated[Path | None, typer.Option(help="Layer repository holding dsec/busybox.")] = None,
+) -> None:
+    """Trajectory log: fast-forward rate of a recorded trajectory (a fresh client issuing the same calls)
+    and the logging overhead on live exec latency, a logged and a plain sandbox side by side."""
+    from ..bench.trajectory import main as trajectory_main
+
+    raise typer.Exit(trajectory_main(n=n, steps=steps, json_out=json_out, state_dir=state_dir, repository=repository))
 
 
 @bench_app.command("density")

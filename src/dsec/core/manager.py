@@ -51,6 +51,7 @@ from ..tenancy import OPERATOR, Caller
 from .builds import Builder
 from .grading import Grader
 from .oneshot import Runner
+from .trajectory.recorder import Trajectories, TrajectoryOptions
 
 log = logging.getLogger("dsec.core")
 T = TypeVar("T")
@@ -92,6 +93,7 @@ class SandboxManager:
         audit: AuditLog | None = None,
         network: NetworkOptions | None = None,
         kind_options: dict[str, Any] | None = None,
+        trajectory: TrajectoryOptions | None = None,
     ) -> None:
         self.state_dir = state_dir
         state_dir.mkdir(parents=True, exist_ok=True)
@@ -116,6 +118,7 @@ class SandboxManager:
         self.builds = Builder(self)
         self.grader = Grader(self)
         self.runner = Runner(self)
+        self.trajectories = Trajectories(self, trajectory)
         self._background: set[asyncio.Task[None]] = set()
         self._busy: dict[str, int] = {}  # sandbox id -> execs in flight (a VM is not paused under one)
         # one-shot runs' sandboxes: never written to the state database (a daemon that dies mid-run
@@ -147,6 +150,7 @@ class SandboxManager:
                 continue
             self.backends[kind] = backend
         await self.readopt()
+        await self.trajectories.start()
         for backend in self.backends.values():
             await backend.readopted()
             try:
@@ -170,6 +174,7 @@ class SandboxManager:
                 await self.ctx.net.close()
             except Exception:
                 log.exception("closing the network side failed")
+        await self.trajectories.close()
         await self.audit.close()
         self.tenants.close()
         self.store.close()
@@ -260,6 +265,12 @@ class SandboxManager:
     # ---- actions -----------------------------------------------------------------------------------
 
     async def create(self, req: CreateSandbox, *, caller: Caller = OPERATOR, persist: bool = True) -> SandboxInfo:
+        """A new sandbox; with ``req.trajectory``, the trajectory's sandbox (new, resumed or rebuilt)."""
+        if req.trajectory:
+            return await self.trajectories.create(req, caller)
+        return await self.create_fresh(req, caller=caller, persist=persist)
+
+    async def create_fresh(self, req: CreateSandbox, *, caller: Caller = OPERATOR, persist: bool = True) -> SandboxInfo:
         if req.kind not in self.backends:
             if req.kind in self.unavailable:
                 raise InvalidRequest(f"kind {req.kind!r} is not available on this node: {self.unavailable[req.kind]}")
@@ -279,6 +290,8 @@ class SandboxManager:
         rec = _new_record(req.kind, image.name, image.digest, req.timeout, req.limits, req.env, req.labels)
         rec.owner = owner
         rec.network = req.network
+        if req.trajectory:
+            rec.runtime["trajectory"] = req.trajectory
         if persist:
             self.store.put(rec)
         else:

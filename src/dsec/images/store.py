@@ -20,7 +20,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..errors import Forbidden, ImageExists, ImageNotFound, InvalidRequest
+from ..errors import DsecError, Forbidden, ImageExists, ImageNotFound, InvalidRequest
 from ..models import GcResult, ImageInfo, ImageStats, LayerInfo, LayerStats
 from ..tenancy import OPERATOR, Caller
 from . import erofs
@@ -154,10 +154,22 @@ class ImageStore:
             if self.mount:
                 await self.layers.start(fetcher_restarted=True)
 
-    async def resolve(self, name: str, *, build: bool = True, caller: Caller = OPERATOR) -> ImageRef:
-        """The image's layers, ready to use; a built-in image is built on first use."""
+    async def resolve(
+        self, name: str, *, build: bool = True, caller: Caller = OPERATOR, version: str | None = None
+    ) -> ImageRef:
+        """The image's layers, ready to use; a built-in image is built on first use. ``version``: that
+        version of the name (a trajectory's rebuild runs on what the lost sandbox ran on), not its newest."""
         await self._check_fetcher()
         norm = normalize(name)
+        if version is not None:
+            current = await self.resolve(name, build=build, caller=caller)
+            if current.digest == version:
+                return current
+            try:
+                await self.catalog.version(version)
+            except DsecError as e:
+                raise ImageNotFound(f"image {name!r} no longer has version {version[:16]}: {e}") from None
+            return await self._ref(norm, version, current.owner)
         if norm in self._refs:
             cached = self._refs[norm]
             if not caller.sees(cached.owner):
@@ -175,7 +187,11 @@ class ImageStore:
                 raise _not_found(norm)
         if not caller.sees(tag.owner):
             raise _not_found(norm)
-        digest, version = tag.digest, await self.catalog.version(tag.digest)
+        ref = self._refs[norm] = await self._ref(norm, tag.digest, tag.owner)
+        return ref
+
+    async def _ref(self, norm: str, digest: str, owner: str | None) -> ImageRef:
+        version = await self.catalog.version(digest)
         digests = tuple(ref.digest for ref in version.layers)
         if self.mount:
             layers = tuple(await asyncio.gather(*(self.layers.mount(d) for d in digests)))
@@ -190,9 +206,8 @@ class ImageStore:
             layer_digests=digests,
             user=version.config.user,
             layer_files=tuple(self.layers.file(d) for d in digests),
-            owner=tag.owner,
+            owner=owner,
         )
-        self._refs[norm] = ref
         return ref
 
     async def ensure(self, name: str, caller: Caller = OPERATOR) -> ImageInfo:

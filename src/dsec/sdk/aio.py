@@ -5,14 +5,15 @@ from __future__ import annotations
 import asyncio
 import base64
 import builtins
+import contextlib
 import io
 import tarfile
 import weakref
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from datetime import datetime
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import Any, TypeVar
 from urllib.parse import quote
 
 from ..errors import InvalidRequest, error_from_wire, validation_message
@@ -40,14 +41,19 @@ from ..models import (
     NetworkStatus,
     SandboxInfo,
     SandboxList,
+    SnapshotRequest,
     TenantCreated,
     TenantInfo,
     TenantList,
     TenantRemoved,
 )
+from ..trajectory_models import RecordedCall
 from .files import AsyncFiles
 from .oneshot import RunClient
+from .trajectory import Params, Trajectory, TrajectoryClient, canonical_params, exec_result, model_result, replay
 from .transport import Transport
+
+T = TypeVar("T")
 
 CREATE_TIMEOUT = 1800.0  # the first use of a built-in image builds it
 BUILD_TIMEOUT = 6 * 3600.0
@@ -67,7 +73,7 @@ def _tar_of(src: Path) -> bytes:
     return buf.getvalue()
 
 
-class AsyncClient(RunClient):
+class AsyncClient(RunClient, TrajectoryClient):
     """A connection to a dsec daemon (``DSEC_URL`` / ``DSEC_TOKEN``, or the local daemon's defaults)."""
 
     def __init__(self, url: str | None = None, token: str | None = None) -> None:
@@ -246,6 +252,24 @@ class AsyncSandbox:
         self._info = info
         self._client = client
         self.files = AsyncFiles(self)
+        # A sandbox created with a trajectory numbers its calls and has them logged. One attached by id
+        # (``connect``) is outside the trajectory: it may read and kill, not change the sandbox.
+        self.trajectory: Trajectory | None = None
+        if info.trajectory and info.trajectory_length is not None:
+            self.trajectory = Trajectory(client._transport, info.trajectory, info.trajectory_length)
+
+    async def _call(
+        self,
+        op: str,
+        params: Params,
+        payload: bytes | None,
+        live: Callable[[dict[str, str]], Awaitable[T]],
+        decode: Callable[[RecordedCall], T],
+    ) -> T:
+        """A call that a trajectory logs (and answers from its log when resuming)."""
+        if self.trajectory is None:
+            return await live({})
+        return await self.trajectory.call(op, params, payload, live, decode)
 
     @property
     def _t(self) -> Transport:
@@ -279,9 +303,15 @@ class AsyncSandbox:
         env: dict[str, str] | None = None,
         labels: dict[str, str] | None = None,
         network: NetworkSpec | dict[str, Any] = None,
+        trajectory: str | None = None,
         client: AsyncClient | None = None,
     ) -> AsyncSandbox:
         """Create a sandbox and wait until it runs. ``timeout`` is its time to live in seconds.
+
+        ``trajectory`` (e.g. ``"job-17/rollout-3"``): bind the sandbox to it. Every call is then logged;
+        creating again with the same id and arguments returns the same sandbox (rebuilt from the log if
+        it is gone), and the calls the log holds are answered from it until the log ends (see
+        ``sb.trajectory``). A call that differs from the recorded one raises ``TrajectoryDiverged``.
 
         ``network``: None (loopback only), ``"full"``, or ``{"allow": ["10.1.2.0/24:443", "pypi.org:443"]}``
         (container kind); see ``set_network``.
@@ -309,6 +339,8 @@ class AsyncSandbox:
         }
         if network is not None:
             body["network"] = _network_body(network)
+        if trajectory is not None:
+            body["trajectory"] = trajectory
         if limits:
             body["limits"] = limits
         # Validate locally for a clear error before the round trip; the daemon validates again.
@@ -321,7 +353,8 @@ class AsyncSandbox:
 
     @classmethod
     async def connect(cls, sandbox_id: str, client: AsyncClient | None = None) -> AsyncSandbox:
-        """Attach to an existing sandbox by id."""
+        """Attach to an existing sandbox by id. A trajectory's sandbox attached this way can be read and
+        killed (not logged; a resumed trajectory rebuilds it), not changed: resume with ``create``."""
         client = client or default_client()
         reply = await client._transport.request("GET", f"/v1/sandboxes/{sandbox_id}")
         return cls(SandboxInfo.model_validate_json(reply.content), client)
@@ -382,8 +415,13 @@ class AsyncSandbox:
         user unless ``user`` says otherwise (``"root"``, a name or uid of the image).
         """
         body = self._exec_body(cmd, timeout, cwd, env, stdin, output_limit, user, idle_timeout)
-        reply = await self._t.request("POST", f"/v1/sandboxes/{self.id}/exec", json=body, timeout=timeout + 60)
-        return ExecResult.model_validate_json(reply.content)
+
+        async def live(headers: dict[str, str]) -> ExecResult:
+            url = f"/v1/sandboxes/{self.id}/exec"
+            reply = await self._t.request("POST", url, json=body, timeout=timeout + 60, headers=headers)
+            return ExecResult.model_validate_json(reply.content)
+
+        return await self._call("exec", lambda: canonical_params(ExecRequest, body), None, live, exec_result)
 
     async def exec_stream(
         self,
@@ -400,14 +438,28 @@ class AsyncSandbox:
         """Like ``exec``, yielding ``stdout``/``stderr`` events as output arrives, then one ``result`` event."""
         body = self._exec_body(cmd, timeout, cwd, env, stdin, output_limit, user, idle_timeout)
         url = f"/v1/sandboxes/{self.id}/exec/stream"
-        async with self._t.stream("POST", url, json=body, timeout=timeout + 60) as reply:
-            async for line in reply.aiter_lines():
-                if not line:
-                    continue
-                event = ExecEvent.model_validate_json(line)
-                if event.type == "error" and event.error is not None:
-                    raise error_from_wire(event.error.code, event.error.message, event.error.detail)
-                yield event
+        async with contextlib.AsyncExitStack() as stack:
+            headers: dict[str, str] = {}
+            if self.trajectory is not None:
+                step = await stack.enter_async_context(
+                    self.trajectory.step("exec", lambda: canonical_params(ExecRequest, body))
+                )
+                if step.recorded is not None:  # from the log: its output, then its result
+                    result = replay(step.recorded, exec_result)
+                    for stream in ("stdout", "stderr"):
+                        if text := getattr(result, stream):
+                            yield ExecEvent(type=stream, data=text)
+                    yield ExecEvent(type="result", result=result)
+                    return
+                headers = step.headers
+            async with self._t.stream("POST", url, json=body, timeout=timeout + 60, headers=headers) as reply:
+                async for line in reply.aiter_lines():
+                    if not line:
+                        continue
+                    event = ExecEvent.model_validate_json(line)
+                    if event.type == "error" and event.error is not None:
+                        raise error_from_wire(event.error.code, event.error.message, event.error.detail)
+                    yield event
 
     async def snapshot(
         self,
@@ -433,8 +485,15 @@ class AsyncSandbox:
             "description": description,
             "canaries": canaries or [],
         }
-        reply = await self._t.request("POST", f"/v1/sandboxes/{self.id}/snapshot", json=body, timeout=CREATE_TIMEOUT)
-        return ImageInfo.model_validate_json(reply.content)
+
+        async def live(headers: dict[str, str]) -> ImageInfo:
+            url = f"/v1/sandboxes/{self.id}/snapshot"
+            reply = await self._t.request("POST", url, json=body, timeout=CREATE_TIMEOUT, headers=headers)
+            return ImageInfo.model_validate_json(reply.content)
+
+        return await self._call(
+            "snapshot", lambda: canonical_params(SnapshotRequest, body), None, live, model_result(ImageInfo)
+        )
 
     async def grade(
         self,
@@ -473,10 +532,15 @@ class AsyncSandbox:
             GradeRequest.model_validate(body)
         except ValueError as e:
             raise InvalidRequest(validation_message(e)) from None
-        reply = await self._t.request(
-            "POST", f"/v1/sandboxes/{self.id}/grade", json=body, timeout=CREATE_TIMEOUT + timeout
+
+        async def live(headers: dict[str, str]) -> GradeResult:
+            url = f"/v1/sandboxes/{self.id}/grade"
+            reply = await self._t.request("POST", url, json=body, timeout=CREATE_TIMEOUT + timeout, headers=headers)
+            return GradeResult.model_validate_json(reply.content)
+
+        return await self._call(
+            "grade", lambda: canonical_params(GradeRequest, body), None, live, model_result(GradeResult)
         )
-        return GradeResult.model_validate_json(reply.content)
 
     async def pause(self) -> None:
         """Stop every process of the sandbox where it stands (VM kinds: the whole machine) until ``resume()``.
@@ -517,8 +581,12 @@ class AsyncSandbox:
         number or ``*``), tcp and udp; names resolve through the platform's resolver, which refuses others.
         """
         body = None if policy is None else _network_body(policy)
-        reply = await self._t.request("PUT", f"/v1/sandboxes/{self.id}/network", json=body)
-        return NetworkStatus.model_validate_json(reply.content)
+
+        async def live(headers: dict[str, str]) -> NetworkStatus:
+            reply = await self._t.request("PUT", f"/v1/sandboxes/{self.id}/network", json=body, headers=headers)
+            return NetworkStatus.model_validate_json(reply.content)
+
+        return await self._call("set_network", {"policy": body}, None, live, model_result(NetworkStatus))
 
     async def network_status(self) -> NetworkStatus:
         """The policy in force, the sandbox's address, denied packets and DNS queries, what it may reach now."""
@@ -527,8 +595,12 @@ class AsyncSandbox:
 
     async def kill(self) -> None:
         """Stop the sandbox and free everything it holds. Killing a stopped sandbox is not an error."""
-        reply = await self._t.request("DELETE", f"/v1/sandboxes/{self.id}")
-        self._info = SandboxInfo.model_validate_json(reply.content)
+
+        async def live(headers: dict[str, str]) -> SandboxInfo:
+            reply = await self._t.request("DELETE", f"/v1/sandboxes/{self.id}", headers=headers)
+            return SandboxInfo.model_validate_json(reply.content)
+
+        self._info = await self._call("kill", {}, None, live, model_result(SandboxInfo))
 
     async def __aenter__(self) -> AsyncSandbox:
         return self

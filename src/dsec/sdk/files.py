@@ -9,6 +9,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..models import FileEntry, FileList
+from ..trajectory_models import RecordedCall
+from .trajectory import recorded_bytes
 
 if TYPE_CHECKING:
     from .aio import AsyncSandbox
@@ -24,37 +26,63 @@ class AsyncFiles:
         return f"/v1/sandboxes/{self._sb.id}/files{suffix}"
 
     async def read(self, path: str) -> bytes:
-        reply = await self._sb._t.request("GET", self._url(), params={"path": path})
-        return reply.content
+        async def live(headers: dict[str, str]) -> bytes:
+            reply = await self._sb._t.request("GET", self._url(), params={"path": path}, headers=headers)
+            return reply.content
+
+        return await self._sb._call("read", {"path": path}, None, live, recorded_bytes)
 
     async def read_text(self, path: str, encoding: str = "utf-8") -> str:
         return (await self.read(path)).decode(encoding)
 
     async def write(self, path: str, data: bytes | str, mode: int = 0o644) -> None:
         content = data.encode() if isinstance(data, str) else bytes(data)
-        await self._sb._t.request("PUT", self._url(), params={"path": path, "mode": mode}, content=content)
+        params = {"path": path, "mode": mode}
+
+        async def live(headers: dict[str, str]) -> None:
+            await self._sb._t.request("PUT", self._url(), params=params, content=content, headers=headers)
+
+        await self._sb._call("write", params, content, live, _nothing)
 
     async def list(self, path: str = "/") -> list[FileEntry]:
-        reply = await self._sb._t.request("GET", self._url("/list"), params={"path": path})
-        return FileList.model_validate_json(reply.content).entries
+        async def live(headers: dict[str, str]) -> list[FileEntry]:
+            reply = await self._sb._t.request("GET", self._url("/list"), params={"path": path}, headers=headers)
+            return FileList.model_validate_json(reply.content).entries
+
+        return await self._sb._call("list", {"path": path}, None, live, _entries)
 
     async def remove(self, path: str, recursive: bool = False) -> None:
         params: dict[str, str] = {"path": path, "recursive": "true" if recursive else "false"}
-        await self._sb._t.request("DELETE", self._url(), params=params)
+
+        async def live(headers: dict[str, str]) -> None:
+            await self._sb._t.request("DELETE", self._url(), params=params, headers=headers)
+
+        await self._sb._call("remove", {"path": path, "recursive": recursive}, None, live, _nothing)
 
     async def mkdir(self, path: str) -> None:
-        await self._sb._t.request("POST", self._url("/mkdir"), params={"path": path})
+        async def live(headers: dict[str, str]) -> None:
+            await self._sb._t.request("POST", self._url("/mkdir"), params={"path": path}, headers=headers)
+
+        await self._sb._call("mkdir", {"path": path}, None, live, _nothing)
 
     async def upload_tar(self, path: str, data: bytes) -> None:
         """Unpack a tar archive (bytes) into directory ``path`` inside the sandbox."""
         url = f"/v1/sandboxes/{self._sb.id}/archive"
-        await self._sb._t.request("PUT", url, params={"path": path}, content=data, timeout=900)
+
+        async def live(headers: dict[str, str]) -> None:
+            await self._sb._t.request("PUT", url, params={"path": path}, content=data, timeout=900, headers=headers)
+
+        await self._sb._call("upload", {"path": path}, data, live, _nothing)
 
     async def download_tar(self, path: str) -> bytes:
         """A tar archive of directory ``path`` inside the sandbox."""
         url = f"/v1/sandboxes/{self._sb.id}/archive"
-        reply = await self._sb._t.request("GET", url, params={"path": path}, timeout=900)
-        return reply.content
+
+        async def live(headers: dict[str, str]) -> bytes:
+            reply = await self._sb._t.request("GET", url, params={"path": path}, timeout=900, headers=headers)
+            return reply.content
+
+        return await self._sb._call("download", {"path": path}, None, live, recorded_bytes)
 
     async def upload_dir(self, local_dir: str | Path, path: str) -> None:
         """Copy a local directory's contents into ``path`` inside the sandbox."""
@@ -77,3 +105,11 @@ def _extract(data: bytes, dest: Path) -> None:
     dest.mkdir(parents=True, exist_ok=True)
     with tarfile.open(fileobj=io.BytesIO(data)) as tar:
         tar.extractall(str(dest), filter="data")
+
+
+def _nothing(_: RecordedCall) -> None:
+    return None
+
+
+def _entries(rec: RecordedCall) -> list[FileEntry]:
+    return FileList.model_validate(rec.result or {}).entries

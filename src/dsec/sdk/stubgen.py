@@ -48,6 +48,7 @@ from ..models import (
     TenantRemoved,
 )
 from ..run_models import PoolInfo, RunRequest, RunResult
+from ..trajectory_models import RecordedCall, TrajectoryInfo
 """
 
 RUN = "def run(*args: Any, client: Client | None = None, **kwargs: Any) -> RunResult: ..."

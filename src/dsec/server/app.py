@@ -16,12 +16,13 @@ from fastapi import FastAPI
 
 from .. import __version__
 from ..core.manager import SandboxManager
+from ..core.trajectory.recorder import TrajectoryOptions
 from ..errors import InvalidRequest
 from ..images.scrub import ScrubRules
 from ..images.store import ImageStore
 from ..isolation.network.options import NetworkOptions
 from ..store.audit import DEFAULT_KEEP_DAYS, DEFAULT_MAX_RECORDS, AuditLog
-from . import errors, routes, run_routes, tenant_routes
+from . import errors, routes, run_routes, tenant_routes, trajectory_routes
 from .audit import AuditMiddleware
 from .limits import BodyLimit
 
@@ -68,6 +69,7 @@ def create_app(manager: SandboxManager, token: str) -> FastAPI:
     app.include_router(routes.router)
     app.include_router(tenant_routes.router)
     app.include_router(run_routes.router)
+    app.include_router(trajectory_routes.router)
     app.add_middleware(BodyLimit)
     app.add_middleware(AuditMiddleware)  # added last: outside the body limit, so its 413s are audited too
     return app
@@ -79,6 +81,7 @@ def openapi_spec() -> dict[str, Any]:
     app.include_router(routes.router)
     app.include_router(tenant_routes.router)
     app.include_router(run_routes.router)
+    app.include_router(trajectory_routes.router)
     return app.openapi()
 
 
@@ -119,6 +122,7 @@ def serve(
     audit: AuditOptions | None = None,
     network: NetworkOptions | None = None,
     function: Any = None,
+    trajectory: TrajectoryOptions | None = None,
 ) -> None:
     """``function``: the function kind's FunctionOptions (kept opaque here: the server knows no kind)."""
     import uvicorn
@@ -147,7 +151,9 @@ def serve(
     audit = audit or AuditOptions()
     audit_log = AuditLog(state_dir / "audit.db", keep_days=audit.keep_days, max_records=audit.max_records)
     kind_options = {"function": function} if function is not None else None
-    manager = SandboxManager(state_dir, store, audit=audit_log, network=network, kind_options=kind_options)
+    manager = SandboxManager(
+        state_dir, store, audit=audit_log, network=network, kind_options=kind_options, trajectory=trajectory
+    )
     app = create_app(manager, token)
     # Keep idle connections well past the SDK's own keep-alive expiry: a server that closes first races
     # with a request sent on the same connection, which the client then sees as a dropped read.

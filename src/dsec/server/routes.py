@@ -8,7 +8,7 @@ import logging
 from collections.abc import AsyncIterator
 from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter, Body, Depends, Query, Request, Response
+from fastapi import APIRouter, Body, Depends, Header, Query, Request, Response
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
 
@@ -18,6 +18,7 @@ from ..core.output import StreamForwarder
 from ..errors import DsecError, InvalidRequest
 from ..grade_models import GradeRequest, GradeResult
 from ..images.canary import call_canaries
+from ..isolation.network import policy
 from ..models import (
     BuildRequest,
     BuildResult,
@@ -42,6 +43,7 @@ from ..models import (
     SandboxList,
     SnapshotRequest,
 )
+from ..trajectory_models import REPLAYED_HEADER, SEQ_HEADER
 from .audit import note
 from .auth import CallerDep, OperatorDep, authorize
 
@@ -69,6 +71,8 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
     )
 }
 router = APIRouter(prefix="/v1", responses=_ERRORS)
+# a trajectory call's position (the SDK sends it on every call of a sandbox bound to a trajectory)
+Seq = Annotated[int | None, Header(alias=SEQ_HEADER, ge=0, description="Position of a trajectory call.")]
 api = APIRouter(dependencies=[Depends(authorize)])
 
 
@@ -112,19 +116,29 @@ async def get_sandbox(sandbox_id: str, mgr: Mgr, caller: CallerDep) -> Response:
 
 
 @api.delete("/sandboxes/{sandbox_id}", response_model=SandboxInfo)
-async def kill_sandbox(sandbox_id: str, mgr: Mgr, caller: CallerDep) -> SandboxInfo:
-    return await mgr.kill(sandbox_id, caller=caller)
+async def kill_sandbox(sandbox_id: str, mgr: Mgr, caller: CallerDep, seq: Seq = None) -> Response:
+    info, replayed = await mgr.trajectories.call(sandbox_id, "kill", {}, seq=seq, caller=caller)
+    return _mark(_json(info), replayed)
 
 
 @api.post("/sandboxes/{sandbox_id}/exec", response_model=ExecResult)
-async def exec_command(sandbox_id: str, body: ExecRequest, mgr: Mgr, caller: CallerDep, request: Request) -> Response:
+async def exec_command(
+    sandbox_id: str, body: ExecRequest, mgr: Mgr, caller: CallerDep, request: Request, seq: Seq = None
+) -> Response:
     note(request.scope, command=body.cmd)
-    return _json(await mgr.exec(sandbox_id, body, caller=caller))
+    result, replayed = await mgr.trajectories.call(sandbox_id, "exec", body, seq=seq, caller=caller)
+    return _mark(_json(result), replayed)
+
+
+def _mark(resp: Response, replayed: bool) -> Response:
+    if replayed:
+        resp.headers[REPLAYED_HEADER] = "1"
+    return resp
 
 
 @api.post("/sandboxes/{sandbox_id}/exec/stream", response_class=StreamingResponse)
 async def exec_stream(
-    sandbox_id: str, body: ExecRequest, mgr: Mgr, caller: CallerDep, request: Request
+    sandbox_id: str, body: ExecRequest, mgr: Mgr, caller: CallerDep, request: Request, seq: Seq = None
 ) -> StreamingResponse:
     """Newline-delimited ExecEvent JSON: output chunks as they come, then one ``result`` (or ``error``)."""
     note(request.scope, command=body.cmd)
@@ -139,10 +153,16 @@ async def exec_stream(
 
     async def run() -> None:
         try:
-            result = await mgr.exec(sandbox_id, body, on_output, caller=caller)
+            result, replayed = await mgr.trajectories.call(
+                sandbox_id, "exec", body, seq=seq, caller=caller, on_output=on_output
+            )
+            if replayed:  # the recorded output, as one chunk per stream
+                for stream in ("stdout", "stderr"):
+                    if text := getattr(result, stream):
+                        queue.put_nowait(ExecEvent(type=stream, data=text))
             queue.put_nowait(ExecEvent(type="result", result=result))
         except DsecError as e:
-            queue.put_nowait(ExecEvent(type="error", error=ErrorBody(code=e.code, message=e.message)))
+            queue.put_nowait(ExecEvent(type="error", error=ErrorBody(code=e.code, message=e.message, detail=e.detail)))
         except Exception as e:  # the stream must always end with a result or an error
             log.exception("streamed exec failed")
             queue.put_nowait(ExecEvent(type="error", error=ErrorBody(code="internal", message=f"internal error: {e}")))
@@ -167,9 +187,9 @@ PathQ = Annotated[str, Query(min_length=1, max_length=4096, description="Absolut
 
 
 @api.get("/sandboxes/{sandbox_id}/files")
-async def read_file(sandbox_id: str, path: PathQ, mgr: Mgr, caller: CallerDep) -> Response:
-    data = await mgr.read_file(sandbox_id, path, caller=caller)
-    return Response(content=data, media_type="application/octet-stream")
+async def read_file(sandbox_id: str, path: PathQ, mgr: Mgr, caller: CallerDep, seq: Seq = None) -> Response:
+    data, replayed = await mgr.trajectories.call(sandbox_id, "read", {"path": path}, seq=seq, caller=caller)
+    return _mark(Response(content=data, media_type="application/octet-stream"), replayed)
 
 
 @api.put("/sandboxes/{sandbox_id}/files", status_code=204)
@@ -180,53 +200,66 @@ async def write_file(
     mgr: Mgr,
     caller: CallerDep,
     mode: Annotated[int, Query(ge=0, le=0o7777)] = 0o644,
+    seq: Seq = None,
 ) -> Response:
     mgr.info(sandbox_id, caller=caller)
-    await mgr.write_file(sandbox_id, path, await request.body(), mode, caller=caller)
-    return Response(status_code=204)
+    data = await request.body()
+    _, replayed = await mgr.trajectories.call(
+        sandbox_id, "write", {"path": path, "mode": mode}, data, seq=seq, caller=caller
+    )
+    return _mark(Response(status_code=204), replayed)
 
 
 @api.get("/sandboxes/{sandbox_id}/files/list", response_model=FileList)
-async def list_files(sandbox_id: str, path: PathQ, mgr: Mgr, caller: CallerDep) -> FileList:
-    return FileList(entries=await mgr.list_dir(sandbox_id, path, caller=caller))
+async def list_files(sandbox_id: str, path: PathQ, mgr: Mgr, caller: CallerDep, seq: Seq = None) -> Response:
+    entries, replayed = await mgr.trajectories.call(sandbox_id, "list", {"path": path}, seq=seq, caller=caller)
+    return _mark(_json(FileList(entries=entries)), replayed)
 
 
 @api.post("/sandboxes/{sandbox_id}/files/mkdir", status_code=204)
-async def make_dir(sandbox_id: str, path: PathQ, mgr: Mgr, caller: CallerDep) -> Response:
-    await mgr.mkdir(sandbox_id, path, caller=caller)
-    return Response(status_code=204)
+async def make_dir(sandbox_id: str, path: PathQ, mgr: Mgr, caller: CallerDep, seq: Seq = None) -> Response:
+    _, replayed = await mgr.trajectories.call(sandbox_id, "mkdir", {"path": path}, seq=seq, caller=caller)
+    return _mark(Response(status_code=204), replayed)
 
 
 @api.delete("/sandboxes/{sandbox_id}/files", status_code=204)
-async def remove_file(sandbox_id: str, path: PathQ, mgr: Mgr, caller: CallerDep, recursive: bool = False) -> Response:
-    await mgr.remove(sandbox_id, path, recursive, caller=caller)
-    return Response(status_code=204)
+async def remove_file(
+    sandbox_id: str, path: PathQ, mgr: Mgr, caller: CallerDep, recursive: bool = False, seq: Seq = None
+) -> Response:
+    req = {"path": path, "recursive": recursive}
+    _, replayed = await mgr.trajectories.call(sandbox_id, "remove", req, seq=seq, caller=caller)
+    return _mark(Response(status_code=204), replayed)
 
 
 @api.put("/sandboxes/{sandbox_id}/archive", status_code=204)
-async def upload_archive(sandbox_id: str, path: PathQ, request: Request, mgr: Mgr, caller: CallerDep) -> Response:
+async def upload_archive(
+    sandbox_id: str, path: PathQ, request: Request, mgr: Mgr, caller: CallerDep, seq: Seq = None
+) -> Response:
     mgr.info(sandbox_id, caller=caller)
-    await mgr.upload_tar(sandbox_id, path, await request.body(), caller=caller)
-    return Response(status_code=204)
+    data = await request.body()
+    _, replayed = await mgr.trajectories.call(sandbox_id, "upload", {"path": path}, data, seq=seq, caller=caller)
+    return _mark(Response(status_code=204), replayed)
 
 
 @api.get("/sandboxes/{sandbox_id}/archive")
-async def download_archive(sandbox_id: str, path: PathQ, mgr: Mgr, caller: CallerDep) -> Response:
-    data = await mgr.download_tar(sandbox_id, path, caller=caller)
-    return Response(content=data, media_type="application/x-tar")
+async def download_archive(sandbox_id: str, path: PathQ, mgr: Mgr, caller: CallerDep, seq: Seq = None) -> Response:
+    data, replayed = await mgr.trajectories.call(sandbox_id, "download", {"path": path}, seq=seq, caller=caller)
+    return _mark(Response(content=data, media_type="application/x-tar"), replayed)
 
 
 @api.post("/sandboxes/{sandbox_id}/snapshot", response_model=ImageInfo, status_code=201)
-async def snapshot(sandbox_id: str, body: SnapshotRequest, mgr: Mgr, caller: CallerDep) -> ImageInfo:
+async def snapshot(sandbox_id: str, body: SnapshotRequest, mgr: Mgr, caller: CallerDep, seq: Seq = None) -> Response:
     """pack_diff: the sandbox's changes become a new immutable image version on top of its image."""
-    return await mgr.snapshot(sandbox_id, body, caller=caller)
+    info, replayed = await mgr.trajectories.call(sandbox_id, "snapshot", body, seq=seq, caller=caller)
+    return _mark(_json(info, 201), replayed)
 
 
 @api.post("/sandboxes/{sandbox_id}/grade", response_model=GradeResult)
-async def grade(sandbox_id: str, body: GradeRequest, mgr: Mgr, caller: CallerDep) -> GradeResult:
+async def grade(sandbox_id: str, body: GradeRequest, mgr: Mgr, caller: CallerDep, seq: Seq = None) -> Response:
     """Run a grader in a fresh sibling of the candidate's pristine image, against a read-only copy of the
     candidate's paths, with pristine tests under /grade, as uid 65534 with a fixed environment."""
-    return await mgr.grade(sandbox_id, body, caller=caller)
+    result, replayed = await mgr.trajectories.call(sandbox_id, "grade", body, seq=seq, caller=caller)
+    return _mark(_json(result), replayed)
 
 
 @api.post("/sandboxes/{sandbox_id}/pause", response_model=SandboxInfo)
@@ -258,9 +291,12 @@ async def set_network(
     mgr: Mgr,
     caller: CallerDep,
     body: Annotated[Literal["full"] | NetworkAllow | None, Body()] = None,
-) -> NetworkStatus:
+    seq: Seq = None,
+) -> Response:
     """Change the policy of a running sandbox (JSON null: loopback only, "full", or {"allow": [...]})."""
-    return await mgr.set_network(sandbox_id, body, caller=caller)
+    req = {"policy": policy.to_json(body)}
+    status, replayed = await mgr.trajectories.call(sandbox_id, "set_network", req, seq=seq, caller=caller)
+    return _mark(_json(status), replayed)
 
 
 ImageName = Annotated[str, Query(min_length=1, max_length=256, description="repo:tag")]

@@ -57,6 +57,7 @@ class SandboxRecord:
             waiting=self.runtime.get("waiting"),
             owner=self.owner,
             network=self.network,
+            trajectory=self.runtime.get("trajectory"),
         )
 
 

@@ -1,0 +1,1 @@
+"""The trajectory log: record, replay, rebuild."""
