@@ -205,7 +205,10 @@ class FuseServer:
         self, handler: Callable[[int, int, memoryview], Awaitable[None]], unique: int, nodeid: int, body: bytes
     ) -> None:
         try:
-            await handler(unique, nodeid, memoryview(body))
+            if self.request_timeout:
+                await self._within_deadline(handler, unique, nodeid, body)
+            else:
+                await handler(unique, nodeid, memoryview(body))
         except OSError as e:
             self._error(unique, e.errno or errno.EIO)
         except asyncio.CancelledError:
@@ -213,6 +216,30 @@ class FuseServer:
         except Exception:
             log.exception("FUSE request %d failed", unique)
             self._error(unique, errno.EIO)  # a bug must not leave the reader waiting forever
+
+    async def _within_deadline(
+        self, handler: Callable[[int, int, memoryview], Awaitable[None]], unique: int, nodeid: int, body: bytes
+    ) -> None:
+        """Answer EIO for a request still unanswered at three quarters of the kernel's request timeout:
+        at the timeout itself the kernel aborts the whole connection, and every layer mounted from it
+        fails at once. Where the request was waiting is logged: a wedged fetch is a bug to find."""
+        inner = asyncio.ensure_future(handler(unique, nodeid, memoryview(body)))
+        try:
+            done, _ = await asyncio.wait({inner}, timeout=self.request_timeout * 0.75)
+        except asyncio.CancelledError:
+            inner.cancel()
+            raise
+        if done:
+            inner.result()  # its exception, if it raised one
+            return
+        frames = inner.get_stack(limit=8)
+        where = " <- ".join(f"{f.f_code.co_name}:{f.f_lineno}" for f in reversed(frames)) or "?"
+        name = self._name_by_ino.get(nodeid, f"inode {nodeid}")
+        what = f"read {name} at {_READ_IN.unpack_from(body)[1]}" if handler == self._read else name
+        log.error("FUSE request %d (%s) unanswered after %.0fs, failing it; it waits in %s", unique, what,
+                  self.request_timeout * 0.75, where)  # fmt: skip
+        inner.cancel()
+        raise OSError(errno.EIO, "request timed out")
 
     def _interrupt(self, unique: int) -> None:
         task = self._tasks.get(unique)
