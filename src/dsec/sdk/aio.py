@@ -10,19 +10,15 @@ import io
 import tarfile
 import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable
-from datetime import datetime
 from pathlib import Path
 from types import TracebackType
 from typing import Any, TypeVar
-from urllib.parse import quote
 
 from ..errors import InvalidRequest, error_from_wire, validation_message
 from ..grade_models import GRADE_DIR, GradeRequest, GradeResult
 from ..images.buildspec import BuildSpec, ImageSpec, load_spec
 from ..models import (
     DEFAULT_OUTPUT_CAP,
-    AuditList,
-    AuditRecord,
     BuildResult,
     CreateSandbox,
     ExecEvent,
@@ -42,14 +38,11 @@ from ..models import (
     SandboxInfo,
     SandboxList,
     SnapshotRequest,
-    TenantCreated,
-    TenantInfo,
-    TenantList,
-    TenantRemoved,
 )
 from ..trajectory_models import RecordedCall
 from .files import AsyncFiles
 from .oneshot import RunClient
+from .tenants import TenantClient
 from .trajectory import Params, Trajectory, TrajectoryClient, canonical_params, exec_result, model_result, replay
 from .transport import Transport
 
@@ -73,7 +66,7 @@ def _tar_of(src: Path) -> bytes:
     return buf.getvalue()
 
 
-class AsyncClient(RunClient, TrajectoryClient):
+class AsyncClient(RunClient, TrajectoryClient, TenantClient):
     """A connection to a dsec daemon (``DSEC_URL`` / ``DSEC_TOKEN``, or the local daemon's defaults)."""
 
     def __init__(self, url: str | None = None, token: str | None = None) -> None:
@@ -176,41 +169,6 @@ class AsyncClient(RunClient, TrajectoryClient):
 
     async def create(self, **kwargs: Any) -> AsyncSandbox:
         return await AsyncSandbox.create(client=self, **kwargs)
-
-    async def create_tenant(self, name: str) -> TenantCreated:
-        """Operator only: a new tenant and its bearer token, which is shown this once."""
-        reply = await self._transport.request("POST", "/v1/tenants", json={"name": name})
-        return TenantCreated.model_validate_json(reply.content)
-
-    async def tenants(self) -> builtins.list[TenantInfo]:
-        """Operator only: every tenant, removed ones included."""
-        reply = await self._transport.request("GET", "/v1/tenants")
-        return TenantList.model_validate_json(reply.content).tenants
-
-    async def remove_tenant(self, name: str) -> TenantRemoved:
-        """Operator only: revoke the tenant's token and kill its live sandboxes."""
-        reply = await self._transport.request("DELETE", f"/v1/tenants/{quote(name, safe='')}")
-        return TenantRemoved.model_validate_json(reply.content)
-
-    async def audit(
-        self,
-        *,
-        sandbox: str | None = None,
-        tenant: str | None = None,
-        since: datetime | None = None,
-        limit: int = 100,
-    ) -> builtins.list[AuditRecord]:
-        """The newest ``limit`` audited API calls, oldest first: the caller's own (the operator: everyone's,
-        or ``tenant``'s)."""
-        params: dict[str, str | int] = {"limit": limit}
-        if sandbox is not None:
-            params["sandbox"] = sandbox
-        if tenant is not None:
-            params["tenant"] = tenant
-        if since is not None:
-            params["since"] = since.isoformat()
-        reply = await self._transport.request("GET", "/v1/audit", params=params)
-        return AuditList.model_validate_json(reply.content).records
 
     async def aclose(self) -> None:
         await self._transport.aclose()

@@ -39,9 +39,6 @@ class Op:
     def parse(self, params: dict[str, Any]) -> Any:
         return self.request.model_validate(params) if self.request is not None else params
 
-    def digest(self, req: Any, payload: bytes | None) -> str:
-        return call_digest(self.name, self.params(req), payload)
-
     def encode(self, value: Any) -> tuple[str | None, bytes | None]:
         """A result as stored: (JSON text, bytes)."""
         if self.result == "bytes":

@@ -137,8 +137,7 @@ class Trajectories:
             first = await asyncio.to_thread(self.store.call, *key, 0)
             if first is None or first.digest != digest:
                 raise _diverged(tid, 0, first.digest if first else "", digest, first.op if first else "", "create")
-            rec = self.mgr.store.get(row.sandbox_id) if row.sandbox_id not in self.mgr._live else None
-            rec = self.mgr._live.get(row.sandbox_id) or rec
+            rec = self.mgr._live.get(row.sandbox_id) or self.mgr.store.get(row.sandbox_id)
             alive = rec is not None and rec.state not in TERMINAL_STATES and rec.expires_at > time.time()
             if alive and rec is not None:
                 info = rec.info()
