@@ -112,6 +112,19 @@ class QuotaExceeded(DsecError):
     http_status = 429
 
 
+class Overloaded(QuotaExceeded):
+    """No capacity for the creation within its queue deadline (or the queue is full): nothing was
+    created. ``detail['retry_after']`` (also the Retry-After header) says when to try again."""
+
+    code = "overloaded"
+    http_status = 429
+
+    @property
+    def retry_after(self) -> float:
+        value = self.detail.get("retry_after", 1.0)
+        return float(value) if isinstance(value, int | float) else 1.0
+
+
 class LimitExceeded(DsecError, OSError):
     """A sandbox limit (disk, output, request size) stopped the operation."""
 
@@ -187,6 +200,7 @@ ERRORS_BY_CODE: dict[str, type[DsecError]] = {
         InvalidState,
         SandboxGone,
         QuotaExceeded,
+        Overloaded,
         LimitExceeded,
         SandboxTimeout,
         DaemonUnreachable,

@@ -23,6 +23,7 @@ MAX_EXEC_TIMEOUT_S = 24 * 3600.0
 DEFAULT_OUTPUT_CAP = 1 << 20
 MAX_OUTPUT_CAP = 64 << 20
 MAX_STDIN = 16 << 20
+DEFAULT_CPU_REQUEST = 0.25  # cores; idle agent sandboxes average a few percent of what they request
 MAX_COMMAND = 1 << 20  # argv + env bytes, like the kernel's ARG_MAX order of magnitude
 
 
@@ -55,9 +56,20 @@ class _Strict(BaseModel):
 class Limits(_Strict):
     """Resources of one sandbox. ``cpu`` is the request (it sets the cpu weight); ``cpu_limit`` an optional ceiling."""
 
-    cpu: float = Field(1.0, gt=0, le=256, description="CPU request in cores; sets the cpu weight.")
+    cpu: float = Field(
+        DEFAULT_CPU_REQUEST,
+        gt=0,
+        le=256,
+        description="CPU request in cores: what admission counts against the node (oversubscribed, 8x by "
+        "default) and what sets the cpu weight. Idle agent sandboxes use a few percent of it.",
+    )
     cpu_limit: float | None = Field(None, gt=0, le=256, description="Hard CPU ceiling in cores (none: no ceiling).")
-    memory: Size = Field(512 << 20, description="Hard memory limit in bytes (or '512Mi').")
+    memory: Size = Field(512 << 20, description="Hard memory limit in bytes (or '512Mi'): past it the OOM killer.")
+    memory_request: Size | None = Field(
+        None,
+        description="Memory request in bytes (or '128Mi'): what admission counts against the node, and what "
+        "the sandbox is reclaimed down to first under host memory pressure. Default: a quarter of the limit.",
+    )
     disk: Size = Field(1 << 30, description="Size limit of the writable layer in bytes (or '1Gi').")
     pids: int = Field(1024, ge=8, le=1 << 20, description="Maximum number of processes and threads.")
     nofile: int = Field(65536, ge=64, le=1 << 20, description="RLIMIT_NOFILE (soft and hard) of every process.")
@@ -73,6 +85,16 @@ class Limits(_Strict):
         if v > (1 << 40):
             raise ValueError("memory must be at most 1Ti")
         return v
+
+    @model_validator(mode="after")
+    def _request_within_limit(self) -> Limits:
+        if self.memory_request is not None and self.memory_request > self.memory:
+            raise ValueError(f"memory_request ({self.memory_request}) exceeds the memory limit ({self.memory})")
+        return self
+
+    def mem_request(self) -> int:
+        """The memory admission counts: memory_request, or a quarter of the limit."""
+        return self.memory_request if self.memory_request is not None else self.memory // 4
 
     @field_validator("disk")
     @classmethod
@@ -117,6 +139,13 @@ class CreateSandbox(_Strict):
         pattern=TRAJECTORY_ID,
         description="Bind the sandbox to this trajectory (e.g. 'job-17/rollout-3'): its calls are logged, and "
         "creating with the same id again returns the bound sandbox (rebuilt if it is gone) to fast-forward.",
+    )
+    queue_timeout: float | None = Field(
+        None,
+        ge=0,
+        le=3600,
+        description="Seconds the creation may wait in the node's queue for capacity before it is answered 429 "
+        "with Retry-After (0: answer at once). Default: the node's --queue-timeout.",
     )
 
     @field_validator("env")
@@ -167,6 +196,12 @@ class SandboxInfo(BaseModel):
         default=None,
         description="Calls the trajectory has recorded, its create included (in a create's answer): a client "
         "that resumes fast-forwards through them.",
+    )
+    node: str | None = Field(default=None, description="The node the sandbox runs on.")
+    timings: dict[str, float] = Field(
+        default_factory=dict,
+        description="Seconds the creation spent in each phase: queue (waiting for capacity and a start slot), "
+        "rootfs (layers and writable layer), runtime (runtime start until the agent answers), total.",
     )
 
 

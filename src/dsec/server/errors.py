@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -17,7 +18,11 @@ log = logging.getLogger("dsec.server")
 
 def error_response(status: int, code: str, message: str, detail: dict[str, object] | None = None) -> JSONResponse:
     body = ErrorResponse(error=ErrorBody(code=code, message=message, detail=detail or {}))
-    return JSONResponse(status_code=status, content=body.model_dump(mode="json"))
+    headers = None
+    retry_after = (detail or {}).get("retry_after")
+    if isinstance(retry_after, int | float):
+        headers = {"Retry-After": str(max(1, math.ceil(retry_after)))}  # whole seconds, as HTTP says
+    return JSONResponse(status_code=status, content=body.model_dump(mode="json"), headers=headers)
 
 
 def install(app: FastAPI) -> None:

@@ -1,0 +1,101 @@
+"""Wire models of a node's capacity and admission, batch creation and tenant quotas (issue 8).
+
+A node admits a sandbox while the sum of the requests it has admitted stays within its capacity times
+the oversubscription ratio, per resource; what does not fit waits in a fair per-tenant queue until its
+deadline, then is answered 429 with Retry-After. The gateway of a cluster places creations from the
+same figures (``GET /v1/node``).
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from .models import CreateSandbox, ErrorBody, SandboxInfo, Size
+
+MAX_BATCH = 10_000
+
+
+class Resources(BaseModel):
+    cpu: float = Field(description="Cores.")
+    memory: int = Field(description="Bytes.")
+
+
+class Ratios(BaseModel):
+    cpu: float = Field(description="Oversubscription of CPU: requests may add up to capacity x this.")
+    memory: float = Field(description="Oversubscription of memory: requests may add up to capacity x this.")
+
+
+class TenantQueue(BaseModel):
+    tenant: str
+    waiting: int = Field(description="Creations of this tenant waiting for capacity.")
+    oldest_s: float = Field(description="Seconds the oldest of them has waited.")
+
+
+class SandboxUsage(BaseModel):
+    id: str
+    kind: str
+    owner: str | None
+    state: str
+    cpu_request: float = Field(description="Cores requested.")
+    cpu_used: float = Field(description="Cores used on average over the last sampling interval.")
+    memory_request: int
+    memory_limit: int
+    memory_used: int = Field(description="Bytes charged to the sandbox's memory cgroup (VMs: the VMM's).")
+    age_s: float
+
+
+class NodeStatus(BaseModel):
+    """What a node holds and can still admit (GET /v1/node)."""
+
+    node: str = Field(description="The node's name (--node-name, default the host name).")
+    version: str
+    kinds: list[str] = Field(description="The kinds this node runs.")
+    capacity: Resources = Field(description="What the node has for sandboxes (host figures minus the reserve).")
+    ratios: Ratios
+    allocatable: Resources = Field(description="capacity x ratios: the sum of requests the node admits.")
+    requested: Resources = Field(description="Sum of the requests of the sandboxes admitted now.")
+    free: Resources = Field(description="allocatable - requested.")
+    used: Resources = Field(description="Measured use of the sandboxes (CPU: cores over the last interval).")
+    sandboxes: dict[str, dict[str, int]] = Field(description="Live sandboxes: kind -> state -> count.")
+    queued: int = Field(description="Creations waiting for capacity.")
+    queues: list[TenantQueue] = Field(default_factory=list)
+    starting: dict[str, int] = Field(description="Creations in progress, per kind.")
+    start_slots: dict[str, int] = Field(description="Creations a kind runs at once (VM boots are bounded).")
+    memory_pressure: float = Field(description="Share of the host's memory in use (0-1).")
+    evictions: int = Field(description="Sandboxes evicted under memory pressure since the daemon started.")
+    top: list[SandboxUsage] = Field(
+        default_factory=list, description="The caller's sandboxes using the most CPU (with ?top=N)."
+    )
+
+
+class BatchCreate(BaseModel):
+    """Create ``count`` sandboxes alike (POST /v1/sandboxes/batch)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    count: int = Field(ge=1, le=MAX_BATCH, description="How many sandboxes.")
+    sandbox: CreateSandbox = Field(default_factory=CreateSandbox, description="What each one is.")
+    trajectories: list[str] | None = Field(
+        None, description="One trajectory id per sandbox (count of them), to bind each to its own."
+    )
+
+
+class BatchEvent(BaseModel):
+    """One line of a batch's answer (NDJSON): a sandbox ready, a creation failed, or the summary at the end."""
+
+    index: int | None = Field(None, description="Which of the batch (0-based); none on the summary line.")
+    sandbox: SandboxInfo | None = None
+    error: ErrorBody | None = None
+    done: bool = Field(False, description="The summary line, last of the stream.")
+    created: int = 0
+    failed: int = 0
+
+
+class TenantQuota(BaseModel):
+    """What one tenant may hold on a node at once (none: no bound of its own, only the node's)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    sandboxes: int | None = Field(None, ge=0, le=1_000_000, description="Live sandboxes.")
+    cpu: float | None = Field(None, ge=0, le=1_000_000, description="Sum of CPU requests, in cores.")
+    memory: Size | None = Field(None, description="Sum of memory requests, in bytes (or '64Gi').")
