@@ -20,6 +20,7 @@ class DsecError(Exception):
         super().__init__(message)
         self.message = message
         self.detail = detail or {}
+        self.index: int | None = None  # a failed creation of a batch (create_many): which one
 
     def __str__(self) -> str:
         return self.message

@@ -18,6 +18,7 @@ with warnings.catch_warnings():
     warnings.filterwarnings("ignore", message=".*httpx2", category=UserWarning)
     from starlette.testclient import TestClient
 
+from dsec.core.admission import AdmissionOptions
 from dsec.core.manager import SandboxManager
 from dsec.images.store import ImageStore
 from dsec.server.app import create_app
@@ -41,11 +42,19 @@ def workdir(tmp_path: Path) -> Iterator[Path]:
         yield tmp_path
 
 
+# the fake backend's sandboxes cost nothing: a node this size never queues them (admission's own
+# tests set their capacity)
+ROOMY = AdmissionOptions(cpu_capacity=4096, memory_capacity=1 << 44)
+
+
 def new_manager(root: Path) -> tuple[SandboxManager, FakeBackend]:
     images = root / "images"
     make_image(images, IMAGE, env={"PATH": "/usr/bin:/bin", "FROM_IMAGE": "1"})
     mgr = SandboxManager(
-        state_dir=root / "state", images=ImageStore(images, lazy=False, mount=False), kinds=["container"]
+        state_dir=root / "state",
+        images=ImageStore(images, lazy=False, mount=False),
+        kinds=["container"],
+        admission=ROOMY,
     )
     backend = FakeBackend(mgr.ctx)
     mgr.backends["container"] = backend

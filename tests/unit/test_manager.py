@@ -73,7 +73,9 @@ async def test_create_runs_and_persists(core: Core) -> None:
     rec = mgr.store.get(info.id)
     assert rec is not None
     assert rec.state == State.running
-    assert rec.runtime == {"fake": True}  # what the backend put in runtime is persisted
+    assert rec.runtime["fake"] is True  # what the backend put in runtime is persisted
+    assert set(rec.runtime["timings"]) == {"queue", "runtime", "total"}  # and the core's figures with it
+    assert rec.runtime["node"] == mgr.node_name
 
 
 async def test_create_ids_are_unique(core: Core) -> None:

@@ -19,11 +19,19 @@ from dsec.models import (
 
 def test_limits_defaults() -> None:
     lim = Limits()
-    assert lim.cpu == 1.0
+    assert lim.cpu == 0.25  # a request: idle agent sandboxes use a few percent of it
     assert lim.cpu_limit is None
     assert lim.memory == 512 << 20
+    assert lim.memory_request is None and lim.mem_request() == 128 << 20  # a quarter of the limit
     assert lim.disk == 1 << 30
     assert lim.pids == 1024
+
+
+def test_memory_request_within_the_limit() -> None:
+    assert Limits(memory="1Gi", memory_request="1Gi").mem_request() == 1 << 30
+    assert Limits(memory="1Gi", memory_request="16Mi").mem_request() == 16 << 20
+    with pytest.raises(ValueError, match=r"memory_request .* exceeds the memory limit"):
+        Limits(memory="256Mi", memory_request="512Mi")
 
 
 @pytest.mark.parametrize(

@@ -86,11 +86,24 @@ def test_no_new_privileges(cfg: dict[str, Any]) -> None:
 
 def test_resources_from_the_request(cfg: dict[str, Any]) -> None:
     res = cfg["linux"]["resources"]
-    assert res["memory"] == {"limit": 512 << 20, "swap": 512 << 20}
+    # the request (default a quarter of the limit) is the reservation: v1 soft limit, v2 memory.low
+    assert res["memory"] == {"limit": 512 << 20, "swap": 512 << 20, "reservation": 128 << 20}
+    assert "unified" not in res  # memory.high exists on cgroup v2 only
     assert res["pids"] == {"limit": 256}
     assert res["cpu"]["shares"] == 2048
     assert res["cpu"]["quota"] == 150_000
     assert res["cpu"]["period"] == 100_000
+
+
+def test_memory_high_throttles_below_the_limit_on_cgroup_v2() -> None:
+    rec = record(memory="512Mi", memory_request="64Mi")
+    cfg = spec.config(rec, IMAGE, "/rootfs", "/helpers", "/dsec/sb-1", ["/init"], cgroup_v2=True)
+    res = cfg["linux"]["resources"]
+    assert res["memory"]["reservation"] == 64 << 20
+    high = int(res["unified"]["memory.high"])
+    assert high == spec.memory_high(512 << 20) and high % 4096 == 0
+    assert (512 << 20) - high >= 4 << 20 and high >= (512 << 20) * 0.85
+    assert spec.memory_high(8 << 20) == 4 << 20  # the smallest limit still leaves room to throttle
 
 
 def test_no_cpu_limit_means_no_quota() -> None:

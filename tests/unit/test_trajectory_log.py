@@ -53,7 +53,7 @@ from dsec.store.records import SandboxRecord
 from dsec.store.trajectories import TRAJECTORIES, CallRow, TrajectoryRow, TrajectoryStore
 from dsec.trajectory_models import RECORDED_AT, REPLAYED_HEADER, SEQ_HEADER, RecordedCall, call_digest
 
-from .conftest import AUTH, IMAGE, TOKEN, ManagerSwitch, new_manager
+from .conftest import AUTH, IMAGE, ROOMY, TOKEN, ManagerSwitch, new_manager
 from .fakes import FakeBackend, make_image
 
 OP = "admin"  # the operator's tenant: what the operator's token creates is owned by it
@@ -198,6 +198,7 @@ class Daemon:
             images=ImageStore(self.root / "images", lazy=False, mount=False),
             kinds=["container"],
             trajectory=options,
+            admission=ROOMY,
         )
         backend = RecordingBackend(mgr.ctx)
         if sandboxes_survive:

@@ -137,9 +137,47 @@ def serve(
     trajectory_keep_days: Annotated[
         float, typer.Option(min=0.001, help="Delete trajectories not written to for this many days.")
     ] = 30.0,
+    node_name: Annotated[
+        str | None, typer.Option(help="This node's name in status, metrics and sandbox info (default: host name).")
+    ] = None,
+    cpu_capacity: Annotated[
+        float | None,
+        typer.Option(min=0.01, help="Cores for sandboxes (default: the CPUs this daemon may run on)."),
+    ] = None,
+    memory_capacity: Annotated[
+        str | None,
+        typer.Option(help="Memory for sandboxes, e.g. 20G (default: host memory minus 1 GiB and 5%)."),
+    ] = None,
+    cpu_ratio: Annotated[
+        float, typer.Option(min=0.01, help="CPU oversubscription: CPU requests may add up to capacity x this.")
+    ] = 8.0,
+    memory_ratio: Annotated[
+        float, typer.Option(min=0.01, help="Memory oversubscription: memory requests may add up to capacity x this.")
+    ] = 1.2,
+    queue_timeout: Annotated[
+        float,
+        typer.Option(
+            min=0,
+            help="Seconds a creation beyond capacity waits in its tenant's queue before it is answered 429 "
+            "with Retry-After (a creation may ask for another wait with queue_timeout).",
+        ),
+    ] = 30.0,
+    max_queue: Annotated[
+        int, typer.Option(min=0, help="Creations that may wait at once (all tenants); past it: 429 at once.")
+    ] = 100_000,
+    evict_at: Annotated[
+        float,
+        typer.Option(
+            min=0.1,
+            max=1.0,
+            help="Memory pressure (share of the node's memory in use) at which sandboxes furthest above "
+            "their memory request are evicted, one per 2 s.",
+        ),
+    ] = 0.95,
     log_level: Annotated[str, typer.Option(help="debug, info, warning, error.")] = "info",
 ) -> None:
     """Run the node daemon."""
+    from ..core.admission import AdmissionOptions
     from ..core.trajectory.recorder import TrajectoryOptions
     from ..images.canary import check_canaries
     from ..isolation.network.options import NetworkOptions, parse_full_deny
@@ -172,7 +210,20 @@ def serve(
         if trajectory_db is not None and not trajectory_db.startswith(("sqlite:///", "postgresql://", "postgres://")):
             raise InvalidRequest("--trajectory-db: use sqlite:///PATH or postgresql://USER@HOST/DB")
         trajectory = TrajectoryOptions(trajectory_db, trajectory_durable, trajectory_keep_days)
-        run_server(state_dir, listen, options, log_level, audit, network, function, trajectory)
+        try:
+            mem_cap = parse_size(memory_capacity) if memory_capacity is not None else None
+        except ValueError as e:
+            raise InvalidRequest(f"--memory-capacity: {e}") from None
+        admission = AdmissionOptions(
+            cpu_capacity=cpu_capacity,
+            memory_capacity=mem_cap,
+            cpu_ratio=cpu_ratio,
+            memory_ratio=memory_ratio,
+            queue_timeout=queue_timeout,
+            max_queue=max_queue,
+            node_name=node_name,
+        )
+        run_server(state_dir, listen, options, log_level, audit, network, function, trajectory, admission, evict_at)
     except DsecError as e:
         _fail(e)
 

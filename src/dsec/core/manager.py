@@ -11,7 +11,6 @@ import builtins
 import contextlib
 import logging
 import os
-import secrets
 import time
 from collections.abc import Awaitable, Sequence
 from pathlib import Path
@@ -36,7 +35,6 @@ from ..models import (
     ForkResult,
     GcResult,
     ImageInfo,
-    Limits,
     NetworkSpec,
     NetworkStatus,
     SandboxInfo,
@@ -44,14 +42,18 @@ from ..models import (
     State,
 )
 from ..store.audit import AuditLog
-from ..store.records import SandboxRecord
+from ..store.records import SandboxRecord, new_record
 from ..store.sqlite import SandboxStore
 from ..store.tenants import TenantStore
 from ..tenancy import OPERATOR, Caller
+from . import forks
+from .admission import Admission, AdmissionOptions, Claim
 from .builds import Builder
 from .grading import Grader
+from .metrics import NodeMetrics
 from .oneshot import Runner
 from .trajectory.recorder import Trajectories, TrajectoryOptions
+from .usage import DEFAULT_EVICT_AT, UsageMonitor
 
 log = logging.getLogger("dsec.core")
 T = TypeVar("T")
@@ -60,24 +62,6 @@ REAP_INTERVAL = 1.0
 KEEP_FINISHED_S = 24 * 3600.0
 MAX_CONCURRENT_CREATES = 32
 LIVE_STATES = {State.creating, State.running, State.paused, State.stopping}
-
-
-def _new_record(
-    kind: str, image: str, digest: str, ttl: float, limits: Limits, env: dict[str, str], labels: dict[str, str]
-) -> SandboxRecord:
-    now = time.time()
-    return SandboxRecord(
-        id="sb-" + secrets.token_hex(6),
-        kind=kind,
-        image=image,
-        image_digest=digest,
-        state=State.creating,
-        created_at=now,
-        expires_at=now + ttl,
-        limits=limits,
-        env=dict(env),
-        labels=dict(labels),
-    )
 
 
 def _host_memory() -> int:
@@ -94,6 +78,8 @@ class SandboxManager:
         network: NetworkOptions | None = None,
         kind_options: dict[str, Any] | None = None,
         trajectory: TrajectoryOptions | None = None,
+        admission: AdmissionOptions | None = None,
+        evict_at: float = DEFAULT_EVICT_AT,
     ) -> None:
         self.state_dir = state_dir
         state_dir.mkdir(parents=True, exist_ok=True)
@@ -119,6 +105,13 @@ class SandboxManager:
         self.grader = Grader(self)
         self.runner = Runner(self)
         self.trajectories = Trajectories(self, trajectory)
+        self.admission = Admission(admission or AdmissionOptions(), quota_of=self.tenants.quota)
+        self.node_name = self.admission.options.node_name or os.uname().nodename
+        self.usage = UsageMonitor(self, evict_at)
+        self.metrics = NodeMetrics(self)
+        self.usage.on_sample = self._cpu_sampled
+        self._monitor: asyncio.Task[None] | None = None
+        self.max_concurrent_creates = MAX_CONCURRENT_CREATES
         self._background: set[asyncio.Task[None]] = set()
         self._busy: dict[str, int] = {}  # sandbox id -> execs in flight (a VM is not paused under one)
         # one-shot runs' sandboxes: never written to the state database (a daemon that dies mid-run
@@ -158,12 +151,14 @@ class SandboxManager:
             except DsecError as e:  # a pool that cannot be filled must not keep the node down
                 self.notes.append(f"{backend.kind} kind: pre-warming failed: {e.message}")
         self._reaper = asyncio.create_task(self._reap_forever())
+        self._monitor = asyncio.create_task(self.usage.run_forever())
 
     async def close(self) -> None:
-        if self._reaper is not None:
-            self._reaper.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._reaper
+        for task in (self._reaper, self._monitor):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
         for backend in self.backends.values():
             try:
                 await backend.close()
@@ -192,6 +187,7 @@ class SandboxManager:
                     alive = False
             if alive:
                 log.info("re-adopted sandbox %s", rec.id)
+                self.admission.force(rec.id, Claim(rec.owner, rec.limits.cpu, rec.limits.mem_request()))
                 continue
             reason = {
                 State.creating: "the daemon stopped while the sandbox was being created",
@@ -235,6 +231,7 @@ class SandboxManager:
         if state in TERMINAL_STATES:
             self._ephemeral.discard(rec.id)
             self._live.pop(rec.id, None)
+            self.admission.release(rec.id)
         else:
             self._live[rec.id] = rec
 
@@ -266,9 +263,13 @@ class SandboxManager:
 
     async def create(self, req: CreateSandbox, *, caller: Caller = OPERATOR, persist: bool = True) -> SandboxInfo:
         """A new sandbox; with ``req.trajectory``, the trajectory's sandbox (new, resumed or rebuilt)."""
-        if req.trajectory:
-            return await self.trajectories.create(req, caller)
-        return await self.create_fresh(req, caller=caller, persist=persist)
+        try:
+            if req.trajectory:
+                return await self.trajectories.create(req, caller)
+            return await self.create_fresh(req, caller=caller, persist=persist)
+        except DsecError as e:
+            self.metrics.failed(req.kind, e.code)
+            raise
 
     async def create_fresh(self, req: CreateSandbox, *, caller: Caller = OPERATOR, persist: bool = True) -> SandboxInfo:
         if req.kind not in self.backends:
@@ -278,18 +279,32 @@ class SandboxManager:
             raise InvalidRequest(f"kind {req.kind!r} is not enabled on this node")
         if req.limits.memory > _host_memory():
             raise InvalidRequest(f"memory limit {req.limits.memory} exceeds this node's {_host_memory()} bytes")
+        # refused now (too big for the node or the tenant's quota) rather than after an image build
+        self.admission.check(Claim(caller.tenant, req.limits.cpu, req.limits.mem_request()))
         image = await self.images.resolve(req.image, caller=caller)
         return (await self.create_on(req, image, owner=caller.tenant, persist=persist)).info()
 
     async def create_on(
         self, req: CreateSandbox, image: ImageRef, *, owner: str = OPERATOR.tenant, persist: bool = True
     ) -> SandboxRecord:
-        """Create on a resolved image (builder sandboxes the daemon runs itself come here too)."""
+        """Create on a resolved image (builder sandboxes the daemon runs itself come here too).
+
+        Admission comes first: a creation that waits for capacity, or is refused, has no record yet, so
+        nothing half-made is left behind by a deadline or a caller that went away."""
         backend = self.backends[req.kind]
         backend.check_network(req.network)
-        rec = _new_record(req.kind, image.name, image.digest, req.timeout, req.limits, req.env, req.labels)
+        started = time.monotonic()
+        claim = Claim(owner, req.limits.cpu, req.limits.mem_request())
+        await self.admission.admit(claim, req.queue_timeout)
+        try:
+            rec = new_record(req.kind, image.name, image.digest, req.timeout, req.limits, req.env, req.labels)
+        except BaseException:
+            self.admission.cancel(claim)
+            raise
+        self.admission.bind(rec.id, claim)
         rec.owner = owner
         rec.network = req.network
+        rec.runtime["node"] = self.node_name
         if req.trajectory:
             rec.runtime["trajectory"] = req.trajectory
         if persist:
@@ -297,10 +312,13 @@ class SandboxManager:
         else:
             self._ephemeral.add(rec.id)
         self._live[rec.id] = rec
-        slots = self._create_slots.setdefault(req.kind, asyncio.Semaphore(MAX_CONCURRENT_CREATES))
+        slots = self._create_slots.setdefault(
+            req.kind, asyncio.Semaphore(backend.start_bound() or self.max_concurrent_creates)
+        )
         async with slots, self._lock(rec.id):
             if rec.state != State.creating:  # killed while it waited for a create slot
                 raise SandboxGone(f"sandbox {rec.id} was {rec.state.value} before it was created: {rec.reason}")
+            timings = rec.runtime["timings"] = {"queue": round(time.monotonic() - started, 6)}
             try:
                 await backend.create(rec, image)
             except BaseException as e:
@@ -311,7 +329,11 @@ class SandboxManager:
                 if isinstance(e, DsecError) or not isinstance(e, Exception):
                     raise
                 raise BackendError(f"creating sandbox failed: {reason}") from e
+            total = time.monotonic() - started
+            timings["runtime"] = round(total - timings["queue"] - timings.get("rootfs", 0.0), 6)
+            timings["total"] = round(total, 6)
             self._set_state(rec, State.running)
+        self.metrics.created(rec.kind, timings)
         return rec
 
     def info(self, sandbox_id: str, *, caller: Caller = OPERATOR) -> SandboxInfo:
@@ -323,7 +345,18 @@ class SandboxManager:
             return rec.info()  # killing twice is not an error
         return await self._stop(sandbox_id, "killed by request")
 
-    async def _stop(self, sandbox_id: str, reason: str) -> SandboxInfo:
+    async def evict(self, sandbox_id: str, reason: str) -> None:
+        """End a sandbox the node cannot keep (memory pressure): ``failed``, with why."""
+        with contextlib.suppress(DsecError):
+            await self._stop(sandbox_id, reason, final=State.failed)
+        self.metrics.evictions.inc()
+
+    def _cpu_sampled(self, sandbox_id: str, ratio: float) -> None:
+        rec = self._live.get(sandbox_id)
+        if rec is not None:
+            self.metrics.cpu_use.labels(rec.kind).observe(ratio)
+
+    async def _stop(self, sandbox_id: str, reason: str, final: State = State.stopped) -> SandboxInfo:
         async with self._lock(sandbox_id):
             rec = self._get(sandbox_id)
             if rec.state in TERMINAL_STATES:
@@ -336,7 +369,7 @@ class SandboxManager:
                 if isinstance(e, DsecError):
                     raise
                 raise BackendError(f"stopping sandbox {rec.id} failed: {e}") from e
-            self._set_state(rec, State.stopped, reason)
+            self._set_state(rec, final, reason)
         self._locks.pop(sandbox_id, None)
         task = asyncio.create_task(self.images.save_traces(rec.image_digest))
         self._background.add(task)
@@ -355,8 +388,15 @@ class SandboxManager:
         env = {**rec.env, **req.env}
         req = req.model_copy(update={"env": env})
         self._busy[rec.id] = self._busy.get(rec.id, 0) + 1
+        first = "first_exec" not in rec.runtime.get("timings", {"first_exec": 0})
+        started = time.monotonic()
         try:
-            return await self._checked(rec, backend.exec(rec, req, on_output))
+            result = await self._checked(rec, backend.exec(rec, req, on_output))
+            if first:
+                seconds = time.monotonic() - started
+                rec.runtime["timings"]["first_exec"] = round(seconds, 6)
+                self.metrics.phase.labels(rec.kind, "first_exec").observe(seconds)
+            return result
         finally:
             left = self._busy[rec.id] - 1
             if left:
@@ -413,50 +453,8 @@ class SandboxManager:
         return rec.info()
 
     async def fork(self, sandbox_id: str, req: ForkRequest, *, caller: Caller = OPERATOR) -> ForkResult:
-        """``req.n`` new sandboxes restored from one memory snapshot of this one, each with its own copy
-        of its memory and writable layer. All or nothing: if one copy fails, none is kept.
-
-        Allowed in: running, paused (the parent is left as it was).
-        """
-        started = time.monotonic()
-        parent = self._get(sandbox_id, caller)
-        backend = self.backends[parent.kind]
-        children: list[SandboxRecord] = []
-        try:
-            async with self._lock(parent.id):
-                parent = self._get(sandbox_id)
-                if parent.state != State.paused:
-                    self._running(sandbox_id)  # raises the precise error for any other state
-                async with backend.checkpoint(parent) as checkpoint:
-                    ttl = req.timeout if req.timeout is not None else parent.expires_at - parent.created_at
-                    labels = parent.labels if req.labels is None else req.labels
-                    for _ in range(req.n):
-                        child = _new_record(
-                            parent.kind, parent.image, parent.image_digest, ttl, parent.limits, parent.env, labels
-                        )
-                        child.runtime["forked_from"] = parent.id
-                        child.owner = parent.owner  # the parent's tenant's, even when the operator forks
-                        self._set_state(child, State.creating)
-                        children.append(child)
-                    results = await asyncio.gather(
-                        *(backend.restore(c, parent, checkpoint) for c in children), return_exceptions=True
-                    )
-            failed = [(c, r) for c, r in zip(children, results, strict=True) if isinstance(r, BaseException)]
-            if failed:
-                first = failed[0][1]
-                why = first.message if isinstance(first, DsecError) else f"{type(first).__name__}: {first}"
-                raise BackendError(f"{len(failed)} of {req.n} copies of {parent.id} failed to start: {why}")
-        except BaseException as e:
-            reason = str(e) if isinstance(e, DsecError) else f"{type(e).__name__}: {e}"
-            for child in children:
-                self._set_state(child, State.failed, f"fork failed: {reason}")
-                with contextlib.suppress(Exception):
-                    await backend.destroy(child)
-            raise
-        for child in children:
-            self._set_state(child, State.running)
-        log.info("sandbox %s forked into %d in %.2fs", parent.id, req.n, time.monotonic() - started)
-        return ForkResult(sandboxes=[c.info() for c in children], seconds=round(time.monotonic() - started, 3))
+        """``req.n`` new sandboxes restored from one memory snapshot of this one (see forks.fork)."""
+        return await forks.fork(self, sandbox_id, req, caller)
 
     async def _checked(self, rec: SandboxRecord, op: Awaitable[T]) -> T:
         """Run an operation; if the sandbox died under it, report that rather than a runtime error."""

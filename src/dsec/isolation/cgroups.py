@@ -64,6 +64,20 @@ class CgroupLayout:
                 values.append("")
         return tuple(values)
 
+    def usage(self, cg_path: str) -> tuple[int, int] | None:
+        """CPU time used (ns) and memory charged now (bytes) of a group and its children; None if gone."""
+        rel = cg_path.strip("/")
+        try:
+            if self.mode == "v2":
+                d = self.unified / rel
+                cpu_us = _counter(d / "cpu.stat", "usage_usec")
+                return cpu_us * 1000, int((d / "memory.current").read_text())
+            cpu_ns = int((CGROUP_ROOT / "cpuacct" / rel / "cpuacct.usage").read_text())
+            mem = int(((self.memory_v1 or CGROUP_ROOT / "memory") / rel / "memory.usage_in_bytes").read_text())
+            return cpu_ns, mem
+        except (OSError, ValueError):
+            return None
+
 
 def _counter(f: Path, key: str) -> int:
     try:

@@ -52,6 +52,15 @@ class Backend(ABC):
         """Check and prepare the host once at daemon start; returns notes for the log."""
         return []
 
+    def cgroup(self, rec: SandboxRecord) -> str | None:
+        """The cgroup (path under the hierarchy roots) that holds everything the sandbox runs, for its
+        usage figures; None if the kind has none of its own."""
+        return None
+
+    def start_bound(self) -> int | None:
+        """How many sandboxes of this kind may start at once, if the kind bounds it (VM boots)."""
+        return None
+
     async def readopted(self) -> None:
         """Called once after the daemon re-adopted the sandboxes of a previous run (``alive``)."""
         return None

@@ -14,13 +14,12 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, TypeVar
 
-from ..errors import InvalidRequest, error_from_wire, validation_message
+from ..errors import DsecError, InvalidRequest, error_from_wire, validation_message
 from ..grade_models import GRADE_DIR, GradeRequest, GradeResult
 from ..images.buildspec import BuildSpec, ImageSpec, load_spec
 from ..models import (
     DEFAULT_OUTPUT_CAP,
     BuildResult,
-    CreateSandbox,
     ExecEvent,
     ExecRequest,
     ExecResult,
@@ -31,8 +30,6 @@ from ..models import (
     ImageInfo,
     ImageList,
     ImageStats,
-    Limits,
-    NetworkAllow,
     NetworkSpec,
     NetworkStatus,
     SandboxInfo,
@@ -40,7 +37,17 @@ from ..models import (
     SnapshotRequest,
 )
 from ..trajectory_models import RecordedCall
+from .creating import (
+    CREATE_TIMEOUT,
+    DEFAULT_WAIT_FOR_CAPACITY,
+    batch_error,
+    create_body,
+    network_body,
+    post_create,
+    stream_batch,
+)
 from .files import AsyncFiles
+from .node import NodeClient
 from .oneshot import RunClient
 from .tenants import TenantClient
 from .trajectory import Params, Trajectory, TrajectoryClient, canonical_params, exec_result, model_result, replay
@@ -48,7 +55,6 @@ from .transport import Transport
 
 T = TypeVar("T")
 
-CREATE_TIMEOUT = 1800.0  # the first use of a built-in image builds it
 BUILD_TIMEOUT = 6 * 3600.0
 
 
@@ -66,7 +72,7 @@ def _tar_of(src: Path) -> bytes:
     return buf.getvalue()
 
 
-class AsyncClient(RunClient, TrajectoryClient, TenantClient):
+class AsyncClient(RunClient, TrajectoryClient, TenantClient, NodeClient):
     """A connection to a dsec daemon (``DSEC_URL`` / ``DSEC_TOKEN``, or the local daemon's defaults)."""
 
     def __init__(self, url: str | None = None, token: str | None = None) -> None:
@@ -192,17 +198,6 @@ def default_client() -> AsyncClient:
     return client
 
 
-def _network_body(policy: NetworkSpec | dict[str, Any]) -> Any:
-    """A policy as JSON, validated here for a clear error before the round trip."""
-    if policy == "full":
-        return "full"
-    try:
-        raw = policy.model_dump() if isinstance(policy, NetworkAllow) else policy
-        return NetworkAllow.model_validate(raw).model_dump()
-    except ValueError as e:
-        raise InvalidRequest(validation_message(e)) from None
-
-
 class AsyncSandbox:
     """One sandbox. Create with ``await AsyncSandbox.create(...)``; ``async with`` kills it on exit."""
 
@@ -213,6 +208,7 @@ class AsyncSandbox:
         # A sandbox created with a trajectory numbers its calls and has them logged. One attached by id
         # (``connect``) is outside the trajectory: it may read and kill, not change the sandbox.
         self.trajectory: Trajectory | None = None
+        self._batch_index: int | None = None
         if info.trajectory and info.trajectory_length is not None:
             self.trajectory = Trajectory(client._transport, info.trajectory, info.trajectory_length)
 
@@ -253,6 +249,7 @@ class AsyncSandbox:
         cpu: float | None = None,
         cpu_limit: float | None = None,
         memory: int | str | None = None,
+        memory_request: int | str | None = None,
         disk: int | str | None = None,
         pids: int | None = None,
         nofile: int | None = None,
@@ -262,9 +259,16 @@ class AsyncSandbox:
         labels: dict[str, str] | None = None,
         network: NetworkSpec | dict[str, Any] = None,
         trajectory: str | None = None,
+        queue_timeout: float | None = None,
+        wait_for_capacity: float = DEFAULT_WAIT_FOR_CAPACITY,
         client: AsyncClient | None = None,
     ) -> AsyncSandbox:
         """Create a sandbox and wait until it runs. ``timeout`` is its time to live in seconds.
+
+        ``cpu`` and ``memory_request`` are what the node admits against its (oversubscribed) capacity;
+        ``cpu_limit`` and ``memory`` are hard ceilings. A node without capacity queues the creation up to
+        ``queue_timeout`` seconds (default: the node's), then answers 429; the SDK then waits as told and
+        retries for up to ``wait_for_capacity`` seconds in all before raising ``Overloaded``.
 
         ``trajectory`` (e.g. ``"job-17/rollout-3"``): bind the sandbox to it. Every call is then logged;
         creating again with the same id and arguments returns the same sandbox (rebuilt from the log if
@@ -275,39 +279,64 @@ class AsyncSandbox:
         (container kind); see ``set_network``.
         """
         client = client or default_client()
-        limits: dict[str, Any] = {
-            k: v
-            for k, v in {
-                "cpu": cpu,
-                "cpu_limit": cpu_limit,
-                "memory": memory,
-                "disk": disk,
-                "pids": pids,
-                "nofile": nofile,
-                "file_size": file_size,
-            }.items()
-            if v is not None
+        limits = {
+            "cpu": cpu,
+            "cpu_limit": cpu_limit,
+            "memory": memory,
+            "memory_request": memory_request,
+            "disk": disk,
+            "pids": pids,
+            "nofile": nofile,
+            "file_size": file_size,
         }
-        body: dict[str, Any] = {
-            "image": image,
-            "kind": kind,
-            "timeout": timeout,
-            "env": env or {},
-            "labels": labels or {},
-        }
-        if network is not None:
-            body["network"] = _network_body(network)
-        if trajectory is not None:
-            body["trajectory"] = trajectory
-        if limits:
-            body["limits"] = limits
-        # Validate locally for a clear error before the round trip; the daemon validates again.
-        try:
-            CreateSandbox.model_validate({**body, "limits": Limits.model_validate(limits)})
-        except ValueError as e:
-            raise InvalidRequest(validation_message(e)) from None
-        reply = await client._transport.request("POST", "/v1/sandboxes", json=body, timeout=CREATE_TIMEOUT)
-        return cls(SandboxInfo.model_validate_json(reply.content), client)
+        body = create_body(image, kind, limits, timeout, env, labels, network, trajectory, queue_timeout)
+        return cls(await post_create(client._transport, body, wait_for_capacity), client)
+
+    @classmethod
+    async def create_many(
+        cls,
+        n: int,
+        image: str = "dsec/debian:12",
+        kind: str = "container",
+        *,
+        cpu: float | None = None,
+        cpu_limit: float | None = None,
+        memory: int | str | None = None,
+        memory_request: int | str | None = None,
+        disk: int | str | None = None,
+        pids: int | None = None,
+        timeout: float = 600.0,
+        env: dict[str, str] | None = None,
+        labels: dict[str, str] | None = None,
+        network: NetworkSpec | dict[str, Any] = None,
+        trajectories: builtins.list[str] | None = None,
+        queue_timeout: float | None = None,
+        client: AsyncClient | None = None,
+    ) -> AsyncIterator[AsyncSandbox | DsecError]:
+        """Create ``n`` sandboxes alike in one request, yielding each as soon as it runs, in the order they
+        become ready. A creation that failed is yielded as the error it would have raised alone (with
+        ``.index``; ``Overloaded`` if the node had no capacity before ``queue_timeout``); the others are
+        not affected. Each sandbox's ``batch_index`` says which of the ``n`` it is. ``trajectories``: one
+        id per sandbox. Leaving the loop early kills the sandboxes not yet yielded.
+
+        ``async for sb in AsyncSandbox.create_many(100, "dsec/busybox"): ...``
+        """
+        client = client or default_client()
+        limits = {"cpu": cpu, "cpu_limit": cpu_limit, "memory": memory, "memory_request": memory_request}
+        limits |= {"disk": disk, "pids": pids}
+        body = create_body(image, kind, limits, timeout, env, labels, network, None, queue_timeout)
+        async for event in stream_batch(client._transport, body, n, trajectories):
+            if event.sandbox is not None:
+                sb = cls(event.sandbox, client)
+                sb._batch_index = event.index
+                yield sb
+            elif event.error is not None:
+                yield batch_error(event)
+
+    @property
+    def batch_index(self) -> int | None:
+        """Which sandbox of its ``create_many`` batch this is (None: created alone)."""
+        return self._batch_index
 
     @classmethod
     async def connect(cls, sandbox_id: str, client: AsyncClient | None = None) -> AsyncSandbox:
@@ -538,7 +567,7 @@ class AsyncSandbox:
         other sandboxes. ``{"allow": [...]}``: only ``CIDR:PORT``, ``IP:PORT`` or ``NAME:PORT`` (PORT a
         number or ``*``), tcp and udp; names resolve through the platform's resolver, which refuses others.
         """
-        body = None if policy is None else _network_body(policy)
+        body = None if policy is None else network_body(policy)
 
         async def live(headers: dict[str, str]) -> NetworkStatus:
             reply = await self._t.request("PUT", f"/v1/sandboxes/{self.id}/network", json=body, headers=headers)

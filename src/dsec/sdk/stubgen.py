@@ -47,6 +47,7 @@ from ..models import (
     TenantInfo,
     TenantRemoved,
 )
+from ..node_models import NodeStatus, TenantQuota
 from ..run_models import PoolInfo, RunRequest, RunResult
 from ..trajectory_models import RecordedCall, TrajectoryInfo
 """

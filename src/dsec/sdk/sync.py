@@ -103,6 +103,14 @@ def _classmethod(async_cls: type, fn: Callable[..., Any]) -> classmethod[Any, An
     return classmethod(method)
 
 
+def _classgen(async_cls: type, fn: Callable[..., Any]) -> classmethod[Any, Any, Any]:
+    @functools.wraps(fn)
+    def method(cls: type, *args: Any, **kwargs: Any) -> Iterator[Any]:
+        return _sync_iter(fn(async_cls, *args, **{k: _unwrap(v) for k, v in kwargs.items()}))
+
+    return classmethod(method)
+
+
 def _property(name: str) -> property:
     return property(lambda self: _wrap(getattr(self._impl, name)))
 
@@ -118,6 +126,8 @@ def synchronize(async_cls: type, name: str, doc: str | None = None) -> type:
             continue
         if isinstance(value, classmethod) and inspect.iscoroutinefunction(value.__func__):
             namespace[attr] = _classmethod(async_cls, value.__func__)
+        elif isinstance(value, classmethod) and inspect.isasyncgenfunction(value.__func__):
+            namespace[attr] = _classgen(async_cls, value.__func__)
         elif inspect.iscoroutinefunction(value) or inspect.isasyncgenfunction(value):
             namespace[attr] = _method(value)
         elif isinstance(value, property):

@@ -15,14 +15,16 @@ from urllib.parse import urlparse
 from fastapi import FastAPI
 
 from .. import __version__
+from ..core.admission import AdmissionOptions
 from ..core.manager import SandboxManager
 from ..core.trajectory.recorder import TrajectoryOptions
+from ..core.usage import DEFAULT_EVICT_AT
 from ..errors import InvalidRequest
 from ..images.scrub import ScrubRules
 from ..images.store import ImageStore
 from ..isolation.network.options import NetworkOptions
 from ..store.audit import DEFAULT_KEEP_DAYS, DEFAULT_MAX_RECORDS, AuditLog
-from . import errors, routes, run_routes, tenant_routes, trajectory_routes
+from . import errors, node_routes, routes, run_routes, tenant_routes, trajectory_routes
 from .audit import AuditMiddleware
 from .limits import BodyLimit
 
@@ -66,6 +68,8 @@ def create_app(manager: SandboxManager, token: str) -> FastAPI:
     app.state.manager = manager
     app.state.token = token
     errors.install(app)
+    app.include_router(node_routes.router)  # before routes: /sandboxes/batch is not a sandbox id
+    app.include_router(node_routes.metrics_router)
     app.include_router(routes.router)
     app.include_router(tenant_routes.router)
     app.include_router(run_routes.router)
@@ -78,6 +82,8 @@ def create_app(manager: SandboxManager, token: str) -> FastAPI:
 def openapi_spec() -> dict[str, Any]:
     """The OpenAPI document, generated from the routes and wire models (no daemon needed)."""
     app = FastAPI(title="dsec", version=__version__)
+    app.include_router(node_routes.router)  # before routes: /sandboxes/batch is not a sandbox id
+    app.include_router(node_routes.metrics_router)
     app.include_router(routes.router)
     app.include_router(tenant_routes.router)
     app.include_router(run_routes.router)
@@ -123,6 +129,8 @@ def serve(
     network: NetworkOptions | None = None,
     function: Any = None,
     trajectory: TrajectoryOptions | None = None,
+    admission: AdmissionOptions | None = None,
+    evict_at: float = DEFAULT_EVICT_AT,
 ) -> None:
     """``function``: the function kind's FunctionOptions (kept opaque here: the server knows no kind)."""
     import uvicorn
@@ -152,7 +160,14 @@ def serve(
     audit_log = AuditLog(state_dir / "audit.db", keep_days=audit.keep_days, max_records=audit.max_records)
     kind_options = {"function": function} if function is not None else None
     manager = SandboxManager(
-        state_dir, store, audit=audit_log, network=network, kind_options=kind_options, trajectory=trajectory
+        state_dir,
+        store,
+        audit=audit_log,
+        network=network,
+        kind_options=kind_options,
+        trajectory=trajectory,
+        admission=admission,
+        evict_at=evict_at,
     )
     app = create_app(manager, token)
     # Keep idle connections well past the SDK's own keep-alive expiry: a server that closes first races

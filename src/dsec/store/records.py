@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import secrets
+import time
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any, Literal
@@ -58,6 +60,8 @@ class SandboxRecord:
             owner=self.owner,
             network=self.network,
             trajectory=self.runtime.get("trajectory"),
+            node=self.runtime.get("node"),
+            timings=self.runtime.get("timings") or {},
         )
 
 
@@ -67,3 +71,21 @@ def _started_from(runtime: dict[str, Any]) -> Literal["boot", "snapshot", "fork"
     if "restored" in runtime:
         return "snapshot" if runtime["restored"] else "boot"
     return None
+
+
+def new_record(
+    kind: str, image: str, digest: str, ttl: float, limits: Limits, env: dict[str, str], labels: dict[str, str]
+) -> SandboxRecord:
+    now = time.time()
+    return SandboxRecord(
+        id="sb-" + secrets.token_hex(6),
+        kind=kind,
+        image=image,
+        image_digest=digest,
+        state=State.creating,
+        created_at=now,
+        expires_at=now + ttl,
+        limits=limits,
+        env=dict(env),
+        labels=dict(labels),
+    )

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import Forbidden, InvalidRequest, NotFound, TenantExists
+from ..node_models import TenantQuota
 from ..tenancy import ADMIN, OPERATOR, Caller, check_tenant_name
 from .db import open_private
 
@@ -29,6 +30,10 @@ CREATE TABLE IF NOT EXISTS tenants (
     created_at REAL NOT NULL,
     operator INTEGER NOT NULL DEFAULT 0,
     revoked_at REAL
+);
+CREATE TABLE IF NOT EXISTS tenant_quotas (
+    name TEXT PRIMARY KEY,
+    quota TEXT NOT NULL
 );
 """
 TOKEN_PREFIX = "dsect_"  # tells a tenant token from the operator's at a glance (logs, leaked-secret scanners)
@@ -62,6 +67,10 @@ class TenantStore:
             self._tenants[tenant.name] = tenant
             if digest is not None and revoked is None:
                 self._by_hash[str(digest)] = tenant.caller
+        self._quotas: dict[str, TenantQuota] = {
+            str(name): TenantQuota.model_validate_json(raw)
+            for name, raw in self._db.execute("SELECT name, quota FROM tenant_quotas")
+        }
 
     def close(self) -> None:
         self._db.close()
@@ -104,6 +113,25 @@ class TenantStore:
             self._tenants[name] = tenant
             self._by_hash[digest] = tenant.caller
         return tenant, token
+
+    def quota(self, name: str) -> TenantQuota | None:
+        """What the tenant may hold on this node at once; None: only the node's own bounds."""
+        return self._quotas.get(name)
+
+    def set_quota(self, name: str, quota: TenantQuota) -> TenantQuota:
+        tenant = self.get(name)
+        if tenant.operator:
+            raise InvalidRequest("the operator has no quota: the node's capacity bounds it")
+        if tenant.revoked_at is not None:
+            raise InvalidRequest(f"tenant {name!r} was removed")
+        with self._lock:
+            if quota == TenantQuota():
+                self._db.execute("DELETE FROM tenant_quotas WHERE name = ?", (name,))
+                self._quotas.pop(name, None)
+            else:
+                self._db.execute("INSERT OR REPLACE INTO tenant_quotas VALUES (?,?)", (name, quota.model_dump_json()))
+                self._quotas[name] = quota
+        return quota
 
     def get(self, name: str) -> Tenant:
         tenant = self._tenants.get(name)

@@ -198,6 +198,9 @@ class ContainerBackend(PolicyNetwork):
     def _cg_path(rec: SandboxRecord) -> str:
         return f"/dsec/{rec.id}"
 
+    def cgroup(self, rec: SandboxRecord) -> str | None:
+        return self._cg_path(rec)
+
     def _runtime_argv(self, *args: str) -> list[str]:
         return [self.runtime, "--root", str(self.run_root), *args]
 
@@ -215,6 +218,7 @@ class ContainerBackend(PolicyNetwork):
                 "cwd": image.workdir or "/",
             }
         )
+        began = time.monotonic()
         uid_base = None
         if self.userns_error is None:
             uid_base = self.uid_slots.take()
@@ -226,6 +230,8 @@ class ContainerBackend(PolicyNetwork):
         except OSError as e:
             raise BackendError(f"cannot prepare the root filesystem: {e}") from e
         account = await asyncio.to_thread(self._account, rec, image.user)
+        if isinstance(rec.runtime.get("timings"), dict):  # the core's phase figures (worker records have none)
+            rec.runtime["timings"]["rootfs"] = round(time.monotonic() - began, 6)
         if not account.is_root:
             # the image's runtime account runs every exec and owns what the file API writes
             rec.runtime["user"] = [account.uid, account.gid]
@@ -238,7 +244,15 @@ class ContainerBackend(PolicyNetwork):
             bb = f"{spec.HELPER_MOUNT}/busybox"
             init = [bb, "sh", "-c", 'exec "$@" </dev/null >/dev/null 2>&1', "dsec-init", *init]
         cfg = spec.config(
-            rec, image, str(rootfs), str(self.helper_dir), self._cg_path(rec), init, self.seccomp_bpf, uid_base
+            rec,
+            image,
+            str(rootfs),
+            str(self.helper_dir),
+            self._cg_path(rec),
+            init,
+            self.seccomp_bpf,
+            uid_base,
+            cgroup_v2=self._layout().mode == "v2",
         )
         await asyncio.to_thread((bundle / "config.json").write_text, json.dumps(cfg))
         argv = self._runtime_argv("run", "--detach", "--bundle", str(bundle), rec.id)

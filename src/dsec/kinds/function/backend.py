@@ -239,6 +239,10 @@ class FunctionBackend(Backend):
 
     # ---- lifecycle -----------------------------------------------------------------------------------
 
+    def cgroup(self, rec: SandboxRecord) -> str | None:
+        worker = self._lent.get(rec.id)
+        return self.containers.cgroup(worker.rec) if worker is not None else None
+
     async def create(self, rec: SandboxRecord, image: ImageRef) -> None:
         pool = self.pool_for(rec.owner, image, rec)
         worker, warm = await self.pools.acquire(pool)

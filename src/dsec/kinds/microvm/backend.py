@@ -150,6 +150,12 @@ class MicroVMBackend(PolicyNetwork):
     def _bundle(self, rec: SandboxRecord) -> Path:
         return self.vm_dir / rec.id
 
+    def cgroup(self, rec: SandboxRecord) -> str | None:
+        return f"{jail.CGROUP_PARENT}/{jail.key(rec.id, self._bundle(rec))}"
+
+    def start_bound(self) -> int | None:
+        return BOOTS[self.accel]
+
     def _spec(self, rec: SandboxRecord, image: ImageRef) -> qemu.VMSpec:
         if not image.layer_files:
             raise InvalidRequest(f"image {image.name} has no layer files to boot a VM from")

@@ -1,0 +1,117 @@
+"""The node's Prometheus metrics (GET /metrics).
+
+Counters and histograms are updated where things happen; figures that describe the present (sandboxes
+by kind and state, the queue, capacity, each sandbox's CPU used against its request) are read from the
+manager when scraped, so they cannot drift from it. Each manager has its own registry: several daemons
+(or tests) in one process do not mix.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client import Counter as PromCounter
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+if TYPE_CHECKING:
+    from .manager import SandboxManager
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+PHASES = ("queue", "rootfs", "runtime", "total", "first_exec")
+PHASE_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+# cpu used / cpu requested over a sampling interval: the "90% use <= 5%" question is bucket 0.05
+USE_BUCKETS = (0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 4.0, 8.0)
+
+
+class NodeMetrics:
+    def __init__(self, mgr: SandboxManager) -> None:
+        self.registry = CollectorRegistry(auto_describe=False)
+        r = self.registry
+        self.creations = PromCounter("dsec_creations", "Sandboxes created.", ["kind"], registry=r)
+        self.failures = PromCounter(
+            "dsec_creation_failures",
+            "Creations that did not give a sandbox, by reason (the error code).",
+            ["kind", "reason"],
+            registry=r,
+        )
+        self.phase = Histogram(
+            "dsec_create_phase_seconds",
+            "Seconds a creation spent per phase: queue (capacity and a start slot), rootfs, runtime (start "
+            "until the agent answers), total; first_exec is the first command's round trip in the daemon.",
+            ["kind", "phase"],
+            buckets=PHASE_BUCKETS,
+            registry=r,
+        )
+        self.queue_wait = Histogram(
+            "dsec_admission_wait_seconds",
+            "Seconds creations that queued waited for capacity.",
+            buckets=PHASE_BUCKETS,
+            registry=r,
+        )
+        self.cpu_use = Histogram(
+            "dsec_sandbox_cpu_use_ratio",
+            "Per sandbox and sampling interval: CPU used / CPU requested.",
+            ["kind"],
+            buckets=USE_BUCKETS,
+            registry=r,
+        )
+        self.evictions = PromCounter("dsec_evictions", "Sandboxes evicted under memory pressure.", registry=r)
+        r.register(_Live(mgr))
+
+    def created(self, kind: str, timings: dict[str, float]) -> None:
+        self.creations.labels(kind).inc()
+        for phase, seconds in timings.items():
+            if phase in PHASES:
+                self.phase.labels(kind, phase).observe(seconds)
+
+    def failed(self, kind: str, reason: str) -> None:
+        self.failures.labels(kind, reason).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class _Live(Collector):
+    def __init__(self, mgr: SandboxManager) -> None:
+        self.mgr = mgr
+
+    def collect(self) -> Iterator[Metric]:
+        mgr, adm = self.mgr, self.mgr.admission
+        states = GaugeMetricFamily("dsec_sandboxes", "Live sandboxes by kind and state.", labels=["kind", "state"])
+        for (kind, state), n in sorted(Counter((r.kind, r.state.value) for r in list(mgr._live.values())).items()):
+            states.add_metric([kind, state], n)
+        yield states
+        queued = GaugeMetricFamily("dsec_admission_queued", "Creations waiting for capacity.", labels=["tenant"])
+        for q in adm.queues():
+            queued.add_metric([q.tenant], q.waiting)
+        yield queued
+        for name, doc, res in (
+            ("capacity", "What the node has for sandboxes.", adm.capacity),
+            ("allocatable", "Capacity x oversubscription ratio.", adm.allocatable),
+            ("requested", "Sum of the requests admitted.", adm.requested),
+        ):
+            g = GaugeMetricFamily(f"dsec_node_{name}", doc, labels=["resource"])
+            g.add_metric(["cpu"], res.cpu)
+            g.add_metric(["memory"], float(res.memory))
+            yield g
+        pressure = GaugeMetricFamily("dsec_node_memory_pressure", "Share of the node's memory in use (0-1).")
+        pressure.add_metric([], mgr.usage.pressure)
+        yield pressure
+        labels = ["sandbox", "kind", "tenant"]
+        req = GaugeMetricFamily("dsec_sandbox_cpu_requested_cores", "CPU requested.", labels=labels)
+        used = GaugeMetricFamily("dsec_sandbox_cpu_used_cores", "CPU used over the last interval.", labels=labels)
+        mem = GaugeMetricFamily("dsec_sandbox_memory_used_bytes", "Memory charged to the sandbox.", labels=labels)
+        mreq = GaugeMetricFamily("dsec_sandbox_memory_requested_bytes", "Memory requested.", labels=labels)
+        for rec in list(mgr._live.values()):
+            key = [rec.id, rec.kind, rec.owner or ""]
+            req.add_metric(key, rec.limits.cpu)
+            mreq.add_metric(key, float(rec.limits.mem_request()))
+            u = mgr.usage.usage.get(rec.id)
+            if u is not None:
+                used.add_metric(key, u.cpu_used)
+                mem.add_metric(key, float(u.memory))
+        yield from (req, used, mem, mreq)

@@ -1,0 +1,65 @@
+"""A node's status: capacity, what is admitted and queued, what sandboxes use (GET /v1/node)."""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from typing import TYPE_CHECKING
+
+from .. import __version__
+from ..models import State
+from ..node_models import NodeStatus, Resources, SandboxUsage
+from ..tenancy import Caller
+
+if TYPE_CHECKING:
+    from .manager import SandboxManager
+
+
+def node_status(mgr: SandboxManager, caller: Caller, top: int = 0) -> NodeStatus:
+    adm = mgr.admission
+    live = list(mgr._live.values())
+    counts: dict[str, dict[str, int]] = {}
+    for (kind, state), n in sorted(Counter((r.kind, r.state.value) for r in live).items()):
+        counts.setdefault(kind, {})[state] = n
+    cpu_used, mem_used = mgr.usage.used()
+    now = time.time()
+    usage = []
+    if top > 0:
+        for rec in live:
+            if not caller.owns(rec.owner):
+                continue
+            u = mgr.usage.usage.get(rec.id)
+            usage.append(
+                SandboxUsage(
+                    id=rec.id,
+                    kind=rec.kind,
+                    owner=rec.owner,
+                    state=rec.state.value,
+                    cpu_request=rec.limits.cpu,
+                    cpu_used=round(u.cpu_used, 4) if u else 0.0,
+                    memory_request=rec.limits.mem_request(),
+                    memory_limit=rec.limits.memory,
+                    memory_used=u.memory if u else 0,
+                    age_s=round(now - rec.created_at, 1),
+                )
+            )
+        usage.sort(key=lambda s: (s.cpu_used, s.memory_used), reverse=True)
+    return NodeStatus(
+        node=mgr.node_name,
+        version=__version__,
+        kinds=sorted(mgr.backends),
+        capacity=adm.capacity,
+        ratios=adm.ratios,
+        allocatable=adm.allocatable,
+        requested=adm.requested,
+        free=adm.free,
+        used=Resources(cpu=round(cpu_used, 4), memory=mem_used),
+        sandboxes=counts,
+        queued=adm.queued,
+        queues=adm.queues(),
+        starting=dict(Counter(r.kind for r in live if r.state == State.creating)),
+        start_slots={k: b.start_bound() or mgr.max_concurrent_creates for k, b in mgr.backends.items()},
+        memory_pressure=round(mgr.usage.pressure, 4),
+        evictions=mgr.usage.evictions,
+        top=usage[:top],
+    )

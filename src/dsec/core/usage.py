@@ -1,0 +1,148 @@
+"""What sandboxes use, sampled from their cgroups, and eviction under memory pressure.
+
+Every few seconds the monitor reads each live sandbox's cgroup: CPU time (turned into cores used over
+the interval, set against the cores it requested) and memory charged. From the same figures it judges
+memory pressure: the larger of the host's share of memory in use and the sandboxes' memory against the
+node's memory capacity. At or above ``evict_at`` it evicts one sandbox per pass, the one furthest
+above its memory request (the kubelet's order: requests are what admission promised, use beyond them
+is what gets taken back first); a sandbox within its request is evicted only when none is above, the
+largest first. Evicted sandboxes end ``failed`` with a reason that says so and by how much.
+
+Before it comes to that, the kernel throttles: each container's memory.high (cgroup v2) sits below its
+limit, and on v1 its soft limit is its request, which global reclaim pushes it back to first.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from ..isolation import cgroups
+from ..models import State
+from .admission import format_size
+
+if TYPE_CHECKING:
+    from .manager import SandboxManager
+
+log = logging.getLogger("dsec.usage")
+
+SAMPLE_S = 2.0
+DEFAULT_EVICT_AT = 0.95
+
+
+@dataclass(slots=True)
+class Usage:
+    cpu_ns: int
+    memory: int
+    at: float
+    cpu_used: float = 0.0  # cores, over the last interval
+
+
+def host_pressure() -> float:
+    fields: dict[str, int] = {}
+    with open("/proc/meminfo") as f:
+        for line in f:
+            key, _, rest = line.partition(":")
+            if key in ("MemTotal", "MemAvailable"):
+                fields[key] = int(rest.split()[0])
+    total = fields.get("MemTotal", 0)
+    return 1.0 - fields.get("MemAvailable", total) / total if total else 0.0
+
+
+class UsageMonitor:
+    def __init__(self, mgr: SandboxManager, evict_at: float = DEFAULT_EVICT_AT) -> None:
+        self.mgr = mgr
+        self.evict_at = evict_at
+        self.usage: dict[str, Usage] = {}
+        self.pressure = 0.0
+        self.evictions = 0
+        self.on_sample: Callable[[str, float], None] | None = None  # sandbox id, cpu used / requested
+        self._layout: cgroups.CgroupLayout | None = None
+
+    def _read(self, paths: dict[str, str]) -> dict[str, tuple[int, int]]:
+        if self._layout is None:
+            self._layout = cgroups.detect()
+        out = {}
+        for sid, path in paths.items():
+            got = self._layout.usage(path)
+            if got is not None:
+                out[sid] = got
+        return out
+
+    async def sample(self) -> None:
+        paths: dict[str, str] = {}
+        for rec in list(self.mgr._live.values()):
+            backend = self.mgr.backends.get(rec.kind)
+            if backend is None or rec.state not in (State.running, State.paused):
+                continue
+            path = backend.cgroup(rec)
+            if path is not None:
+                paths[rec.id] = path
+        if not paths:
+            self.usage.clear()
+            self.pressure = await asyncio.to_thread(host_pressure)
+            return
+        read = await asyncio.to_thread(self._read, paths)
+        now = time.monotonic()
+        fresh: dict[str, Usage] = {}
+        for sid, (cpu_ns, mem) in read.items():
+            last = self.usage.get(sid)
+            u = Usage(cpu_ns, mem, now)
+            if last is not None and now > last.at and cpu_ns >= last.cpu_ns:
+                u.cpu_used = (cpu_ns - last.cpu_ns) / 1e9 / (now - last.at)
+                owner = self.mgr._live.get(sid)
+                if owner is not None and self.on_sample is not None:
+                    self.on_sample(sid, u.cpu_used / owner.limits.cpu)
+            fresh[sid] = u
+        self.usage = fresh
+        sandboxes = sum(u.memory for u in fresh.values()) / max(1, self.mgr.admission.capacity.memory)
+        self.pressure = max(await asyncio.to_thread(host_pressure), sandboxes)
+
+    def used(self) -> tuple[float, int]:
+        return sum(u.cpu_used for u in self.usage.values()), sum(u.memory for u in self.usage.values())
+
+    def victim(self) -> tuple[str, str] | None:
+        """The sandbox to evict and why, or None."""
+        best: tuple[int, int, str] | None = None
+        for sid, u in self.usage.items():
+            rec = self.mgr._live.get(sid)
+            if rec is None or rec.state != State.running:
+                continue
+            over = u.memory - rec.limits.mem_request()
+            rank = (1 if over > 0 else 0, over if over > 0 else u.memory)
+            if best is None or rank > best[:2]:
+                best = (rank[0], rank[1], sid)
+        if best is None:
+            return None
+        sid = best[2]
+        rec = self.mgr._live[sid]
+        used = self.usage[sid].memory
+        return sid, (
+            f"evicted under memory pressure ({self.pressure:.0%} of the node's memory in use): it used "
+            f"{format_size(used)} against a request of {format_size(rec.limits.mem_request())}"
+        )
+
+    async def pass_once(self) -> None:
+        await self.sample()
+        if self.pressure < self.evict_at:
+            return
+        chosen = self.victim()
+        if chosen is None:
+            return
+        sid, reason = chosen
+        log.warning("sandbox %s %s", sid, reason)
+        self.evictions += 1
+        self.usage.pop(sid, None)
+        await self.mgr.evict(sid, reason)
+
+    async def run_forever(self) -> None:
+        while True:
+            await asyncio.sleep(SAMPLE_S)
+            try:
+                await self.pass_once()
+            except Exception:  # the monitor must survive whatever one sandbox's cgroup does
+                log.exception("usage pass failed")
