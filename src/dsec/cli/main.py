@@ -1,4 +1,5 @@
-"""``dsec``: serve, run, ps, exec, rm, pause, resume, fork, snapshot, image, version, demo, bench."""
+"""``dsec``: serve, run, ps, exec, rm, pause, resume, fork, snapshot, top, image, tenant, trajectory, version,
+demo, bench."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from .common import fail as _fail
 from .image import image_app
 from .machine import fork, pause, resume
 from .tenant import audit, tenant_app
+from .top import top
 from .trajectory import trajectory_app
 
 app = typer.Typer(help="dsec: elastic sandboxes for training and evaluating AI agents.", no_args_is_help=True)
@@ -461,7 +463,7 @@ def demo(
     raise typer.Exit(demo_main(n=n, concurrency=concurrency, state_dir=state_dir, url=url, token=token))
 
 
-for _command in (pause, resume, fork, audit):
+for _command in (pause, resume, fork, audit, top):
     app.command()(_command)
 
 

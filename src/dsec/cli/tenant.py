@@ -1,4 +1,4 @@
-"""``dsec tenant add|ls|rm`` (operator only) and ``dsec audit``."""
+"""``dsec tenant add|ls|rm|quota`` (operator only) and ``dsec audit``."""
 
 from __future__ import annotations
 
@@ -75,6 +75,38 @@ def rm(
             err.print(f"[red]error[/red] {name} ({e.code}): {e.message}")
             failed = True
     raise typer.Exit(2 if failed else 0)
+
+
+@tenant_app.command("quota")
+def quota(
+    name: Annotated[str, typer.Argument(help="The tenant.")],
+    sandboxes: Annotated[int | None, typer.Option(min=0, help="Live sandboxes it may hold at once.")] = None,
+    cpu: Annotated[float | None, typer.Option(min=0, help="Sum of its CPU requests, in cores.")] = None,
+    memory: Annotated[str | None, typer.Option(help="Sum of its memory requests, e.g. 64Gi.")] = None,
+    clear: Annotated[bool, typer.Option("--clear", help="Remove every bound (the node's capacity only).")] = False,
+    url: UrlOpt = None,
+    token: TokenOpt = None,
+) -> None:
+    """Show or set what a tenant may hold on the node at once; creations past it wait in the tenant's
+    queue, then get 429. Without bounds given: show the current ones."""
+    client = _client(url, token)
+    try:
+        if clear:
+            got = client.set_quota(name)
+        elif sandboxes is None and cpu is None and memory is None:
+            got = client.quota(name)
+        else:
+            current = client.quota(name)
+            got = client.set_quota(
+                name,
+                sandboxes=sandboxes if sandboxes is not None else current.sandboxes,
+                cpu=cpu if cpu is not None else current.cpu,
+                memory=memory if memory is not None else current.memory,
+            )
+    except DsecError as e:
+        _fail(e)
+        return
+    console.print_json(got.model_dump_json())
 
 
 def audit(
