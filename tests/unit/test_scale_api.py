@@ -233,3 +233,14 @@ async def test_eviction_takes_the_sandbox_furthest_above_its_request(node: Node)
     assert info["state"] == State.failed.value and info["reason"].startswith("evicted under memory pressure")
     assert node.mgr.admission.requested.cpu == 0.5  # its request went back to the node
     assert "dsec_evictions_total 1.0" in (await http.get("/metrics")).text
+
+
+async def test_a_trajectory_resumed_with_another_queue_timeout_has_not_diverged(node: Node) -> None:
+    http = node.http()
+    first = await http.post("/v1/sandboxes", json={"image": IMAGE, "trajectory": "q/1", "queue_timeout": 1})
+    assert first.status_code == 201, first.text
+    again = await http.post("/v1/sandboxes", json={"image": IMAGE, "trajectory": "q/1", "queue_timeout": 9})
+    assert again.status_code in (200, 201), again.text
+    assert again.json()["id"] == first.json()["id"]
+    other = await http.post("/v1/sandboxes", json={"image": IMAGE, "trajectory": "q/1", "labels": {"x": "y"}})
+    assert other.status_code == 409 and other.json()["error"]["code"] == "trajectory_diverged"

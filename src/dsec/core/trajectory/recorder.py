@@ -72,6 +72,11 @@ class _Bound:
     touched: float = 0.0
 
 
+def _create_params(req: CreateSandbox) -> dict[str, object]:
+    """What a create is, for its digest: how long it may queue for capacity is not part of the sandbox."""
+    return req.model_dump(mode="json", exclude={"queue_timeout"})
+
+
 class Trajectories:
     def __init__(self, mgr: SandboxManager, options: TrajectoryOptions | None = None) -> None:
         self.mgr = mgr
@@ -129,7 +134,7 @@ class Trajectories:
         if not tid:
             raise InvalidRequest("no trajectory given")
         key = (caller.tenant, tid)
-        digest = call_digest("create", req.model_dump(mode="json"))
+        digest = call_digest("create", _create_params(req))
         async with self._binding.setdefault(key, asyncio.Lock()):
             row = await asyncio.to_thread(self.store.get, *key)
             if row is None:
@@ -157,7 +162,7 @@ class Trajectories:
             caller.tenant, tid, info.id, req.kind, req.image, now, now, 1, image_version=rec.image_digest
         )
         first = CallRow(
-            caller.tenant, tid, 0, "create", digest, canonical(req.model_dump(mode="json")), "done", now,
+            caller.tenant, tid, 0, "create", digest, canonical(_create_params(req)), "done", now,
             result=info.model_dump_json(), duration_ms=0.0,
         )  # fmt: skip
         try:
