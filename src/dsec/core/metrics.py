@@ -14,8 +14,10 @@ from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client import Counter as PromCounter
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
+
+from ..tenancy import OPERATOR, Caller
 
 if TYPE_CHECKING:
     from .manager import SandboxManager
@@ -61,6 +63,7 @@ class NodeMetrics:
         )
         self.evictions = PromCounter("dsec_evictions", "Sandboxes evicted under memory pressure.", registry=r)
         r.register(_Live(mgr))
+        self.mgr = mgr
 
     def created(self, kind: str, timings: dict[str, float]) -> None:
         self.creations.labels(kind).inc()
@@ -71,8 +74,47 @@ class NodeMetrics:
     def failed(self, kind: str, reason: str) -> None:
         self.failures.labels(kind, reason).inc()
 
-    def render(self) -> bytes:
-        return generate_latest(self.registry)
+    def render(self, caller: Caller = OPERATOR) -> bytes:
+        """Everything for the operator; a tenant's own sandboxes and pools for a tenant."""
+        if caller.operator:
+            return generate_latest(self.registry)
+        mine = CollectorRegistry(auto_describe=False)
+        mine.register(_TenantSlice(self.mgr, caller))
+        return generate_latest(mine)
+
+
+POOL_GAUGES = ("workers", "idle", "lent")
+POOL_COUNTERS = ("hits", "misses", "made", "destroyed", "resets", "rejected", "waited")
+
+
+def _sandboxes(mgr: SandboxManager, caller: Caller) -> GaugeMetricFamily:
+    states = GaugeMetricFamily("dsec_sandboxes", "Live sandboxes by kind and state.", labels=["kind", "state"])
+    live = [r for r in list(mgr._live.values()) if caller.owns(r.owner)]
+    for (kind, state), n in sorted(Counter((r.kind, r.state.value) for r in live).items()):
+        states.add_metric([kind, state], n)
+    return states
+
+
+def _pools(mgr: SandboxManager, caller: Caller) -> Iterator[Metric]:
+    stats = mgr.runner.pools(caller)
+    for name in POOL_GAUGES + POOL_COUNTERS:
+        family: GaugeMetricFamily | CounterMetricFamily
+        if name in POOL_GAUGES:
+            family = GaugeMetricFamily(f"dsec_pool_{name}", f"Function pool {name}.", labels=["tenant", "pool"])
+        else:
+            family = CounterMetricFamily(f"dsec_pool_{name}", f"Function pool {name}.", labels=["tenant", "pool"])
+        for p in stats:
+            family.add_metric([p.tenant, p.image], getattr(p, name))
+        yield family
+
+
+class _TenantSlice(Collector):
+    def __init__(self, mgr: SandboxManager, caller: Caller) -> None:
+        self.mgr, self.caller = mgr, caller
+
+    def collect(self) -> Iterator[Metric]:
+        yield _sandboxes(self.mgr, self.caller)
+        yield from _pools(self.mgr, self.caller)
 
 
 class _Live(Collector):
@@ -81,10 +123,8 @@ class _Live(Collector):
 
     def collect(self) -> Iterator[Metric]:
         mgr, adm = self.mgr, self.mgr.admission
-        states = GaugeMetricFamily("dsec_sandboxes", "Live sandboxes by kind and state.", labels=["kind", "state"])
-        for (kind, state), n in sorted(Counter((r.kind, r.state.value) for r in list(mgr._live.values())).items()):
-            states.add_metric([kind, state], n)
-        yield states
+        yield _sandboxes(mgr, OPERATOR)
+        yield from _pools(mgr, OPERATOR)
         queued = GaugeMetricFamily("dsec_admission_queued", "Creations waiting for capacity.", labels=["tenant"])
         for q in adm.queues():
             queued.add_metric([q.tenant], q.waiting)

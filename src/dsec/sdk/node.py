@@ -18,7 +18,7 @@ class NodeClient:
         return NodeStatus.model_validate_json(reply.content)
 
     async def metrics(self) -> str:
-        """Operator only: the node's Prometheus metrics, as text."""
+        """The node's Prometheus metrics, as text (a tenant's token: its own sandboxes and pools only)."""
         reply = await self._transport.request("GET", "/metrics", timeout=30)
         return reply.text
 

@@ -64,6 +64,9 @@ async def set_quota(name: str, body: TenantQuota, mgr: Mgr, _: OperatorDep) -> T
 
 
 @metrics_router.get("/metrics", response_class=Response)
-async def metrics(mgr: Mgr, _: OperatorDep) -> Response:
-    """Prometheus metrics of the node (text format). Operator only."""
-    return Response(mgr.metrics.render(), media_type=CONTENT_TYPE)
+@router.get("/metrics", response_class=Response)
+async def metrics(mgr: Mgr, caller: CallerDep) -> Response:
+    """Prometheus text format. The operator gets the node's: creations and failures by reason, create
+    phases, the queue, capacity and requests, every sandbox's CPU and memory used against its request,
+    evictions, the warm pools. A tenant gets its own live sandboxes and pools."""
+    return Response(mgr.metrics.render(caller), media_type=CONTENT_TYPE)
