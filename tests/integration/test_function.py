@@ -236,7 +236,7 @@ def test_pools_and_metrics_are_visible(fdaemon: Daemon) -> None:
     with httpx.Client(transport=httpx.HTTPTransport(uds=fdaemon.url.removeprefix("unix://"))) as http:
         reply = http.get("http://dsec/v1/metrics", headers={"Authorization": f"Bearer {fdaemon.token}"})
     assert reply.status_code == 200
-    assert 'dsec_pool_misses_total{tenant="admin",pool="dsec/busybox:latest 340Mi/1cpu"} 1' in reply.text
+    assert 'dsec_pool_misses_total{tenant="admin",pool="dsec/busybox:latest 340Mi/0.25cpu"} 1' in reply.text
 
 
 def test_a_tenant_at_its_worker_limit_waits_instead_of_failing() -> None:
