@@ -16,6 +16,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 import dsec
 
@@ -236,7 +237,13 @@ def test_pools_and_metrics_are_visible(fdaemon: Daemon) -> None:
     with httpx.Client(transport=httpx.HTTPTransport(uds=fdaemon.url.removeprefix("unix://"))) as http:
         reply = http.get("http://dsec/v1/metrics", headers={"Authorization": f"Bearer {fdaemon.token}"})
     assert reply.status_code == 200
-    assert 'dsec_pool_misses_total{tenant="admin",pool="dsec/busybox:latest 340Mi/0.25cpu"} 1' in reply.text
+    misses = {
+        (sample.labels["tenant"], sample.labels["pool"]): sample.value
+        for family in text_string_to_metric_families(reply.text)
+        for sample in family.samples
+        if sample.name == "dsec_pool_misses_total"
+    }
+    assert misses[("admin", "dsec/busybox:latest 340Mi/0.25cpu")] == 1
 
 
 def test_a_tenant_at_its_worker_limit_waits_instead_of_failing() -> None:
