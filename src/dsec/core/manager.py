@@ -312,9 +312,8 @@ class SandboxManager:
         else:
             self._ephemeral.add(rec.id)
         self._live[rec.id] = rec
-        slots = self._create_slots.setdefault(
-            req.kind, asyncio.Semaphore(backend.start_bound() or self.max_concurrent_creates)
-        )
+        # VM kinds bound their boots (and restores) themselves, by the accelerator a first use finds
+        slots = self._create_slots.setdefault(req.kind, asyncio.Semaphore(self.max_concurrent_creates))
         async with slots, self._lock(rec.id):
             if rec.state != State.creating:  # killed while it waited for a create slot
                 raise SandboxGone(f"sandbox {rec.id} was {rec.state.value} before it was created: {rec.reason}")

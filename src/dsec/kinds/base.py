@@ -58,7 +58,7 @@ class Backend(ABC):
         return None
 
     def start_bound(self) -> int | None:
-        """How many sandboxes of this kind may start at once, if the kind bounds it (VM boots)."""
+        """How many sandboxes of this kind boot at once, if the kind bounds it itself (VM kinds), for status."""
         return None
 
     async def readopted(self) -> None:
