@@ -73,13 +73,14 @@ def test_qemu_has_its_own_cgroup_with_limits(vm: VM) -> None:
     where = f"/{jail.CGROUP_PARENT}/{vm.key}"
     assert lines[""] == where
     memory_mib, cpus = int(_arg(vm.pid, "-m")), int(_arg(vm.pid, "-smp"))
-    want = jail.limits(memory_mib, cpus, vm.sb.info().accelerator or "tcg")
+    want = jail.limits(memory_mib, cpus, vm.sb.info().accelerator or "tcg", vm.sb.info().limits.cpu)
     assert want.memory_bytes == (memory_mib + jail.overhead_mib(vm.sb.info().accelerator or "tcg")) << 20
     layout = jail.layout()
     if layout.mode == "v2":
         group = layout.unified / where.lstrip("/")
         assert int((group / "memory.max").read_text()) == want.memory_bytes
         assert (group / "cpu.max").read_text().split() == [str(cpus * 100_000), "100000"]
+        assert int((group / "cpu.weight").read_text()) == want.cpu_weight  # follows the cpu request
         assert int((group / "pids.max").read_text()) == jail.PIDS_MAX
     else:
         assert lines["memory"] == lines["cpu"] == lines["pids"] == where
@@ -87,6 +88,7 @@ def test_qemu_has_its_own_cgroup_with_limits(vm: VM) -> None:
         assert int((root / "memory" / where.lstrip("/") / "memory.limit_in_bytes").read_text()) == want.memory_bytes
         assert int((root / "cpu" / where.lstrip("/") / "cpu.cfs_quota_us").read_text()) == cpus * 100_000
         assert int((root / "cpu" / where.lstrip("/") / "cpu.cfs_period_us").read_text()) == 100_000
+        assert int((root / "cpu" / where.lstrip("/") / "cpu.shares").read_text()) == want.cpu_shares
         assert int((root / "pids" / where.lstrip("/") / "pids.max").read_text()) == jail.PIDS_MAX
 
 

@@ -49,6 +49,15 @@ def test_limits_cover_the_guest_plus_qemu_and_a_quota_per_vcpu() -> None:
     assert jail.limits(256, 1, "kvm").memory_bytes == (256 + jail.BASE_OVERHEAD_MIB) << 20
 
 
+def test_the_vm_cpu_weight_follows_its_request_like_a_containers() -> None:
+    assert jail.limits(256, 1, "tcg").cpu_shares == 1024
+    quarter = jail.limits(256, 1, "tcg", 0.25)
+    assert quarter.cpu_shares == 256
+    assert jail.limits(256, 1, "tcg", 0.001).cpu_shares == 2  # the kernel's floor
+    # v2: crun's mapping of shares to weight, so a VM and a container of one request weigh the same
+    assert jail.limits(256, 1, "tcg").cpu_weight == 39 and quarter.cpu_weight == 10
+
+
 def test_plan_binds_usr_loader_links_and_the_guest_files_read_only(tmp_path: Path) -> None:
     spec = _spec(tmp_path)
     files = (spec.kernel, spec.initrd, spec.helper, *spec.layers)

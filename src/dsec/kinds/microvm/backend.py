@@ -178,6 +178,7 @@ class MicroVMBackend(PolicyNetwork):
             layers=layers,
             disk_bytes=rec.limits.disk,
             bundle=self._bundle(rec),
+            cpu_request=rec.limits.cpu,
         )
 
     # ---- lifecycle ---------------------------------------------------------------------------------

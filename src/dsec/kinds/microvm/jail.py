@@ -78,14 +78,20 @@ class Limits:
     cpu_quota_us: int
     cpu_period_us: int
     pids: int
+    cpu_shares: int = 1024  # v1 cpu.shares; v2 cpu.weight is derived from it the way crun derives it
+
+    @property
+    def cpu_weight(self) -> int:
+        return 1 + ((self.cpu_shares - 2) * 9999) // 262142
 
 
-def limits(memory_mib: int, cpus: int, accel: str) -> Limits:
+def limits(memory_mib: int, cpus: int, accel: str, cpu_request: float = 1.0) -> Limits:
     return Limits(
         memory_bytes=(memory_mib + overhead_mib(accel)) << 20,
         cpu_quota_us=cpus * CPU_PERIOD_US,
         cpu_period_us=CPU_PERIOD_US,
         pids=PIDS_MAX,
+        cpu_shares=max(2, min(262144, int(cpu_request * 1024))),
     )
 
 
@@ -249,6 +255,7 @@ def make_cgroup(vm_key: str, lim: Limits) -> list[Path]:
         if (unified / "memory.swap.max").exists():
             _write(unified / "memory.swap.max", "0")
         _write(unified / "cpu.max", f"{lim.cpu_quota_us} {lim.cpu_period_us}")
+        _write(unified / "cpu.weight", str(lim.cpu_weight))
         _write(unified / "pids.max", str(lim.pids))
         return joined
     for ctrl, d in v1_dirs(vm_key).items():
@@ -260,6 +267,7 @@ def make_cgroup(vm_key: str, lim: Limits) -> list[Path]:
         elif ctrl == "cpu":
             _write(d / "cpu.cfs_period_us", str(lim.cpu_period_us))
             _write(d / "cpu.cfs_quota_us", str(lim.cpu_quota_us))
+            _write(d / "cpu.shares", str(lim.cpu_shares))
         else:
             _write(d / "pids.max", str(lim.pids))
         joined.append(d)

@@ -42,6 +42,7 @@ class VMSpec:
     layers: tuple[Path, ...]  # EROFS images, lowest first
     disk_bytes: int
     bundle: Path
+    cpu_request: float = 1.0  # cores: the VM's cpu weight against its neighbours follows it
 
     @property
     def agent_sock(self) -> Path:
@@ -152,7 +153,7 @@ def start(spec: VMSpec, incoming: Path | None = None) -> int:
     socks: list[socket.socket] = []
     try:
         uid = jail.lease_uid(vm_key)
-        groups = jail.make_cgroup(vm_key, jail.limits(spec.memory_mib, spec.cpus, spec.accel))
+        groups = jail.make_cgroup(vm_key, jail.limits(spec.memory_mib, spec.cpus, spec.accel, spec.cpu_request))
         for path in (spec.console_sock, spec.agent_sock, spec.qmp_sock):
             socks.append(_listen(path))
         mounts = jail.plan(
