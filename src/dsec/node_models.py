@@ -63,6 +63,11 @@ class NodeStatus(BaseModel):
     start_slots: dict[str, int] = Field(description="Creations a kind runs at once (VM boots are bounded).")
     memory_pressure: float = Field(description="Share of the host's memory in use (0-1).")
     evictions: int = Field(description="Sandboxes evicted under memory pressure since the daemon started.")
+    cpu_use_le_5pct: float | None = Field(
+        None,
+        description="Share of the measured sandboxes that used at most 5% of their CPU request over the last "
+        "sampling interval (none measured yet: null).",
+    )
     top: list[SandboxUsage] = Field(
         default_factory=list, description="The caller's sandboxes using the most CPU (with ?top=N)."
     )

@@ -74,6 +74,7 @@ def test_requests_become_the_reservation_and_use_is_measured(client: dsec.Client
     assert top[busy.id].cpu_used > 0.5, top  # a spinning core, against a request of 0.25
     assert top[idle.id].cpu_used < 0.1
     assert top[busy.id].memory_request == 48 * MiB and top[busy.id].memory_used > 0
+    assert client.node().cpu_use_le_5pct == 0.5  # the idle one is, the spinning one is not
     metrics = client.metrics()
     assert 'dsec_sandbox_cpu_use_ratio_count{kind="container"}' in metrics
     assert f'dsec_sandbox_cpu_used_cores{{kind="container",sandbox="{busy.id}",tenant="admin"}}' in metrics

@@ -62,7 +62,11 @@ def render(s: NodeStatus) -> Group:
     )
     starting = ", ".join(f"{k} {n}/{s.start_slots.get(k, '?')}" for k, n in sorted(s.starting.items())) or "none"
     queue = ", ".join(f"{q.tenant} {q.waiting} (oldest {q.oldest_s:.1f}s)" for q in s.queues) or "empty"
-    summary = Text(f"sandboxes  {counts or 'none'}\nstarting   {starting}\nqueue      {s.queued}: {queue}")
+    idle = "not measured yet" if s.cpu_use_le_5pct is None else f"{s.cpu_use_le_5pct:.0%} of sandboxes"
+    summary = Text(
+        f"sandboxes  {counts or 'none'}\nstarting   {starting}\nqueue      {s.queued}: {queue}\n"
+        f"cpu <= 5% of request: {idle}"
+    )
     top = Table(title="busiest sandboxes (yours)", title_justify="left")
     for col in ("id", "kind", "owner", "state", "cpu used/req", "memory used/req/limit", "age"):
         top.add_column(col)

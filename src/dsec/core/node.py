@@ -44,6 +44,7 @@ def node_status(mgr: SandboxManager, caller: Caller, top: int = 0) -> NodeStatus
                 )
             )
         usage.sort(key=lambda s: (s.cpu_used, s.memory_used), reverse=True)
+    ratios = [u.cpu_used / r.limits.cpu for r in live if (u := mgr.usage.usage.get(r.id)) is not None]
     return NodeStatus(
         node=mgr.node_name,
         version=__version__,
@@ -61,5 +62,6 @@ def node_status(mgr: SandboxManager, caller: Caller, top: int = 0) -> NodeStatus
         start_slots={k: b.start_bound() or mgr.max_concurrent_creates for k, b in mgr.backends.items()},
         memory_pressure=round(mgr.usage.pressure, 4),
         evictions=mgr.usage.evictions,
+        cpu_use_le_5pct=round(sum(1 for x in ratios if x <= 0.05) / len(ratios), 4) if ratios else None,
         top=usage[:top],
     )
