@@ -15,6 +15,7 @@ from rich.table import Column, Table
 from .. import __version__
 from ..errors import DsecError, InvalidRequest
 from .bench import bench_app
+from .cluster import cluster_app
 from .common import TokenOpt, UrlOpt, console, err
 from .common import client as _client
 from .common import fail as _fail
@@ -26,6 +27,7 @@ from .trajectory import trajectory_app
 
 app = typer.Typer(help="dsec: elastic sandboxes for training and evaluating AI agents.", no_args_is_help=True)
 app.add_typer(bench_app, name="bench")
+app.add_typer(cluster_app, name="cluster")
 app.add_typer(image_app, name="image")
 app.add_typer(tenant_app, name="tenant")
 app.add_typer(trajectory_app, name="trajectory")

@@ -1,0 +1,167 @@
+"""Running a gateway: over a fixed list of node daemons, or over the node daemons of a Ray cluster.
+
+``serve_static`` needs nothing but the node URLs (``dsec cluster gateway --node URL ...``).
+``run_ray`` starts a node daemon on every Ray node (``ray_nodes.py``), serves the gateway over them,
+follows the cluster (a node that joins gets a daemon, a node Ray declares dead is lost at once, without
+waiting for missed health checks), and stops the daemons when it is told to stop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import secrets
+import signal
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+
+from ..errors import InvalidRequest
+from .gateway import Gateway
+from .nodes import NodeSet
+
+log = logging.getLogger("dsec.cluster")
+
+KEEP_ALIVE_S = 120  # as the daemon's: the SDK's pooled connections expire first (30 s)
+
+
+def listen_address(listen: str) -> tuple[str, int]:
+    url = urlparse(listen)
+    if url.scheme != "http" or not url.hostname or url.port is None:
+        raise InvalidRequest(f"--listen {listen!r}: expected http://HOST:PORT")
+    return url.hostname, url.port
+
+
+def server(gateway: Gateway, host: str, port: int, log_level: str = "warning") -> Any:
+    """A uvicorn server for the gateway (uvloop and httptools when installed, as the daemon)."""
+    import uvicorn
+
+    config = uvicorn.Config(
+        gateway,
+        host=host,
+        port=port,
+        log_level=log_level,
+        access_log=False,
+        lifespan="on",
+        timeout_keep_alive=KEEP_ALIVE_S,
+        timeout_graceful_shutdown=5,
+    )
+    return uvicorn.Server(config)
+
+
+def read_token(path: Path) -> str:
+    try:
+        token = path.read_text().strip()
+    except OSError as e:
+        raise InvalidRequest(f"cannot read the cluster token from {path}: {e}") from None
+    if not token:
+        raise InvalidRequest(f"the token file {path} is empty")
+    return token
+
+
+def ensure_token(path: Path) -> str:
+    """The cluster's operator token: read from ``path``, or made there (mode 0600) at first use."""
+    if path.exists():
+        return read_token(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    token = secrets.token_urlsafe(32)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(token + "\n")
+    return token
+
+
+def serve_static(urls: list[str], token: str, listen: str, *, interval: float = 1.0, misses: int = 3) -> None:
+    """A gateway over node daemons that run already (started by hand, by systemd, ...)."""
+    host, port = listen_address(listen)
+    nodes = NodeSet(token, interval=interval, misses=misses)
+    for url in urls:
+        nodes.add(url)
+    server(Gateway(nodes, token), host, port, log_level="info").run()
+
+
+@dataclass
+class RayOptions:
+    """What ``dsec cluster up`` was asked for (see cli/cluster.py for each option's meaning)."""
+
+    listen: str
+    state_root: Path
+    token: str
+    repository: str | None = None
+    address: str | None = None
+    local_nodes: int = 0
+    node_args: tuple[str, ...] = ()
+    trajectory_db: str | None = None
+    label: str | None = None  # KEY=VALUE: only Ray nodes with this label get a daemon
+    interval: float = 1.0
+    misses: int = 3
+    keep_sandboxes: bool = False
+    ready: Callable[[str], None] | None = None  # called with the gateway's URL once it serves
+
+
+async def follow(gateway: Gateway, fleet: Any, stop: asyncio.Event, every: float = 2.0) -> None:
+    """Keep the gateway's nodes in step with Ray: new Ray nodes get a daemon, dead ones are lost."""
+    while not stop.is_set():
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), every)
+        if stop.is_set():
+            return
+        try:
+            added, dead = await asyncio.to_thread(fleet.sync)
+        except Exception as e:  # Ray hiccups must not take the gateway down
+            log.warning("could not follow the Ray cluster: %s", e)
+            continue
+        for daemon in added:
+            gateway.nodes.add(daemon.url, daemon.name, ray_node=daemon.ray_node)
+        for daemon, why in dead:
+            node = gateway.nodes.by_name(daemon.name)
+            if node is not None:
+                gateway.nodes.retire(node, why)
+
+
+async def run_ray(opts: RayOptions, stop: asyncio.Event | None = None) -> None:
+    """Start (or join) the Ray cluster, a node daemon per Ray node, and the gateway; serve until
+    ``stop`` is set (default: SIGINT or SIGTERM); then stop the daemons (their sandboxes killed unless
+    ``keep_sandboxes``) and leave Ray if it was joined here."""
+    from .ray_nodes import Fleet  # Ray is needed from here on only
+
+    host, port = listen_address(opts.listen)
+    fleet = Fleet(opts)
+    fleet.connect()  # in this thread: Ray installs signal handlers when it is the main one
+    loop = asyncio.get_running_loop()
+    signals = stop is None
+    stop = stop or asyncio.Event()
+    if signals:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+    try:
+        daemons = await asyncio.to_thread(fleet.start_all)
+        if not daemons:
+            raise InvalidRequest("no Ray node to run a node daemon on (check --label and the dsec_node resource)")
+        nodes = NodeSet(opts.token, interval=opts.interval, misses=opts.misses)
+        for d in daemons:
+            nodes.add(d.url, d.name, ray_node=d.ray_node)
+        gateway = Gateway(nodes, opts.token)
+        srv = server(gateway, host, port, log_level="info")
+        srv.install_signal_handlers = lambda: None  # ours: stop following Ray first, then the server
+        serving = asyncio.create_task(srv.serve())
+        watcher = asyncio.create_task(follow(gateway, fleet, stop))
+        while not srv.started and not serving.done():  # noqa: ASYNC110 (uvicorn sets a flag, no event)
+            await asyncio.sleep(0.05)
+        if srv.started and opts.ready is not None:
+            opts.ready(f"http://{host}:{port}")
+        stopped = asyncio.create_task(stop.wait())
+        await asyncio.wait([serving, stopped], return_when=asyncio.FIRST_COMPLETED)
+        stop.set()
+        srv.should_exit = True
+        await asyncio.gather(serving, watcher, stopped, return_exceptions=True)
+    finally:
+        if signals:
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                loop.remove_signal_handler(sig)
+        await asyncio.to_thread(fleet.stop_daemons)
+        fleet.leave()
