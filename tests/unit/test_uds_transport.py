@@ -9,7 +9,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from dsec.sdk.uds import UnixTransport
+from dsec.sdk.transport import make_http
+from dsec.sdk.uds import TcpTransport, UnixTransport
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 
@@ -122,3 +123,37 @@ async def test_read_timeout(tmp_path: Path) -> None:
         with pytest.raises(httpx.ReadTimeout):
             await client.get("/", timeout=0.2)
     server.close()
+
+
+async def test_the_same_transport_over_tcp_keeps_its_connection_and_sends_the_host() -> None:
+    seen: list[bytes] = []
+    conns = [0]
+
+    async def on_conn(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        conns[0] += 1
+        try:
+            while True:
+                req = await read_request(reader)
+                seen.append(req)
+                writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+    server = await asyncio.start_server(on_conn, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    async with httpx.AsyncClient(transport=TcpTransport("127.0.0.1", port), base_url=f"http://127.0.0.1:{port}") as c:
+        for _ in range(3):
+            assert (await c.get("/v1/health")).content == b"ok"
+    assert conns[0] == 1 and len(seen) == 3
+    assert f"host: 127.0.0.1:{port}".encode() in seen[0].lower()
+    server.close()
+
+
+def test_plain_http_urls_get_the_fast_transport_and_https_keeps_httpx() -> None:
+    assert isinstance(make_http("http://10.0.0.1:7070", "t")._transport, TcpTransport)
+    assert isinstance(make_http("unix:///run/dsec.sock", "t")._transport, UnixTransport)
+    assert not isinstance(make_http("https://gw.example:443", "t")._transport, UnixTransport)
+    assert not isinstance(make_http("http://gw.example/prefix", "t")._transport, UnixTransport)

@@ -13,7 +13,7 @@ from urllib.parse import urlparse
 import httpx
 
 from ..errors import DaemonUnreachable, DsecError, InvalidRequest, SandboxTimeout, error_from_wire
-from .uds import UnixTransport
+from .uds import TcpTransport, UnixTransport
 
 DEFAULT_STATE_DIR = Path("/var/lib/dsec")
 # Idle connections expire on our side first (the daemon keeps them 120 s), so a pooled connection is
@@ -46,6 +46,9 @@ def make_http(url: str, token: str | None) -> httpx.AsyncClient:
     if parsed.scheme == "unix":
         transport = UnixTransport(parsed.path, keepalive_expiry=KEEPALIVE_EXPIRY)
         return httpx.AsyncClient(transport=transport, base_url="http://dsec", headers=headers, timeout=None)
+    if parsed.scheme == "http" and parsed.hostname and not parsed.path.strip("/"):
+        tcp = TcpTransport(parsed.hostname, parsed.port or 80, keepalive_expiry=KEEPALIVE_EXPIRY)
+        return httpx.AsyncClient(transport=tcp, base_url=url.rstrip("/"), headers=headers, timeout=None)
     if parsed.scheme in ("http", "https"):
         limits = httpx.Limits(max_connections=512, max_keepalive_connections=128, keepalive_expiry=KEEPALIVE_EXPIRY)
         return httpx.AsyncClient(base_url=url.rstrip("/"), headers=headers, timeout=None, limits=limits)

@@ -1,9 +1,10 @@
-"""An httpx transport for the daemon's unix socket: HTTP/1.1 on asyncio streams, parsed by httptools.
+"""An httpx transport for the daemon's unix socket or plain-HTTP TCP port (a node or a cluster gateway):
+HTTP/1.1 on asyncio streams, parsed by httptools.
 
 httpx stays the client (requests, timeouts, streaming, errors); only the connection layer is replaced.
 httpcore's generic layer (anyio, h11, pure-Python parsing) costs ~3 ms per call on a slow 2-core host,
-more than the daemon spends running a command; this one costs a fraction of that. TCP URLs keep using
-httpx's own transport.
+more than the daemon spends running a command; this one costs a fraction of that. https URLs keep using
+httpx's own transport (TLS).
 """
 
 from __future__ import annotations
@@ -105,12 +106,15 @@ class UnixTransport(httpx.AsyncBaseTransport):
                 return conn, True
             conn.close()
         try:
-            reader, writer = await asyncio.wait_for(asyncio.open_unix_connection(self.path, limit=1 << 20), timeout)
+            reader, writer = await asyncio.wait_for(self._open(), timeout)
         except TimeoutError as e:
             raise httpx.ConnectTimeout(f"connecting to {self.path} timed out") from e
         except OSError as e:
             raise httpx.ConnectError(f"cannot connect to {self.path}: {e}") from e
         return _Connection(reader, writer), False
+
+    async def _open(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        return await asyncio.open_unix_connection(self.path, limit=1 << 20)
 
     def _release(self, conn: _Connection) -> None:
         if len(self._idle) < self.max_idle and conn.usable(self.keepalive_expiry):
@@ -190,3 +194,14 @@ class UnixTransport(httpx.AsyncBaseTransport):
         idle, self._idle = self._idle, []
         for conn in idle:
             conn.close()
+
+
+class TcpTransport(UnixTransport):
+    """The same over TCP (asyncio sets TCP_NODELAY on its sockets)."""
+
+    def __init__(self, host: str, port: int, max_idle: int = 128, keepalive_expiry: float = 30.0) -> None:
+        super().__init__(f"{host}:{port}", max_idle, keepalive_expiry)
+        self.host, self.port = host, port
+
+    async def _open(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        return await asyncio.open_connection(self.host, self.port, limit=1 << 20)
