@@ -4,6 +4,7 @@ Retry-After, tenant quotas, and nothing half-made when a creation is refused or 
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
@@ -65,12 +66,16 @@ async def test_deadline_answers_overloaded_with_retry_after_and_holds_nothing() 
 async def test_retry_after_follows_the_recent_release_rate() -> None:
     adm = node(cpu=1, ratio=1)
     assert adm.retry_after(0) == 5.0  # nothing released yet: a guess
-    for i in range(30):
-        await adm.admit(Claim("a", 0.01, 1), 0)
-        adm.bind(f"x{i}", Claim("a", 0.01, 1))
-        adm.release(f"x{i}")
-    assert adm.retry_after(0) == 2.0  # 30 releases in the last minute: one every 2 s
-    assert adm.retry_after(100) == 60.0  # capped
+    now = time.monotonic()
+    # a load that began 10 s ago and released 30 sandboxes since: 3 per second
+    adm._last_idle = now - 10
+    adm._releases.extend(now - 10 + i / 3 for i in range(30))
+    assert adm.retry_after(0) == 1.0  # the floor
+    assert adm.retry_after(29) == pytest.approx(10.0, rel=0.05)  # judged over 10 s, not over a minute
+    assert adm.retry_after(1000) == 60.0  # capped
+    # the same releases while creations have waited for five minutes: 30 in the last minute
+    adm._last_idle = now - 300
+    assert adm.retry_after(14) == pytest.approx(30.0, rel=0.05)
 
 
 async def test_queue_full_is_answered_at_once() -> None:

@@ -108,6 +108,7 @@ async def test_a_queued_creation_runs_once_capacity_frees(node: Node) -> None:
     timings = reply.json()["timings"]
     assert timings["queue"] >= 0.05 and timings["total"] >= timings["queue"]
     assert reply.json()["node"] == "n1"
+    assert "dsec_admission_wait_seconds_count 1.0" in (await http.get("/metrics")).text
 
 
 async def test_node_status_adds_up(node: Node) -> None:

@@ -108,7 +108,7 @@ class Admission:
         self._releases: collections.deque[float] = collections.deque()
         self.admitted = 0
         self.refused: collections.Counter[str] = collections.Counter()  # why creations were turned away
-        self.waits: list[float] = []  # queue waits not yet taken by the metrics (seconds)
+        self._last_idle = time.monotonic()  # when the queue was last empty: the current load began after
 
     # ---- figures -----------------------------------------------------------------------------------
 
@@ -205,6 +205,8 @@ class Admission:
         if timeout <= 0:
             self.refused["no_capacity"] += 1
             raise self._overloaded(claim, 0.0, self.queued)
+        if not self.queued:
+            self._last_idle = time.monotonic()
         waiter = _Waiter(claim, time.monotonic(), asyncio.get_running_loop().create_future())
         self._queues.setdefault(claim.tenant, collections.deque()).append(waiter)
         self._dispatch()
@@ -222,9 +224,7 @@ class Admission:
                 raise
             self.refused["queue_timeout"] += 1
             raise self._overloaded(claim, timeout, self.queued) from None
-        waited = time.monotonic() - waiter.since
-        self.waits.append(waited)
-        return waited
+        return time.monotonic() - waiter.since
 
     def force(self, sandbox_id: str, claim: Claim) -> None:
         """Hold what a sandbox that already runs (re-adopted after a restart) was admitted with."""
@@ -300,10 +300,12 @@ class Admission:
     def retry_after(self, ahead: int) -> float:
         """Seconds until a place is likely free for one more, from the releases of the last minute."""
         now = time.monotonic()
-        recent = sum(1 for t in self._releases if t >= now - RATE_WINDOW_S)
+        recent = [t for t in self._releases if t >= now - RATE_WINDOW_S]
         if not recent:
             return 5.0
-        rate = recent / RATE_WINDOW_S
+        # over the time the window really covers: a burst 10 s old must not be judged over a minute
+        span = max(1.0, min(RATE_WINDOW_S, now - min(recent[0], self._last_idle)))
+        rate = len(recent) / span
         return float(min(60.0, max(1.0, (ahead + 1) / rate)))
 
     def _overloaded(self, claim: Claim, waited: float, ahead: int) -> Overloaded:

@@ -295,7 +295,9 @@ class SandboxManager:
         backend.check_network(req.network)
         started = time.monotonic()
         claim = Claim(owner, req.limits.cpu, req.limits.mem_request())
-        await self.admission.admit(claim, req.queue_timeout)
+        waited = await self.admission.admit(claim, req.queue_timeout)
+        if waited:
+            self.metrics.queue_wait.observe(waited)
         try:
             rec = new_record(req.kind, image.name, image.digest, req.timeout, req.limits, req.env, req.labels)
         except BaseException:
