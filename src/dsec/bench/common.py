@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import math
 import os
 import signal
@@ -20,6 +21,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from ..errors import DsecError
 from ..isolation.mounts import unmount_under
+from ..node_models import NodeStatus
 from ..sdk.aio import AsyncClient, AsyncSandbox
 
 Json = dict[str, Any]
@@ -50,13 +52,19 @@ def summarize(seconds: Sequence[float]) -> Json:
 def phase(console: Console, label: str, total: int) -> Iterator[Callable[[], None]]:
     """Yields a tick(): a live bar on a terminal, a line per quarter in a log."""
     started = time.perf_counter()
+    done = 0
     if console.is_terminal:
         columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
         with Progress(*columns, console=console, transient=True) as bar:
             task = bar.add_task(label, total=total)
-            yield lambda: bar.advance(task)
+
+            def advance() -> None:
+                nonlocal done
+                done += 1
+                bar.advance(task)
+
+            yield advance
     else:
-        done = 0
 
         def tick() -> None:
             nonlocal done
@@ -65,7 +73,9 @@ def phase(console: Console, label: str, total: int) -> Iterator[Callable[[], Non
                 console.print(f"  {label}: {done}/{total}")
 
         yield tick
-    console.print(f"[green]done[/green] {label}: {total} in {time.perf_counter() - started:.1f}s")
+    # a phase may end early (a bench that stops at the first refusal): say how far it got
+    count = str(total) if done == total else f"{done} of {total}"
+    console.print(f"[green]done[/green] {label}: {count} in {time.perf_counter() - started:.1f}s")
 
 
 def tail(path: Path, limit: int = 800) -> str:
@@ -87,6 +97,11 @@ def start_daemon(state_dir: Path, *extra: str) -> subprocess.Popen[bytes]:
         # A session of its own, so that Ctrl-C stops the bench but not the daemon, which is still
         # needed to kill the bench's sandboxes before it is stopped.
         return subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True)
+
+
+def repository_flags(repository: Path | None) -> list[str]:
+    # a second --repository overrides start_daemon's default (the last one given wins)
+    return ["--repository", str(repository)] if repository is not None else []
 
 
 def release_node(state_dir: Path) -> None:
@@ -161,3 +176,101 @@ def host_facts() -> Json:
     with open("/proc/meminfo") as f:
         total = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemTotal:"))
     return {"cpus": os.cpu_count(), "kernel": os.uname().release, "memory_bytes": total}
+
+
+def write_json(out_dir: Path, name: str, result: Json) -> Path:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / name
+    path.write_text(json.dumps(result, indent=2, ensure_ascii=False) + "\n")
+    return path
+
+
+def node_figures(node: NodeStatus) -> Json:
+    """What admission saw at one moment: the part of GET /v1/node a bench reports."""
+    return {
+        "capacity": node.capacity.model_dump(),
+        "ratios": node.ratios.model_dump(),
+        "allocatable": node.allocatable.model_dump(),
+        "requested": node.requested.model_dump(),
+        "free": node.free.model_dump(),
+        "queued": node.queued,
+        "starting": dict(node.starting),
+        "start_slots": dict(node.start_slots),
+        "sandboxes": {kind: sum(states.values()) for kind, states in node.sandboxes.items()},
+        "memory_pressure": node.memory_pressure,
+        "evictions": node.evictions,
+    }
+
+
+def metric_sum(text: str, name: str, **labels: str) -> float:
+    """The sum of a Prometheus metric's samples whose labels include ``labels`` (0 if there is none)."""
+    total = 0.0
+    for line in text.splitlines():
+        if not line.startswith(name) or line.startswith("#"):
+            continue
+        head, _, value = line.rpartition(" ")
+        metric, _, rest = head.partition("{")
+        if metric != name:
+            continue
+        have = dict(part.split("=", 1) for part in rest.rstrip("}").split(",") if "=" in part)
+        if all(have.get(k, "").strip('"') == v for k, v in labels.items()):
+            total += float(value)
+    return total
+
+
+class NodeSampler:
+    """GET /v1/node every ``interval`` seconds while a bench runs: queue depth, creations in progress,
+    sandboxes held and requests admitted, over time (seconds since ``t0``, a perf_counter value)."""
+
+    def __init__(self, client: AsyncClient, t0: float, interval: float = 0.25) -> None:
+        self.client, self.t0, self.interval = client, t0, interval
+        self.samples: list[Json] = []
+        self._task: asyncio.Task[None] | None = None
+
+    async def _run(self) -> None:
+        while True:
+            with contextlib.suppress(DsecError):
+                asked = time.perf_counter()
+                node = await self.client.node()
+                self.samples.append(
+                    {
+                        "t": round(asked - self.t0, 3),
+                        # a cheap request: its round trip shows how busy the daemon's event loop is
+                        "rtt_ms": round((time.perf_counter() - asked) * 1000, 1),
+                        "queued": node.queued,
+                        "starting": sum(node.starting.values()),
+                        "held": sum(sum(states.values()) for states in node.sandboxes.values()),
+                        "requested_cpu": node.requested.cpu,
+                        "requested_memory": node.requested.memory,
+                        "memory_pressure": node.memory_pressure,
+                    }
+                )
+            await asyncio.sleep(self.interval)
+
+    async def __aenter__(self) -> NodeSampler:
+        self._task = asyncio.create_task(self._run())
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    def peak(self, key: str) -> float:
+        return max((float(s[key]) for s in self.samples), default=0.0)
+
+
+def cpu_seconds(pid: int, children: bool = True) -> float:
+    """CPU seconds (user + system) of a process, and with ``children`` of the children it reaped (for the
+    daemon: the crun processes of its creations), from /proc/PID/stat."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return sum(int(f) for f in fields[11 : 15 if children else 13]) / os.sysconf("SC_CLK_TCK")
+
+
+def host_busy_seconds() -> float:
+    """CPU seconds the whole host spent busy (all cores), from /proc/stat."""
+    with open("/proc/stat") as f:
+        fields = [int(v) for v in f.readline().split()[1:]]
+    idle = fields[3] + fields[4]  # idle + iowait
+    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")

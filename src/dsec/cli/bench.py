@@ -101,22 +101,147 @@ def bench_trajectory(
     raise typer.Exit(trajectory_main(n=n, steps=steps, json_out=json_out, state_dir=state_dir, repository=repository))
 
 
+OUT_DIR = Path("bench-out")
+SERVE_ARG = typer.Option(
+    "--serve-arg", help="One more flag for the bench's `dsec serve`, e.g. --serve-arg=--cpu-capacity=1 (repeatable)."
+)
+
+
 @bench_app.command("density")
 def bench_density(
-    n: Annotated[int, typer.Option("--n", help="Idle sandboxes to hold.", min=1)] = 1000,
-    image: Annotated[str, typer.Option(help="Image of the sandboxes.")] = "dsec/busybox",
-    concurrency: Annotated[int, typer.Option(help="Creations in flight at once.", min=1)] = 32,
-    json_out: Annotated[Path, typer.Option("--json", help="Where to write the JSON results.")] = Path(
-        "bench-density.json"
-    ),
+    kind: Annotated[str, typer.Option(help="container, microvm or function.")] = "container",
+    n: Annotated[int, typer.Option("--n", help="Idle sandboxes to hold.", min=1, max=100_000)] = 1000,
+    until_full: Annotated[
+        bool,
+        typer.Option(
+            help="Keep creating past --n until the node refuses one (429) or a creation fails; record that N "
+            "and what admission saw then."
+        ),
+    ] = False,
+    max_n: Annotated[int, typer.Option("--max", help="With --until-full: give up after this many.", min=1)] = 10_000,
+    out: Annotated[Path, typer.Option(help="Directory for density-KIND.json and its PNG plots.")] = OUT_DIR,
     state_dir: Annotated[Path, typer.Option(help="State dir of the daemon the bench starts.")] = Path(
         "/var/lib/dsec-bench"
     ),
+    repository: Annotated[Path | None, typer.Option(help="Layer repository holding dsec/busybox.")] = None,
+    image: Annotated[str | None, typer.Option(help="Image of the sandboxes (default dsec/busybox).")] = None,
+    concurrency: Annotated[
+        int | None, typer.Option(help="Creations in flight at once (default 32; microvm 4).", min=1)
+    ] = None,
+    sample_every: Annotated[
+        int, typer.Option(help="Sample host memory and creation latency every this many held.", min=1)
+    ] = 50,
+    queue_timeout: Annotated[
+        float, typer.Option(help="Seconds a creation may wait for capacity before the node answers 429.", min=0)
+    ] = 0.5,
+    min_available: Annotated[
+        int, typer.Option(help="Stop creating when the host's MemAvailable falls below this many MiB.", min=0)
+    ] = 3072,
+    serve_arg: Annotated[list[str] | None, SERVE_ARG] = None,
 ) -> None:
-    """Hold N idle container sandboxes; host memory per sandbox and exec latency while full."""
+    """Hold N idle sandboxes of a kind: host memory per sandbox, creation latency and rate as the node
+    fills, exec latency while full; with --until-full, the N where the node starts refusing."""
+    from ..bench.density import KINDS
     from ..bench.density import main as density_main
 
-    raise typer.Exit(density_main(n=n, json_out=json_out, state_dir=state_dir, image=image, concurrency=concurrency))
+    if kind not in KINDS:
+        err.print(f"[red]error[/red]: --kind must be one of {', '.join(KINDS)}, not {kind}")
+        raise typer.Exit(2)
+    raise typer.Exit(
+        density_main(
+            kind=kind,
+            n=n,
+            out=out,
+            state_dir=state_dir,
+            repository=repository,
+            until_full=until_full,
+            max_n=max_n,
+            concurrency=concurrency,
+            sample_every=sample_every,
+            queue_timeout=queue_timeout,
+            min_available_mib=min_available,
+            image=image,
+            serve_args=serve_arg,
+        )
+    )
+
+
+@bench_app.command("burst")
+def bench_burst(
+    n: Annotated[int, typer.Option("--n", help="Creations fired at once.", min=1, max=10_000)] = 1000,
+    kind: Annotated[str, typer.Option(help="container or microvm.")] = "container",
+    out: Annotated[Path, typer.Option(help="Directory for the JSON and its PNG plots.")] = OUT_DIR,
+    state_dir: Annotated[Path, typer.Option(help="State dir of the daemon the bench starts.")] = Path(
+        "/var/lib/dsec-bench-burst"
+    ),
+    repository: Annotated[Path | None, typer.Option(help="Layer repository holding dsec/busybox.")] = None,
+    mode: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--mode",
+            help="individual (N create calls at once) and/or batch (one create_many); repeatable, the first is "
+            "the headline. Default: both.",
+        ),
+    ] = None,
+    concurrency: Annotated[int, typer.Option(help="individual: create calls in flight at once (0: all N).", min=0)] = 0,
+    overload: Annotated[
+        float,
+        typer.Option(
+            help="Instead: start the node with capacity for N / this many sandboxes at once, fire N, and check "
+            "none fails (each served, possibly after queueing, or answered 429 with Retry-After).",
+            min=0,
+        ),
+    ] = 0,
+    raw_queue_timeout: Annotated[
+        float, typer.Option(help="--overload: the queue_timeout of the round that sees raw 429s.", min=0)
+    ] = 1.0,
+    node_queue_timeout: Annotated[
+        float,
+        typer.Option(help="--overload: the node's --queue-timeout (past it the SDK's round is answered 429).", min=0),
+    ] = 30.0,
+    serve_arg: Annotated[list[str] | None, SERVE_ARG] = None,
+) -> None:
+    """N creations at once, each then running its first exec: creations/s, success rate, p50/p99 by phase
+    (client and the daemon's timings), the node's queue over time. JSON and PNG plots in --out."""
+    from ..bench.burst import MODES
+    from ..bench.burst import main as burst_main
+
+    modes = mode or list(MODES)
+    bad = [m for m in modes if m not in MODES]
+    if bad or kind not in ("container", "microvm"):
+        err.print(f"[red]error[/red]: --mode must be {' or '.join(MODES)} and --kind container or microvm")
+        raise typer.Exit(2)
+    if overload:
+        if overload <= 1:
+            err.print("[red]error[/red]: --overload must be more than 1 (times the node's capacity)")
+            raise typer.Exit(2)
+        from ..bench.overload import main as overload_main
+
+        raise typer.Exit(
+            overload_main(
+                n=n,
+                kind=kind,
+                factor=overload,
+                out=out,
+                state_dir=state_dir,
+                repository=repository,
+                raw_queue_timeout=raw_queue_timeout,
+                node_queue_timeout=node_queue_timeout,
+                serve_args=serve_arg,
+            )
+        )
+    raise typer.Exit(
+        burst_main(
+            n=n,
+            kind=kind,
+            out=out,
+            state_dir=state_dir,
+            repository=repository,
+            modes=modes,
+            concurrency=concurrency,
+            serve_args=serve_arg,
+        )
+    )
 
 
 @bench_app.command("vm")
@@ -140,3 +265,37 @@ def bench_vm(
         err.print(f"[red]error[/red]: --kind must be microvm or vm, not {', '.join(bad)}")
         raise typer.Exit(2)
     raise typer.Exit(vm_main(kinds=kind, samples=samples, idle_n=idle, json_out=json_out, state_dir=state_dir))
+
+
+@bench_app.command("gateway")
+def bench_gateway(
+    n: Annotated[int, typer.Option("--n", help="`true` calls each way.", min=10)] = 500,
+    json_out: Annotated[Path, typer.Option("--json", help="Where to write the JSON results.")] = Path(
+        "bench-gateway.json"
+    ),
+    state_dir: Annotated[Path, typer.Option(help="Where the bench's node keeps its state.")] = Path(
+        "/var/lib/dsec-bench-gateway"
+    ),
+    repository: Annotated[Path | None, typer.Option(help="Layer repository of the bench's node.")] = None,
+) -> None:
+    """Exec round trip straight at a node vs through the cluster gateway, side by side."""
+    from ..bench.gateway import main as gateway_main
+
+    raise typer.Exit(gateway_main(n=n, json_out=json_out, state_dir=state_dir, repository=repository))
+
+
+@bench_app.command("tiers")
+def bench_tiers(
+    n: Annotated[
+        int, typer.Option("--n", help="Creations admitted (and queued) in the admission runs.", min=100)
+    ] = 50_000,
+    tenants: Annotated[int, typer.Option(help="Tenants the creations are spread over.", min=1)] = 16,
+    json_out: Annotated[Path, typer.Option("--json", help="Where to write the JSON results.")] = Path(
+        "bench-tiers.json"
+    ),
+) -> None:
+    """The node's tiers on a creation's path measured alone (no daemon): admission, uncontended and with
+    every creation queued, and the state database's writes (docs/scaling.md)."""
+    from ..bench.tiers import main as tiers_main
+
+    raise typer.Exit(tiers_main(json_out=json_out, n=n, tenants=tenants))
