@@ -158,15 +158,19 @@ def remote() -> Iterator[None]:
 
 
 @pytest.fixture(scope="module")
-def netd(remote: None) -> Iterator[Daemon]:
+def netd(remote: None, request: pytest.FixtureRequest) -> Iterator[Daemon]:
     """A daemon of this module's own: its resolver knows the remote's names."""
     state = Path(tempfile.mkdtemp(prefix="dsec-net-"))
     d = start_daemon(state, "--resolve", f"ext.test={EXT_A}", "--resolve", f"other.test={EXT_B}")
+    failed = request.session.testsfailed
     try:
         yield d
     finally:
         shut_down(d)
-        shutil.rmtree(state, ignore_errors=True)
+        if request.session.testsfailed > failed:  # its daemon's and fetcher's logs explain a failure here
+            print(f"\n[dsec] network daemon state kept: {state} (daemon.log, images/fetcher/fetcher.log)")
+        else:
+            shutil.rmtree(state, ignore_errors=True)
 
 
 @pytest.fixture
