@@ -22,8 +22,8 @@ RECORDED_AT = "recorded_at"
 
 # Calls that change a sandbox: a rebuild re-applies them in order. The others are recorded for their
 # results only (reads, grades, snapshots).
-MUTATING_OPS = frozenset({"exec", "write", "mkdir", "remove", "upload", "set_network", "kill"})
-OPS = MUTATING_OPS | {"create", "read", "list", "download", "snapshot", "grade"}
+MUTATING_OPS = frozenset({"exec", "write", "mkdir", "remove", "move", "upload", "set_network", "kill"})
+OPS = MUTATING_OPS | {"create", "read", "list", "stat", "download", "snapshot", "grade"}
 
 
 def canonical(params: dict[str, Any]) -> str:

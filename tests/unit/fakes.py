@@ -15,6 +15,7 @@ from dsec.images.model import ImageConfig, LayerRole
 from dsec.images.scrub import ScrubRules
 from dsec.images.store import ImageRef, ImageStore
 from dsec.kinds.base import Backend, BackendContext, OutputCallback
+from dsec.kinds.execio import ExecIO
 from dsec.models import ExecRequest, ExecResult, FileEntry, ImageInfo
 from dsec.store.records import SandboxRecord
 
@@ -23,6 +24,8 @@ class FakeBackend(Backend):
     """A container kind without containers.
 
     ``exec`` echoes the argv on stdout (or emits ``chunks`` when set) and exits with ``exit_code``;
+    driven live (``io``), it runs as pid 100, 101, ... and behaves like ``cat``: every stdin chunk comes
+    back on stdout until EOF; a signal ends it (``signals`` records them) as that signal would;
     files live in a dict per sandbox. ``create_error`` / ``destroy_error`` / ``exec_error`` make those
     calls raise; ``dead`` lists the ids ``alive`` reports as gone.
     """
@@ -42,6 +45,8 @@ class FakeBackend(Backend):
         self.created: list[str] = []
         self.destroyed: list[str] = []
         self.execs: list[ExecRequest] = []
+        self.signals: list[tuple[int, int]] = []  # (pid, signal) of live execs
+        self.next_pid = 100
         self.images: dict[str, ImageRef] = {}
         self.started = False
 
@@ -70,10 +75,18 @@ class FakeBackend(Backend):
     async def alive(self, rec: SandboxRecord) -> bool:
         return rec.id not in self.dead
 
-    async def exec(self, rec: SandboxRecord, req: ExecRequest, on_output: OutputCallback | None = None) -> ExecResult:
+    async def exec(
+        self,
+        rec: SandboxRecord,
+        req: ExecRequest,
+        on_output: OutputCallback | None = None,
+        io: ExecIO | None = None,
+    ) -> ExecResult:
         self.execs.append(req)
         if self.exec_error is not None:
             raise self.exec_error
+        if io is not None:
+            return await self._live(req, on_output, io)
         chunks = self.chunks
         if chunks is None:
             chunks = [("stdout", (" ".join(req.argv()) + "\n").encode())]
@@ -89,6 +102,37 @@ class FakeBackend(Backend):
             stdout_bytes=len(out["stdout"]),
             stderr_bytes=len(out["stderr"]),
         )
+
+    async def _live(self, req: ExecRequest, on_output: OutputCallback | None, io: ExecIO) -> ExecResult:
+        pid = self.next_pid
+        self.next_pid += 1
+        killed: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+
+        def signal(sig: int) -> None:
+            self.signals.append((pid, sig))
+            if not killed.done():
+                killed.set_result(sig)
+
+        io.attach(pid, signal)
+        out = b""
+        started = time.monotonic()
+        try:
+            while True:
+                chunk_task = asyncio.ensure_future(io.next_chunk())
+                left = req.timeout - (time.monotonic() - started)
+                done, _ = await asyncio.wait({chunk_task, killed}, timeout=left, return_when=asyncio.FIRST_COMPLETED)
+                if killed in done or not done:
+                    chunk_task.cancel()
+                    sig = killed.result() if killed.done() else 9
+                    return ExecResult(exit_code=128 + sig, signal=sig, stdout=out.decode(), timed_out=not done)
+                chunk = chunk_task.result()
+                if chunk is None:
+                    return ExecResult(exit_code=self.exit_code, stdout=out.decode(), stdout_bytes=len(out))
+                out += chunk
+                if on_output is not None:
+                    on_output("stdout", chunk)
+        finally:
+            io.detach()
 
     # ---- files -----------------------------------------------------------------------------------
 

@@ -57,10 +57,10 @@ class MachineFake(FakeBackend):
         self.files[rec.id] = dict(checkpoint)
         self.dirs[rec.id] = set(self.dirs[parent.id])
 
-    async def exec(self, rec: SandboxRecord, req: ExecRequest, on_output: Any = None) -> Any:
+    async def exec(self, rec: SandboxRecord, req: ExecRequest, on_output: Any = None, io: Any = None) -> Any:
         if self.exec_gate is not None:
             await self.exec_gate.wait()
-        return await super().exec(rec, req, on_output)
+        return await super().exec(rec, req, on_output, io)
 
 
 @pytest.fixture

@@ -313,3 +313,80 @@ def test_proc_magic_links_are_not_followed(fs: RootFS, root: Path) -> None:
     os.symlink("/proc/self/root", root / "selfroot")
     with pytest.raises(DsecError):
         fs.read("/selfroot/etc/hostname", BIG)
+
+
+# ---- stat and rename (the E2B files API's get_info and rename) ---------------------------------------
+
+
+def test_stat_file_dir_root_and_symlink(fs: RootFS, root: Path) -> None:
+    fs.write("/d/f.txt", b"hello", 0o640)
+    f = fs.stat("/d/f.txt")
+    assert (f.name, f.path, f.type, f.size, f.mode) == ("f.txt", "/d/f.txt", "file", 5, 0o640)
+    assert fs.stat("/d").type == "dir"
+    assert fs.stat("/").type == "dir" and fs.stat("/").path == "/"
+    os.symlink("/etc/passwd", root / "link")
+    assert fs.stat("/link").type == "symlink"  # the link itself, not (the host's) /etc/passwd
+
+
+def test_stat_missing_and_through_a_symlink_to_the_host(fs: RootFS, root: Path, outside: Path) -> None:
+    (outside / "secret").write_text("x")
+    os.symlink(str(outside), root / "out")
+    with pytest.raises(FileNotFoundInSandbox):
+        fs.stat("/nope")
+    with pytest.raises(FileNotFoundInSandbox):
+        fs.stat("/out/secret")  # /out resolves inside the root, where there is no /tmp/.../secret
+
+
+def test_rename_moves_and_makes_parents(fs: RootFS, root: Path) -> None:
+    fs.write("/a.txt", BINARY)
+    fs.rename("/a.txt", "/x/y/b.txt")
+    assert fs.read("/x/y/b.txt", BIG) == BINARY
+    assert not (root / "a.txt").exists()
+
+
+def test_rename_replaces_a_file_and_an_empty_dir_but_not_a_full_one(fs: RootFS) -> None:
+    fs.write("/a", b"new")
+    fs.write("/b", b"old")
+    fs.rename("/a", "/b")
+    assert fs.read("/b", BIG) == b"new"
+    fs.mkdir("/d1")
+    fs.mkdir("/d2")
+    fs.rename("/d1", "/d2")
+    assert fs.stat("/d2").type == "dir"
+    fs.mkdir("/d3")
+    fs.write("/d2/keep", b"k")
+    with pytest.raises(InvalidRequest, match="not empty"):
+        fs.rename("/d3", "/d2")
+
+
+def test_rename_missing_source_root_and_into_itself(fs: RootFS) -> None:
+    with pytest.raises(FileNotFoundInSandbox, match="/missing"):
+        fs.rename("/missing", "/x")
+    fs.mkdir("/d")
+    with pytest.raises(InvalidRequest, match="into itself"):
+        fs.rename("/d", "/d/sub")
+    with pytest.raises(InvalidRequest):
+        fs.rename("/", "/x")
+    with pytest.raises(InvalidRequest):
+        fs.rename("/d", "/")
+
+
+def test_rename_moves_a_symlink_as_a_link(fs: RootFS, root: Path, outside: Path) -> None:
+    (outside / "target").write_text("host file")
+    os.symlink(str(outside / "target"), root / "link")
+    fs.rename("/link", "/moved")
+    assert os.readlink(root / "moved") == str(outside / "target")
+    assert (outside / "target").read_text() == "host file"
+
+
+def test_rename_through_a_symlinked_parent_never_touches_the_host(fs: RootFS, root: Path, outside: Path) -> None:
+    (outside / "victim").write_text("x")
+    os.symlink(str(outside), root / "out")
+    fs.write("/mine", b"m")
+    with pytest.raises(FileNotFoundInSandbox):
+        fs.rename("/out/victim", "/stolen")
+    with pytest.raises(DsecError):  # /out names a directory the root does not have
+        fs.rename("/mine", "/out/planted")
+    assert (outside / "victim").read_text() == "x"
+    assert sorted(p.name for p in outside.iterdir()) == ["victim"]
+    assert fs.read("/mine", BIG) == b"m"

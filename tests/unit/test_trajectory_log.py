@@ -83,12 +83,14 @@ class RecordingBackend(FakeBackend):
         self.calls.append(("destroy", rec.id))
         await super().destroy(rec)
 
-    async def exec(self, rec: SandboxRecord, req: ExecRequest, on_output: OutputCallback | None = None) -> ExecResult:
+    async def exec(
+        self, rec: SandboxRecord, req: ExecRequest, on_output: OutputCallback | None = None, io: Any = None
+    ) -> ExecResult:
         self.calls.append(("exec", rec.id, tuple(req.argv())))
         if self.gate is not None:
             self.entered.set()
             await self.gate.wait()
-        return await super().exec(rec, req, on_output)
+        return await super().exec(rec, req, on_output, io)
 
     async def read_file(self, rec: SandboxRecord, path: str) -> bytes:
         self.calls.append(("read", rec.id, path))

@@ -20,17 +20,17 @@ from ..errors import BackendError, DsecError, InvalidRequest, InvalidState, Sand
 from ..grade_models import GradeRequest, GradeResult
 from ..images.canary import call_canaries
 from ..images.store import ImageRef, ImageStore
-from ..isolation import tarcheck
 from ..isolation.network.host import NetworkHost
 from ..isolation.network.options import NetworkOptions
 from ..kinds import registry
 from ..kinds.base import Backend, BackendContext, OutputCallback
+from ..kinds.execio import ExecIO
 from ..models import (
+    MAX_TTL_S,
     TERMINAL_STATES,
     CreateSandbox,
     ExecRequest,
     ExecResult,
-    FileEntry,
     ForkRequest,
     ForkResult,
     GcResult,
@@ -49,9 +49,11 @@ from ..tenancy import OPERATOR, Caller
 from . import forks
 from .admission import Admission, AdmissionOptions, Claim
 from .builds import Builder
+from .fileops import FileActions
 from .grading import Grader
 from .metrics import NodeMetrics
 from .oneshot import Runner
+from .processes import ProcessTable
 from .trajectory.recorder import Trajectories, TrajectoryOptions
 from .usage import DEFAULT_EVICT_AT, UsageMonitor
 
@@ -68,7 +70,7 @@ def _host_memory() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-class SandboxManager:
+class SandboxManager(FileActions):
     def __init__(
         self,
         state_dir: Path,
@@ -105,6 +107,7 @@ class SandboxManager:
         self.grader = Grader(self)
         self.runner = Runner(self)
         self.trajectories = Trajectories(self, trajectory)
+        self.processes = ProcessTable(self)
         self.admission = Admission(admission or AdmissionOptions(), quota_of=self.tenants.quota)
         self.node_name = self.admission.options.node_name or os.uname().nodename
         self.usage = UsageMonitor(self, evict_at)
@@ -159,6 +162,7 @@ class SandboxManager:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
+        await self.processes.close()
         for backend in self.backends.values():
             try:
                 await backend.close()
@@ -346,6 +350,22 @@ class SandboxManager:
             return rec.info()  # killing twice is not an error
         return await self._stop(sandbox_id, "killed by request")
 
+    def set_timeout(self, sandbox_id: str, seconds: float, *, caller: Caller = OPERATOR) -> SandboxInfo:
+        """A new time to live, counted from now (shorter or longer than the old one). Allowed in: creating,
+        running, paused."""
+        if not 0 < seconds <= MAX_TTL_S:
+            raise InvalidRequest(f"timeout must be more than 0 and at most {MAX_TTL_S:g} seconds, not {seconds:g}")
+        rec = self._get(sandbox_id, caller)
+        if rec.state in TERMINAL_STATES:
+            why = f": {rec.reason}" if rec.reason else ""
+            raise SandboxGone(f"sandbox {rec.id} is {rec.state.value}{why}", detail={"state": rec.state.value})
+        if rec.state == State.stopping:
+            raise InvalidState(f"sandbox {rec.id} is stopping", detail={"state": rec.state.value})
+        rec.expires_at = time.time() + seconds
+        if rec.id not in self._ephemeral:
+            self.store.put(rec)
+        return rec.info()
+
     async def evict(self, sandbox_id: str, reason: str) -> None:
         """End a sandbox the node cannot keep (memory pressure): ``failed``, with why."""
         with contextlib.suppress(DsecError):
@@ -384,7 +404,12 @@ class SandboxManager:
         on_output: OutputCallback | None = None,
         *,
         caller: Caller = OPERATOR,
+        io: ExecIO | None = None,
     ) -> ExecResult:
+        """Run a command. With ``io`` the caller drives it live: standard input fed while it runs (the
+        request then has no ``stdin``), its pid once started, signals to its tree."""
+        if io is not None and req.stdin is not None:
+            raise InvalidRequest("a command fed standard input while it runs cannot also be given stdin up front")
         rec, backend = self._running(sandbox_id, caller)
         env = {**rec.env, **req.env}
         req = req.model_copy(update={"env": env})
@@ -392,7 +417,7 @@ class SandboxManager:
         first = "first_exec" not in rec.runtime.get("timings", {"first_exec": 0})
         started = time.monotonic()
         try:
-            result = await self._checked(rec, backend.exec(rec, req, on_output))
+            result = await self._checked(rec, backend.exec(rec, req, on_output, io))
             if first:
                 seconds = time.monotonic() - started
                 rec.runtime["timings"]["first_exec"] = round(seconds, 6)
@@ -478,47 +503,6 @@ class SandboxManager:
     async def network_status(self, sandbox_id: str, *, caller: Caller = OPERATOR) -> NetworkStatus:
         rec, backend = self._running(sandbox_id, caller)
         return await backend.network_status(rec)
-
-    async def read_file(self, sandbox_id: str, path: str, *, caller: Caller = OPERATOR) -> bytes:
-        rec, backend = self._running(sandbox_id, caller)
-        return await backend.read_file(rec, path)
-
-    async def write_file(
-        self, sandbox_id: str, path: str, data: bytes, mode: int = 0o644, *, caller: Caller = OPERATOR
-    ) -> None:
-        rec, backend = self._running(sandbox_id, caller)
-        await self._not_packing(rec.id)
-        await backend.write_file(rec, path, data, mode)
-
-    async def list_dir(self, sandbox_id: str, path: str, *, caller: Caller = OPERATOR) -> list[FileEntry]:
-        rec, backend = self._running(sandbox_id, caller)
-        return await backend.list_dir(rec, path)
-
-    async def remove(self, sandbox_id: str, path: str, recursive: bool = False, *, caller: Caller = OPERATOR) -> None:
-        rec, backend = self._running(sandbox_id, caller)
-        await self._not_packing(rec.id)
-        await backend.remove(rec, path, recursive)
-
-    async def mkdir(self, sandbox_id: str, path: str, *, caller: Caller = OPERATOR) -> None:
-        rec, backend = self._running(sandbox_id, caller)
-        await self._not_packing(rec.id)
-        await backend.mkdir(rec, path)
-
-    async def upload_tar(self, sandbox_id: str, path: str, data: bytes, *, caller: Caller = OPERATOR) -> None:
-        rec, backend = self._running(sandbox_id, caller)
-        # every kind gets only archives whose entries stay inside the destination and fit the disk
-        data = await asyncio.to_thread(tarcheck.check_upload, data, rec.limits.disk)
-        await self._not_packing(rec.id)
-        await self._checked(rec, backend.upload_tar(rec, path, data))
-
-    async def download_tar(self, sandbox_id: str, path: str, *, caller: Caller = OPERATOR) -> bytes:
-        rec, backend = self._running(sandbox_id, caller)
-        return await self._checked(rec, backend.download_tar(rec, path))
-
-    async def _not_packing(self, sandbox_id: str) -> None:
-        packing = self._packing.get(sandbox_id)
-        if packing is not None:
-            await packing.wait()
 
     # ---- images ------------------------------------------------------------------------------------
 

@@ -166,6 +166,16 @@ def kill_group(group: Path) -> None:
         time.sleep(0.01)
 
 
+def signal_group(group: Path, sig: int) -> None:
+    """Send ``sig`` to every process in the group and its descendants (SIGKILL: ``kill_group``)."""
+    if sig == 9:
+        kill_group(group)
+        return
+    for pid in group_pids(group):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, sig)
+
+
 def group_pids(group: Path) -> list[int]:
     pids: list[int] = []
     try:

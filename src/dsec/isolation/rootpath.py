@@ -82,6 +82,18 @@ def _translate(e: OSError, path: str) -> Exception:
     return InvalidRequest(f"{path}: {e.strerror}")
 
 
+def _entry(name: str, path: str, st: os.stat_result) -> FileEntry:
+    if stat.S_ISDIR(st.st_mode):
+        kind = "dir"
+    elif stat.S_ISREG(st.st_mode):
+        kind = "file"
+    elif stat.S_ISLNK(st.st_mode):
+        kind = "symlink"
+    else:
+        kind = "other"
+    return FileEntry(name=name, path=path, type=kind, size=st.st_size, mode=stat.S_IMODE(st.st_mode), mtime=st.st_mtime)
+
+
 @contextmanager
 def _fd(fd: int) -> Iterator[int]:
     try:
@@ -195,29 +207,55 @@ class RootFS:
                 with os.scandir(fd) as it:
                     for ent in it:
                         st = ent.stat(follow_symlinks=False)
-                        if stat.S_ISDIR(st.st_mode):
-                            kind = "dir"
-                        elif stat.S_ISREG(st.st_mode):
-                            kind = "file"
-                        elif stat.S_ISLNK(st.st_mode):
-                            kind = "symlink"
-                        else:
-                            kind = "other"
-                        entries.append(
-                            FileEntry(
-                                name=ent.name,
-                                path=posixpath.join(base, ent.name),
-                                type=kind,
-                                size=st.st_size,
-                                mode=stat.S_IMODE(st.st_mode),
-                                mtime=st.st_mtime,
-                            )
-                        )
+                        entries.append(_entry(ent.name, posixpath.join(base, ent.name), st))
         except DsecError:
             raise
         except OSError as e:
             raise _translate(e, path) from None
         return sorted(entries, key=lambda e: e.name)
+
+    def stat(self, path: str) -> FileEntry:
+        """The entry at ``path`` itself (a symlink is reported as one, not followed)."""
+        rel = clean_path(path)
+        try:
+            with self._rootfd() as root:
+                if rel == ".":
+                    return _entry("/", "/", os.stat(root))
+                parent, name = posixpath.split(rel)
+                with _fd(openat2(root, parent or ".", os.O_PATH | os.O_DIRECTORY)) as pfd:
+                    return _entry(name, "/" + rel, os.stat(name, dir_fd=pfd, follow_symlinks=False))
+        except DsecError:
+            raise
+        except OSError as e:
+            raise _translate(e, path) from None
+
+    def rename(self, source: str, destination: str) -> None:
+        """rename(2) inside the root: the last component of each path is an entry of its (resolved)
+        parent, so a symlink is moved as a link; the destination's parents are created."""
+        src, dst = clean_path(source), clean_path(destination)
+        if "." in (src, dst):
+            raise InvalidRequest("cannot move / or move something onto /")
+        if dst == src or dst.startswith(src + "/"):
+            raise InvalidRequest(f"cannot move {source} into itself")
+        sparent, sname = posixpath.split(src)
+        dparent, dname = posixpath.split(dst)
+        try:
+            with self._rootfd() as root:
+                with _fd(openat2(root, sparent or ".", os.O_PATH | os.O_DIRECTORY)) as sfd:
+                    os.stat(sname, dir_fd=sfd, follow_symlinks=False)  # a missing source names the source
+                    self._make_parents(root, dparent)
+                    with _fd(openat2(root, dparent or ".", os.O_PATH | os.O_DIRECTORY)) as dfd:
+                        try:
+                            os.rename(sname, dname, src_dir_fd=sfd, dst_dir_fd=dfd)
+                        except OSError as e:
+                            if e.errno in (errno.ENOTEMPTY, errno.EEXIST):
+                                why = f"cannot move onto {destination}: a directory that is not empty"
+                                raise InvalidRequest(why) from None
+                            raise _translate(e, destination) from None
+        except DsecError:
+            raise
+        except OSError as e:
+            raise _translate(e, source) from None
 
     def remove(self, path: str, recursive: bool = False) -> None:
         rel = clean_path(path)

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import contextlib
+import posixpath
 from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
-from ..errors import InvalidRequest
+from ..errors import FileNotFoundInSandbox, InvalidRequest
 from ..images.store import ImageRef
 from ..isolation.idmap import UidSlots
 from ..isolation.network.host import NetworkHost
@@ -17,6 +18,7 @@ from ..isolation.network.policy import NetworkSpec, describe
 from ..models import ExecRequest, ExecResult, FileEntry, NetworkStatus
 from ..run_models import PoolInfo
 from ..store.records import SandboxRecord
+from .execio import ExecIO
 
 # Called with ("stdout" | "stderr", chunk) as output arrives, for streaming execs.
 OutputCallback = Callable[[str, bytes], None]
@@ -94,8 +96,18 @@ class Backend(ABC):
         """Whether the sandbox still runs (used to re-adopt sandboxes after a daemon restart)."""
 
     @abstractmethod
-    async def exec(self, rec: SandboxRecord, req: ExecRequest, on_output: OutputCallback | None = None) -> ExecResult:
-        """Run a command; the exit status is observed on the host side."""
+    async def exec(
+        self,
+        rec: SandboxRecord,
+        req: ExecRequest,
+        on_output: OutputCallback | None = None,
+        io: ExecIO | None = None,
+    ) -> ExecResult:
+        """Run a command; the exit status is observed on the host side.
+
+        With ``io`` (the request's ``stdin`` is then None) the command's standard input is what the
+        caller feeds while it runs, and the kind reports the command's pid and a way to signal its
+        tree (``io.attach``) once it started, and ``io.detach()`` when it ended."""
 
     @abstractmethod
     async def read_file(self, rec: SandboxRecord, path: str) -> bytes: ...
@@ -111,6 +123,21 @@ class Backend(ABC):
 
     @abstractmethod
     async def mkdir(self, rec: SandboxRecord, path: str) -> None: ...
+
+    async def stat(self, rec: SandboxRecord, path: str) -> FileEntry:
+        """The entry at ``path`` itself (a symlink is not followed). This default lists the parent."""
+        clean = posixpath.normpath(path) if path.startswith("/") else path
+        if clean == "/":
+            return FileEntry(name="/", path="/", type="dir", size=0, mode=0o755, mtime=0.0)
+        parent, name = posixpath.split(clean)
+        for entry in await self.list_dir(rec, parent or "/"):
+            if entry.name == name:
+                return entry
+        raise FileNotFoundInSandbox(f"no such file or directory in the sandbox: {path}")
+
+    async def rename(self, rec: SandboxRecord, source: str, destination: str) -> None:
+        """rename(2) of ``source`` to ``destination`` (parents of the destination are made)."""
+        raise InvalidRequest(f"sandboxes of kind {self.kind!r} cannot rename files yet")
 
     @abstractmethod
     async def upload_tar(self, rec: SandboxRecord, path: str, data: bytes) -> None:

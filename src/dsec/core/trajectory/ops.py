@@ -14,7 +14,17 @@ from ...errors import DsecError, error_from_wire
 from ...grade_models import GradeRequest, GradeResult
 from ...isolation.network import policy
 from ...kinds.base import OutputCallback
-from ...models import ExecRequest, ExecResult, FileList, ImageInfo, NetworkStatus, SandboxInfo, SnapshotRequest
+from ...kinds.execio import ExecIO
+from ...models import (
+    ExecRequest,
+    ExecResult,
+    FileEntry,
+    FileList,
+    ImageInfo,
+    NetworkStatus,
+    SandboxInfo,
+    SnapshotRequest,
+)
 from ...tenancy import Caller
 from ...trajectory_models import call_digest
 
@@ -86,6 +96,15 @@ async def _exec(m: SandboxManager, sid: str, req: Any, _: bytes | None, c: Calle
     return await m.exec(sid, req, out, caller=c)
 
 
+def live_exec(io: ExecIO) -> Runner:
+    """The exec runner for a command driven live (stdin, pid, signals through ``io``)."""
+
+    async def run(m: SandboxManager, sid: str, req: Any, _: bytes | None, c: Caller, out: OutputCallback | None) -> Any:
+        return await m.exec(sid, req, out, caller=c, io=io)
+
+    return run
+
+
 async def _read(m: SandboxManager, sid: str, req: Any, _: bytes | None, c: Caller, __: OutputCallback | None) -> Any:
     return await m.read_file(sid, req["path"], caller=c)
 
@@ -100,6 +119,14 @@ async def _list(m: SandboxManager, sid: str, req: Any, _: bytes | None, c: Calle
 
 async def _mkdir(m: SandboxManager, sid: str, req: Any, _: bytes | None, c: Caller, __: OutputCallback | None) -> Any:
     await m.mkdir(sid, req["path"], caller=c)
+
+
+async def _stat(m: SandboxManager, sid: str, req: Any, _: bytes | None, c: Caller, __: OutputCallback | None) -> Any:
+    return await m.stat(sid, req["path"], caller=c)
+
+
+async def _move(m: SandboxManager, sid: str, req: Any, _: bytes | None, c: Caller, __: OutputCallback | None) -> Any:
+    await m.rename(sid, req["source"], req["destination"], caller=c)
 
 
 async def _remove(m: SandboxManager, sid: str, req: Any, _: bytes | None, c: Caller, __: OutputCallback | None) -> Any:
@@ -144,6 +171,8 @@ OPS: dict[str, Op] = {
         Op("write", _write),
         Op("list", _list, None, "files"),
         Op("mkdir", _mkdir),
+        Op("stat", _stat, None, FileEntry),
+        Op("move", _move),
         Op("remove", _remove),
         Op("upload", _upload),
         Op("download", _download, None, "bytes"),

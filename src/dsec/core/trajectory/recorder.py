@@ -28,11 +28,12 @@ from ...errors import (
     TrajectoryDiverged,
 )
 from ...kinds.base import OutputCallback
+from ...kinds.execio import ExecIO
 from ...models import TERMINAL_STATES, CreateSandbox, ImageInfo, SandboxInfo, State
 from ...store.trajectories import CallRow, SequenceConflict, TrajectoryRow, TrajectoryStore
 from ...tenancy import Caller
 from ...trajectory_models import MUTATING_OPS, RECORDED_AT, SEQ_HEADER, call_digest, canonical
-from .ops import OPS, Op, decode_error, encode_error, outcome
+from .ops import OPS, Op, Runner, decode_error, encode_error, live_exec, outcome
 from .writer import InlineWriter, LogWriter
 
 if TYPE_CHECKING:
@@ -60,6 +61,7 @@ class _Live:
     params: str  # canonical JSON
     payload: bytes | None
     digest: str
+    run: Runner
 
 
 @dataclass
@@ -243,9 +245,16 @@ class Trajectories:
         seq: int | None,
         caller: Caller,
         on_output: OutputCallback | None = None,
+        io: ExecIO | None = None,
     ) -> tuple[Any, bool]:
-        """Run a call, logging it if the sandbox is bound to a trajectory. Returns (result, replayed)."""
+        """Run a call, logging it if the sandbox is bound to a trajectory. Returns (result, replayed).
+
+        ``io``: an exec driven live (its pid and signals; see ExecIO). A replayed exec never starts, so
+        ``io`` is then left untouched."""
         op = OPS[op_name]
+        if io is not None and op.name != "exec":
+            raise InvalidRequest(f"only an exec can be driven live, not {op.name}")
+        run: Runner = op.run if io is None else live_exec(io)
         rec = self.mgr._get(sandbox_id, caller)
         tid = rec.runtime.get("trajectory")
         if tid is None or seq is None:
@@ -258,7 +267,7 @@ class Trajectories:
                     f"sandbox {sandbox_id} belongs to trajectory {tid!r}: a call that changes it must carry "
                     f"its position ({SEQ_HEADER}); use the SDK with trajectory={tid!r}"
                 )
-            return await op.run(self.mgr, sandbox_id, req, payload, caller, on_output), False
+            return await run(self.mgr, sandbox_id, req, payload, caller, on_output), False
         if seq < 1:
             raise InvalidRequest(f"{SEQ_HEADER} must be 1 or more (0 is the create)")
         st = await self._state(rec.owner, tid)
@@ -274,7 +283,7 @@ class Trajectories:
                     f"trajectory {tid!r}: call {seq} skips ahead of the log, which has {st.length} calls",
                     detail={"position": seq, "length": st.length},
                 )
-            live = _Live(seq, op, req, params, payload, digest)
+            live = _Live(seq, op, req, params, payload, digest, run)
             return await self._live(st, sandbox_id, live, caller, on_output), False
 
     async def _state(self, owner: str, tid: str) -> _Bound:
@@ -335,7 +344,7 @@ class Trajectories:
             )
 
         try:
-            value = await op.run(self.mgr, sandbox_id, req, payload, caller, on_output)
+            value = await c.run(self.mgr, sandbox_id, req, payload, caller, on_output)
         except DsecError as e:
             await self.writer.write(finish("error", encode_error(e)))
             e.detail[RECORDED_AT] = seq  # the answer's, not the log's: a replay adds it again

@@ -88,8 +88,9 @@ class AgentChannel:
 
     async def spawn(
         self, argv: list[str], env: list[str], cwd: str, fds: list[int], user: tuple[int, int] | None = None
-    ) -> asyncio.Future[int]:
-        """Start a command (as root, or as ``user`` = (uid, gid)); returns a future of its raw wait status."""
+    ) -> tuple[int, asyncio.Future[int]]:
+        """Start a command (as root, or as ``user`` = (uid, gid)); returns its pid in the sandbox and a
+        future of its raw wait status."""
         if self.closed:
             raise SandboxGone("the sandbox's agent is gone")
         exec_id = next(self._ids)
@@ -105,13 +106,13 @@ class AgentChannel:
         self._exited[exec_id] = exited
         try:
             await self._send(struct.pack("<I", len(body)) + body, fds)
-            await started
+            pid = await started
         except BaseException:
             self._exited.pop(exec_id, None)
             raise
         finally:
             self._started.pop(exec_id, None)
-        return exited
+        return pid, exited
 
     async def _send(self, data: bytes, fds: list[int]) -> None:
         loop = asyncio.get_running_loop()

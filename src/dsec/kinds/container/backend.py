@@ -39,6 +39,7 @@ from ...models import ExecRequest, ExecResult, FileEntry
 from ...proc import run
 from ...store.records import SandboxRecord
 from ..base import MAX_FILE_READ, BackendContext, OutputCallback
+from ..execio import ExecIO
 from ..network import PolicyNetwork
 from . import agent, spec
 from .agent import AgentChannel
@@ -355,7 +356,13 @@ class ContainerBackend(PolicyNetwork):
 
     # ---- exec --------------------------------------------------------------------------------------
 
-    async def exec(self, rec: SandboxRecord, req: ExecRequest, on_output: OutputCallback | None = None) -> ExecResult:
+    async def exec(
+        self,
+        rec: SandboxRecord,
+        req: ExecRequest,
+        on_output: OutputCallback | None = None,
+        io: ExecIO | None = None,
+    ) -> ExecResult:
         stdin = req.stdin.encode() if req.stdin is not None else None
         if req.user is None:
             default = rec.runtime.get("user")
@@ -374,6 +381,7 @@ class ContainerBackend(PolicyNetwork):
             user=user,
             idle_timeout=req.idle_timeout,
             rlimits=(rec.limits.nofile, rec.limits.fsize()),
+            io=io,
         )
         return await self._run(rec, plan)
 
@@ -569,6 +577,19 @@ class ContainerBackend(PolicyNetwork):
     async def mkdir(self, rec: SandboxRecord, path: str) -> None:
         fs, path = self._fs(rec, path)
         await asyncio.to_thread(fs.mkdir, path)
+
+    async def stat(self, rec: SandboxRecord, path: str) -> FileEntry:
+        fs, inner = self._fs(rec, path)
+        entry = await asyncio.to_thread(fs.stat, inner)
+        return entry.model_copy(update={"path": "/" + clean_path(path).lstrip(".")})
+
+    async def rename(self, rec: SandboxRecord, source: str, destination: str) -> None:
+        src_fs, src = self._fs(rec, source)
+        dst_fs, dst = self._fs(rec, destination)
+        if src_fs.root != dst_fs.root:
+            # a function worker's /tmp is a directory of its own beside the overlay
+            raise InvalidRequest(f"cannot move {source} to {destination}: they are on different file systems")
+        await asyncio.to_thread(src_fs.rename, src, dst)
 
     # Archives are packed and unpacked by the helper busybox inside the sandbox's own namespaces, so
     # whatever a hostile archive names (absolute paths, .., links, devices) stays inside the sandbox.

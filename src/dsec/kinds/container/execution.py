@@ -25,6 +25,7 @@ from ...isolation import cgroups
 from ...models import ExecResult
 from ...proc import empty_input, read_fd, read_line, spawn, wait, write_all
 from ..base import MAX_ARCHIVE, OutputCallback
+from ..execio import ExecIO
 from .agent import AgentChannel
 
 # After the main process exits, how long to keep reading output that background children still write.
@@ -53,6 +54,7 @@ class ExecPlan:
     idle_timeout: float | None = None  # seconds without output before the tree is killed
     # (RLIMIT_NOFILE, RLIMIT_FSIZE) for the runtime path; the agent path inherits the init's (spec.py)
     rlimits: tuple[int, int] | None = None
+    io: ExecIO | None = None  # live stdin, pid and signals (then ``stdin`` is None)
 
 
 class _Capture:
@@ -63,7 +65,7 @@ class _Capture:
         self.caps = {"stdout": CappedBuffer(plan.limit), "stderr": CappedBuffer(plan.limit)}
         self.out_r, self.out_w = _big_pipe()
         self.err_r, self.err_w = _big_pipe()
-        if plan.stdin is not None:
+        if plan.stdin is not None or plan.io is not None:
             self.in_r, self.in_w = os.pipe()
         else:
             self.in_r, self.in_w = empty_input(), -1
@@ -113,11 +115,24 @@ class _Capture:
         ]
         if self.plan.stdin is not None:
             self.tasks.append(asyncio.ensure_future(self._feed_stdin(self.plan.stdin)))
+        elif self.plan.io is not None:
+            self.tasks.append(asyncio.ensure_future(self._pump_stdin(self.plan.io)))
 
     async def _feed_stdin(self, data: bytes) -> None:
         await write_all(self.in_w, data)
         _close(self.in_w)  # EOF for the command
         self.in_w = -1
+
+    async def _pump_stdin(self, io: ExecIO) -> None:
+        while (chunk := await io.next_chunk()) is not None:
+            await write_all(self.in_w, chunk)
+        _close(self.in_w)
+        self.in_w = -1
+
+    def attach(self, pid: int, group: Path) -> None:
+        """Report the started command to a live caller: its pid, and signals for its exec cgroup."""
+        if self.plan.io is not None:
+            self.plan.io.attach(pid, lambda sig: cgroups.signal_group(group, sig))
 
     async def finish(self) -> None:
         readers = self.tasks[:2]
@@ -183,16 +198,19 @@ async def run_via_agent(
         oom_before = layout.oom_kills(cg_path)
         started = time.monotonic()
         cap.clock = Deadlines(started, plan.timeout, plan.idle_timeout)
-        exited = await chan.spawn(plan.argv, env, plan.cwd or default_cwd, [*cap.child_fds(), procs_fd], plan.user)
+        pid, exited = await chan.spawn(plan.argv, env, plan.cwd or default_cwd, [*cap.child_fds(), procs_fd], plan.user)
         _close(procs_fd)
         procs_fd = -1
         cap.close_child_ends()
         cap.start()
+        cap.attach(pid, group)
         status, expired = await _supervise(group, exited, cap.clock)
         await cap.finish()
         return cap.result(status, started, expired, _oom_killed(layout, cg_path, oom_before, status))
     finally:
         _close(procs_fd)
+        if plan.io is not None:
+            plan.io.detach()
         await cap.cleanup()
         if not reuse_group:
             _remove_group(group)
@@ -245,6 +263,8 @@ async def run_via_runtime(
                     _prlimit(host_pid, plan.rlimits)
         with contextlib.suppress(OSError):
             os.write(go_w, b"\n")
+        if line.strip().isdigit():
+            cap.attach(int(line), group)
 
         async def exited() -> int:
             code = await wait(pid)
@@ -259,6 +279,8 @@ async def run_via_runtime(
             raise SandboxGone(f"sandbox {sandbox_id} is no longer running")
         return cap.result(status, started, expired, _oom_killed(layout, cg_path, oom_before, status))
     finally:
+        if plan.io is not None:
+            plan.io.detach()
         for fd in (go_r, go_w, ready_r, ready_w):
             _close(fd)
         await cap.cleanup()

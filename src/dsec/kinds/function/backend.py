@@ -31,6 +31,7 @@ from ...store.records import SandboxRecord
 from ...tenancy import OPERATOR
 from ..base import Backend, BackendContext, OutputCallback
 from ..container.backend import ContainerBackend
+from ..execio import ExecIO
 from . import reset
 from .options import FunctionOptions
 from .pool import Pool, PoolConfig, Pools
@@ -290,10 +291,16 @@ class FunctionBackend(Backend):
 
     # ---- operations: the worker's, marking hostile uses -------------------------------------------
 
-    async def exec(self, rec: SandboxRecord, req: ExecRequest, on_output: OutputCallback | None = None) -> ExecResult:
+    async def exec(
+        self,
+        rec: SandboxRecord,
+        req: ExecRequest,
+        on_output: OutputCallback | None = None,
+        io: ExecIO | None = None,
+    ) -> ExecResult:
         worker = self._worker(rec)
         try:
-            res = await self.containers.exec(worker.rec, req, on_output)
+            res = await self.containers.exec(worker.rec, req, on_output, io)
         except SandboxGone:
             worker.tainted = "the worker stopped during a use"
             raise
@@ -317,6 +324,12 @@ class FunctionBackend(Backend):
 
     async def mkdir(self, rec: SandboxRecord, path: str) -> None:
         await self.containers.mkdir(self._worker(rec).rec, path)
+
+    async def stat(self, rec: SandboxRecord, path: str) -> FileEntry:
+        return await self.containers.stat(self._worker(rec).rec, path)
+
+    async def rename(self, rec: SandboxRecord, source: str, destination: str) -> None:
+        await self.containers.rename(self._worker(rec).rec, source, destination)
 
     async def upload_tar(self, rec: SandboxRecord, path: str, data: bytes) -> None:
         await self.containers.upload_tar(self._worker(rec).rec, path, data)

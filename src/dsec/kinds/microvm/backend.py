@@ -34,6 +34,7 @@ from ...models import ExecRequest, ExecResult, FileEntry
 from ...proc import wait
 from ...store.records import SandboxRecord
 from ..base import BackendContext, OutputCallback
+from ..execio import ExecIO
 from ..network import PolicyNetwork
 from . import accel, guest, jail, launcher_build, network, pack, qemu, snapshots, templates
 from .agent_build import build_agent
@@ -495,7 +496,13 @@ class MicroVMBackend(PolicyNetwork):
         account = rec.runtime.get("user")
         return (int(account[0]), int(account[1])) if isinstance(account, list) else None
 
-    async def exec(self, rec: SandboxRecord, req: ExecRequest, on_output: OutputCallback | None = None) -> ExecResult:
+    async def exec(
+        self,
+        rec: SandboxRecord,
+        req: ExecRequest,
+        on_output: OutputCallback | None = None,
+        io: ExecIO | None = None,
+    ) -> ExecResult:
         chan = await self._channel(rec)
         user = self._user(rec)
         if req.user is not None:
@@ -514,6 +521,7 @@ class MicroVMBackend(PolicyNetwork):
                 user=user,
                 idle_timeout=req.idle_timeout,
                 rlimits=(rec.limits.nofile, rec.limits.fsize()),
+                io=io,
             )
         except SandboxGone as e:
             raise SandboxGone(await self._why_gone(rec, str(e))) from e
@@ -569,6 +577,12 @@ class MicroVMBackend(PolicyNetwork):
 
     async def mkdir(self, rec: SandboxRecord, path: str) -> None:
         await self._files(rec).mkdir(path)
+
+    async def stat(self, rec: SandboxRecord, path: str) -> FileEntry:
+        return await self._files(rec).stat(path)
+
+    async def rename(self, rec: SandboxRecord, source: str, destination: str) -> None:
+        await self._files(rec).move(source, destination)
 
     async def upload_tar(self, rec: SandboxRecord, path: str, data: bytes) -> None:
         await self._files(rec).upload_tar(path, data)

@@ -24,6 +24,7 @@ from ...core.output import CappedBuffer, Deadlines, exec_result
 from ...errors import BackendError, InvalidRequest, LimitExceeded, SandboxGone, SandboxTimeout
 from ...models import ExecResult
 from ..base import MAX_ARCHIVE, OutputCallback
+from ..execio import ExecIO
 
 log = logging.getLogger("dsec.microvm.channel")
 
@@ -62,6 +63,7 @@ class _Exec:
     oom: bool = False  # the guest OOM-killed a process while the command ran
     callback_error: Exception | None = None
     stdin_task: asyncio.Task[None] | None = field(default=None, repr=False)
+    io: ExecIO | None = None
 
 
 class GuestChannel:
@@ -155,11 +157,13 @@ class GuestChannel:
         user: tuple[int, int] | None = None,
         idle_timeout: float | None = None,
         rlimits: tuple[int, int] | None = None,
+        io: ExecIO | None = None,
     ) -> ExecResult:
         """Run a command in the guest; ``env`` is its whole environment, ``user`` (uid, gid), None: root.
 
         ``idle_timeout``: seconds without output before the command's tree is killed, as on a timeout.
-        ``rlimits``: (RLIMIT_NOFILE, RLIMIT_FSIZE) the command starts with; None: the agent's own."""
+        ``rlimits``: (RLIMIT_NOFILE, RLIMIT_FSIZE) the command starts with; None: the agent's own.
+        ``io``: standard input fed while the command runs (``stdin`` is then None), its pid and signals."""
         if not argv:
             raise InvalidRequest("the command is empty")
         if self.closed:
@@ -170,7 +174,8 @@ class GuestChannel:
         envs = [f"{k}={v}" for k, v in env.items()]
         strings = b"".join(s.encode() + b"\0" for s in [cwd, *argv, *envs])
         uid, gid = user if user is not None else (0, 0)
-        flags = (FLAG_STDIN if stdin is not None else 0) | (FLAG_RLIMITS if rlimits is not None else 0)
+        live_stdin = stdin is not None or io is not None
+        flags = (FLAG_STDIN if live_stdin else 0) | (FLAG_RLIMITS if rlimits is not None else 0)
         extra = _RLIMITS.pack(*rlimits) if rlimits is not None else b""
         payload = _EXEC.pack(len(argv), len(envs), flags, uid, gid) + extra + strings
         if 5 + len(payload) > MAX_FRAME:
@@ -180,6 +185,7 @@ class GuestChannel:
             on_output=on_output,
             exited=asyncio.get_running_loop().create_future(),
             clock=Deadlines(time.monotonic(), timeout, idle_timeout),
+            io=io,
         )
         self._execs[exec_id] = ex
         started = ex.clock.started
@@ -187,6 +193,8 @@ class GuestChannel:
             await self._send(_frame(b"E", exec_id, payload))
             if stdin is not None:
                 ex.stdin_task = asyncio.create_task(self._feed_stdin(exec_id, stdin))
+            elif io is not None:
+                ex.stdin_task = asyncio.create_task(self._pump_stdin(exec_id, io))
             expired: str | None = None
             status: int | None = None
             while expired is None:
@@ -211,6 +219,8 @@ class GuestChannel:
             raise
         finally:
             self._execs.pop(exec_id, None)
+            if io is not None:
+                io.detach()
             if ex.stdin_task is not None:
                 ex.stdin_task.cancel()
                 with contextlib.suppress(asyncio.CancelledError, SandboxGone):
@@ -259,15 +269,26 @@ class GuestChannel:
             raise SandboxGone(f"the guest agent's channel broke: {e}") from None
 
     def _kill_nowait(self, exec_id: int) -> None:
+        self._signal_nowait(exec_id, SIGKILL)
+
+    def _signal_nowait(self, exec_id: int, sig: int) -> None:
+        """The agent sends ``sig`` to the exec's tree (SIGKILL: its cgroup, else its process group)."""
         if self.closed or self._writer.is_closing():
             return
         with contextlib.suppress(ConnectionError, OSError):
-            self._writer.write(_frame(b"K", exec_id, struct.pack("<I", SIGKILL)))
+            self._writer.write(_frame(b"K", exec_id, struct.pack("<I", sig)))
 
     async def _feed_stdin(self, exec_id: int, data: bytes) -> None:
         view = memoryview(data)
         for off in range(0, len(view), STDIN_CHUNK):
             await self._send(_frame(b"I", exec_id, bytes(view[off : off + STDIN_CHUNK])))
+        await self._send(_frame(b"I", exec_id))  # EOF
+
+    async def _pump_stdin(self, exec_id: int, io: ExecIO) -> None:
+        while (chunk := await io.next_chunk()) is not None:
+            view = memoryview(chunk)
+            for off in range(0, len(view), STDIN_CHUNK):
+                await self._send(_frame(b"I", exec_id, bytes(view[off : off + STDIN_CHUNK])))
         await self._send(_frame(b"I", exec_id))  # EOF
 
     # ---- receiving -------------------------------------------------------------------------------
@@ -304,6 +325,8 @@ class GuestChannel:
             self._output(ident, ex, _STREAMS[kind], payload)
         elif kind == b"S" and len(payload) >= 8:
             (ex.pid,) = struct.unpack_from("<q", payload)
+            if ex.io is not None:
+                ex.io.attach(ex.pid, lambda sig: self._signal_nowait(ident, sig))
         elif kind == b"X" and len(payload) >= 4:
             ex.oom = len(payload) >= 5 and bool(payload[4] & 1)  # agents before the flag sent 4 bytes
             if not ex.exited.done():

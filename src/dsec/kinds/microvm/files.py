@@ -40,6 +40,18 @@ for f in .* *; do
   stat -c '%F|%s|%a|%Y|%n' -- "$f"
 done
 """
+STAT = r"""
+[ -e "$1" ] || [ -L "$1" ] || exit 2
+exec stat -c '%F|%s|%a|%Y|%n' -- "$1"
+"""
+# rename(2) semantics (-T: a directory destination is replaced, not moved into); parents are made
+MOVE = r"""
+[ -e "$1" ] || [ -L "$1" ] || exit 2
+p=$(dirname -- "$2")
+[ -d "$p" ] || mkdir -p -- "$p" 2>/dev/null || { [ -e "$p" ] && exit 20; exit 2; }
+[ -d "$2" ] && [ ! -L "$2" ] && [ -n "$(ls -A -- "$2")" ] && exit 39
+mv -f -T -- "$1" "$2" || exit 5
+"""
 REMOVE = r"""
 [ -e "$1" ] || [ -L "$1" ] || exit 2
 if [ -d "$1" ] && [ ! -L "$1" ]; then
@@ -84,6 +96,27 @@ def _error(status: int, path: str, stderr: str) -> Exception:
     return InvalidRequest(f"{path}: {stderr.strip() or f'failed with status {status}'}")
 
 
+def _entry(line: str, path_of: Callable[[str], str]) -> FileEntry | None:
+    """One line of ``stat -c '%F|%s|%a|%Y|%n'``."""
+    parts = line.split("|", 4)
+    if len(parts) != 5:
+        return None
+    kind, size, mode, mtime, name = parts
+    try:
+        return FileEntry(
+            name=name,
+            path=path_of(name),
+            type={"directory": "dir", "symbolic link": "symlink"}.get(
+                kind, "file" if kind.startswith("regular") else "other"
+            ),
+            size=int(size),
+            mode=int(mode, 8),
+            mtime=float(mtime),
+        )
+    except ValueError:
+        return None
+
+
 def _abs(path: str) -> str:
     rel = clean_path(path)
     return "/" if rel == "." else "/" + rel
@@ -113,23 +146,30 @@ class GuestFiles:
         out = await self._call(LIST, base)
         entries = []
         for line in out.decode(errors="surrogateescape").splitlines():
-            parts = line.split("|", 4)
-            if len(parts) != 5:
-                continue
-            kind, size, mode, mtime, name = parts
-            entries.append(
-                FileEntry(
-                    name=name,
-                    path=posixpath.join(base, name),
-                    type={"directory": "dir", "symbolic link": "symlink"}.get(
-                        kind, "file" if kind.startswith("regular") else "other"
-                    ),
-                    size=int(size),
-                    mode=int(mode, 8),
-                    mtime=float(mtime),
-                )
-            )
+            entry = _entry(line, lambda name: posixpath.join(base, name))
+            if entry is not None:
+                entries.append(entry)
         return sorted(entries, key=lambda e: e.name)
+
+    async def stat(self, path: str) -> FileEntry:
+        target = _abs(path)
+        out = await self._call(STAT, target)
+        entry = _entry(out.decode(errors="surrogateescape").rstrip("\n"), lambda _: target)
+        if entry is None:
+            raise InvalidRequest(f"{path}: the guest's stat answered {out[:200]!r}")
+        return entry.model_copy(update={"name": posixpath.basename(target) or "/"})
+
+    async def move(self, source: str, destination: str) -> None:
+        src, dst = _abs(source), _abs(destination)
+        if "/" in (src, dst):
+            raise InvalidRequest("cannot move / or move something onto /")
+        if dst == src or dst.startswith(src + "/"):
+            raise InvalidRequest(f"cannot move {source} into itself")
+        status, _, err = await self._run(_argv(MOVE, src, dst), None, 600.0)
+        if status == errno.ENOTEMPTY:
+            raise InvalidRequest(f"cannot move onto {destination}: a directory that is not empty")
+        if status != 0:
+            raise _error(status, source if status == errno.ENOENT else destination, err)
 
     async def remove(self, path: str, recursive: bool) -> None:
         target = _abs(path)

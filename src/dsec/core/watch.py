@@ -1,0 +1,99 @@
+"""Watching a directory of a sandbox for changes, by listing it again and again through the core's
+file API. That works the same for every kind (a VM's files are only reachable through its agent) and
+needs nothing from inside the sandbox; the price is that changes are seen at the polling interval, a
+file created and removed between two looks is never seen, and a rename shows as a remove and a create.
+"""
+
+from __future__ import annotations
+
+import posixpath
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal
+
+from ..errors import FileNotFoundInSandbox, InvalidRequest, LimitExceeded
+from ..models import FileEntry
+from ..tenancy import Caller
+
+if TYPE_CHECKING:
+    from .manager import SandboxManager
+
+POLL_INTERVAL = 0.5  # seconds between two looks
+MAX_ENTRIES = 20_000  # entries one watch may hold (a recursive watch of a large tree is refused)
+MAX_DIRS = 1_000  # directories one recursive look lists
+
+ChangeType = Literal["create", "write", "remove", "chmod"]
+
+
+@dataclass(frozen=True)
+class Change:
+    type: ChangeType
+    name: str  # relative to the watched directory ("a.txt", "sub/b.txt")
+    entry: FileEntry | None  # None for a removal
+
+
+class DirWatch:
+    def __init__(self, mgr: SandboxManager, sandbox_id: str, path: str, *, recursive: bool, caller: Caller) -> None:
+        if not path.startswith("/"):
+            raise InvalidRequest(f"path must be absolute: {path!r}")
+        self.mgr = mgr
+        self.sandbox_id = sandbox_id
+        self.path = posixpath.normpath(path)
+        self.recursive = recursive
+        self.caller = caller
+        self._seen: dict[str, FileEntry] | None = None
+
+    async def start(self) -> None:
+        """The first look: the directory must exist (and be a directory); nothing is reported for it."""
+        entry = await self.mgr.stat(self.sandbox_id, self.path, caller=self.caller)
+        if entry.type != "dir":
+            raise InvalidRequest(f"not a directory: {self.path}")
+        self._seen = await self._look()
+
+    async def changes(self) -> list[Change]:
+        """What changed since the previous look, in a stable order (creations and writes by name, then
+        removals)."""
+        if self._seen is None:
+            await self.start()
+            return []
+        now = await self._look()
+        before = self._seen
+        self._seen = now
+        out: list[Change] = []
+        for name in sorted(now):
+            new, old = now[name], before.get(name)
+            if old is None:
+                out.append(Change("create", name, new))
+            elif old.type != new.type:
+                out.append(Change("remove", name, None))
+                out.append(Change("create", name, new))
+            elif (old.size, old.mtime) != (new.size, new.mtime) and new.type != "dir":
+                out.append(Change("write", name, new))
+            elif old.mode != new.mode:
+                out.append(Change("chmod", name, new))
+        out += [Change("remove", name, None) for name in sorted(set(before) - set(now))]
+        return out
+
+    async def _look(self) -> dict[str, FileEntry]:
+        seen: dict[str, FileEntry] = {}
+        pending = [""]
+        dirs = 0
+        while pending:
+            rel = pending.pop()
+            dirs += 1
+            if dirs > MAX_DIRS:
+                raise LimitExceeded(f"{self.path} holds more than {MAX_DIRS} directories: too many to watch")
+            path = posixpath.join(self.path, rel) if rel else self.path
+            try:
+                entries = await self.mgr.list_dir(self.sandbox_id, path, caller=self.caller)
+            except (FileNotFoundInSandbox, InvalidRequest):
+                if not rel:
+                    raise
+                continue  # a subdirectory that went away (or became a file) since its parent was listed
+            for entry in entries:
+                name = posixpath.join(rel, entry.name) if rel else entry.name
+                seen[name] = entry
+                if len(seen) > MAX_ENTRIES:
+                    raise LimitExceeded(f"{self.path} holds more than {MAX_ENTRIES} entries: too many to watch")
+                if self.recursive and entry.type == "dir":
+                    pending.append(name)
+        return seen
