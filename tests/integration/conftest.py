@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -53,6 +54,7 @@ class Daemon:
     token: str
     proc: subprocess.Popen[bytes]
     log: Path
+    e2b_url: str | None = None  # the E2B-compatible API (E2B_API_URL, E2B_SANDBOX_URL), if served
 
     def client(self) -> dsec.Client:
         return dsec.Client(url=self.url, token=self.token)
@@ -94,9 +96,20 @@ def release_node(state_dir: Path) -> None:
     unmount_under(state_dir)
 
 
-def start_daemon(state_dir: Path, *extra: str, module: str = "dsec") -> Daemon:
-    """``python -m MODULE serve`` (the security suite's negative control passes its weakened entry point)."""
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def start_daemon(state_dir: Path, *extra: str, module: str = "dsec", e2b: bool = False) -> Daemon:
+    """``python -m MODULE serve`` (the security suite's negative control passes its weakened entry point);
+    ``e2b``: with the E2B-compatible API on a free loopback port."""
     state_dir.mkdir(parents=True, exist_ok=True)
+    e2b_url = f"http://127.0.0.1:{free_port()}" if e2b else None
+    if e2b_url is not None:
+        extra = (*extra, "--e2b-listen", e2b_url)
     log = state_dir / "daemon.log"
     sock = state_dir / "dsec.sock"
     with open(log, "ab") as f:
@@ -127,7 +140,7 @@ def start_daemon(state_dir: Path, *extra: str, module: str = "dsec") -> Daemon:
             token = token_file.read_text().strip()
             try:
                 dsec.Client(url=f"unix://{sock}", token=token).health()
-                return Daemon(state_dir, f"unix://{sock}", token, proc, log)
+                return Daemon(state_dir, f"unix://{sock}", token, proc, log, e2b_url)
             except dsec.DaemonUnreachable:
                 pass
         time.sleep(0.1)
@@ -150,7 +163,7 @@ def shut_down(d: Daemon) -> None:
 @pytest.fixture(scope="session")
 def daemon(request: pytest.FixtureRequest) -> Iterator[Daemon]:
     state = Path(tempfile.mkdtemp(prefix="dsec-it-"))
-    d = start_daemon(state)
+    d = start_daemon(state, e2b=True)
     try:
         yield d
     finally:
@@ -208,10 +221,33 @@ def runtime_daemon() -> Iterator[Daemon]:
     """A daemon whose container execs go through the runtime's exec (crun exec), not the sandbox agent."""
     os.environ["DSEC_CONTAINER_EXEC"] = "runtime"
     try:
-        d = start_daemon(Path(tempfile.mkdtemp(prefix="dsec-rt-")))
+        d = start_daemon(Path(tempfile.mkdtemp(prefix="dsec-rt-")), e2b=True)
     finally:
         del os.environ["DSEC_CONTAINER_EXEC"]
     yield d
     d.stop()
     release_node(d.state_dir)
     shutil.rmtree(d.state_dir, ignore_errors=True)
+
+
+# ---- the E2B-compatible API (test_e2b*.py) --------------------------------------------------------
+
+
+def e2b_environment(daemon: Daemon) -> dict[str, str]:
+    assert daemon.e2b_url is not None, "the test daemon serves the E2B API"
+    return {"E2B_API_URL": daemon.e2b_url, "E2B_SANDBOX_URL": daemon.e2b_url, "E2B_API_KEY": daemon.token}
+
+
+@pytest.fixture(scope="module")
+def e2b_env(daemon: Daemon) -> Iterator[dict[str, str]]:
+    env = e2b_environment(daemon)
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield env
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v

@@ -15,7 +15,6 @@ import contextlib
 import os
 import secrets
 import shutil
-import socket
 import tempfile
 import threading
 import time
@@ -30,7 +29,7 @@ import dsec
 from dsec.cluster.runner import RayOptions, run_ray
 
 from ..pg import PgServer, pg_unavailable, start_postgres
-from .conftest import IMAGES_DIR, shut_down, start_daemon
+from .conftest import IMAGES_DIR, free_port, shut_down, start_daemon
 
 ray = pytest.importorskip("ray", reason="`dsec cluster` needs Ray (the dsec[cluster] extra)")
 from ray.cluster_utils import Cluster  # noqa: E402
@@ -58,13 +57,6 @@ def trajectory_db(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
             server.stop()
     else:  # every node is a process on this machine: one SQLite file serves them all
         yield f"sqlite:///{tmp_path_factory.mktemp('cluster-log') / 'trajectories.db'}"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 class Running:

@@ -178,6 +178,28 @@ def serve(
             "their memory request are evicted, one per 2 s.",
         ),
     ] = 0.95,
+    e2b_listen: Annotated[
+        str | None,
+        typer.Option(
+            help="Also serve the E2B-compatible API (control and in-sandbox) on http://HOST:PORT: set "
+            "E2B_API_URL and E2B_SANDBOX_URL to it and E2B_API_KEY to a dsec token (docs/e2b.md)."
+        ),
+    ] = None,
+    e2b_image: Annotated[str, typer.Option(help="The image of E2B's default template, 'base'.")] = "dsec/debian:12",
+    e2b_kind: Annotated[
+        str, typer.Option(help="The kind of E2B sandboxes whose template and metadata name none.")
+    ] = "container",
+    e2b_template: Annotated[
+        list[str] | None,
+        typer.Option("--e2b-template", help="NAME=IMAGE[@KIND]: an E2B template name for a dsec image (repeatable)."),
+    ] = None,
+    e2b_network: Annotated[
+        str,
+        typer.Option(
+            help="Network of E2B sandboxes that ask for nothing: 'full' (E2B's default: the internet, not the "
+            "host, private ranges or other sandboxes) or 'none' (loopback only)."
+        ),
+    ] = "full",
     log_level: Annotated[str, typer.Option(help="debug, info, warning, error.")] = "info",
 ) -> None:
     """Run the node daemon."""
@@ -227,7 +249,14 @@ def serve(
             max_queue=max_queue,
             node_name=node_name,
         )
-        run_server(state_dir, listen, options, log_level, audit, network, function, trajectory, admission, evict_at)
+        e2b = None
+        if e2b_listen is not None:
+            from ..e2b.service import E2BOptions
+
+            e2b = E2BOptions.of(e2b_listen, e2b_image, e2b_kind, e2b_template or [], e2b_network)
+        run_server(
+            state_dir, listen, options, log_level, audit, network, function, trajectory, admission, evict_at, e2b=e2b
+        )
     except DsecError as e:
         _fail(e)
 

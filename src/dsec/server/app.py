@@ -9,10 +9,11 @@ import secrets
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlparse
 
 from fastapi import FastAPI
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from .. import __version__
 from ..core.admission import AdmissionOptions
@@ -27,6 +28,9 @@ from ..store.audit import DEFAULT_KEEP_DAYS, DEFAULT_MAX_RECORDS, AuditLog
 from . import errors, node_routes, routes, run_routes, tenant_routes, trajectory_routes
 from .audit import AuditMiddleware
 from .limits import BodyLimit
+
+if TYPE_CHECKING:
+    from ..e2b.service import E2BOptions
 
 log = logging.getLogger("dsec.server")
 
@@ -91,6 +95,23 @@ def openapi_spec() -> dict[str, Any]:
     return app.openapi()
 
 
+class ByListener:
+    """One server, two listeners: what arrives on the E2B port goes to the E2B app, the rest (and the
+    lifespan, which starts and stops the core both share) to dsec's own."""
+
+    def __init__(self, main: ASGIApp, e2b: ASGIApp, e2b_port: int) -> None:
+        self.main = main
+        self.e2b = e2b
+        self.e2b_port = e2b_port
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        server = scope.get("server") or (None, None)
+        if scope["type"] == "http" and server[1] == self.e2b_port:
+            await self.e2b(scope, receive, send)
+        else:
+            await self.main(scope, receive, send)
+
+
 def parse_listen(listen: str) -> dict[str, Any]:
     """uvicorn arguments for ``unix:///path`` or ``http://HOST:PORT``."""
     url = urlparse(listen)
@@ -131,8 +152,10 @@ def serve(
     trajectory: TrajectoryOptions | None = None,
     admission: AdmissionOptions | None = None,
     evict_at: float = DEFAULT_EVICT_AT,
+    e2b: E2BOptions | None = None,
 ) -> None:
-    """``function``: the function kind's FunctionOptions (kept opaque here: the server knows no kind)."""
+    """``function``: the function kind's FunctionOptions (kept opaque here: the server knows no kind).
+    ``e2b``: also serve the E2B-compatible API on its own listener (docs/e2b.md)."""
     import uvicorn
 
     state_dir = state_dir.resolve()
@@ -142,6 +165,9 @@ def serve(
     os.chmod(state_dir, 0o711)
     listen = listen or default_listen(state_dir)
     where = parse_listen(listen)
+    e2b_where = parse_listen(e2b.listen) if e2b is not None else None
+    if e2b_where is not None and e2b_where == where:
+        raise InvalidRequest(f"--e2b-listen {e2b.listen if e2b else ''} must differ from --listen {listen}")
     uds = where.get("uds")
     if isinstance(uds, str) and os.path.exists(uds):
         os.unlink(uds)  # a stale socket from a killed daemon
@@ -169,17 +195,29 @@ def serve(
         admission=admission,
         evict_at=evict_at,
     )
-    app = create_app(manager, token)
+    app: ASGIApp = create_app(manager, token)
     # Keep idle connections well past the SDK's own keep-alive expiry: a server that closes first races
     # with a request sent on the same connection, which the client then sees as a dropped read.
-    config = uvicorn.Config(
-        app,
-        log_level=log_level,
-        access_log=False,
-        timeout_graceful_shutdown=5,
-        timeout_keep_alive=KEEP_ALIVE_S,
-        **where,
-    )
-    server = uvicorn.Server(config)
+    settings: dict[str, Any] = {
+        "log_level": log_level,
+        "access_log": False,
+        "timeout_graceful_shutdown": 5,
+        "timeout_keep_alive": KEEP_ALIVE_S,
+    }
+    sockets = None
+    if e2b is not None and e2b_where is not None:
+        from ..e2b.app import create_e2b_app
+
+        e2b_socket = uvicorn.Config(app, **settings, **e2b_where).bind_socket()
+        port = e2b_socket.getsockname()[1]
+        main_socket = uvicorn.Config(app, **settings, **where).bind_socket()
+        for sock in (e2b_socket, main_socket):
+            # uvicorn makes them inheritable (for its worker processes): the layer fetcher the daemon
+            # starts, which outlives it, would otherwise hold the listeners and swallow connections
+            sock.set_inheritable(False)
+        app = ByListener(app, create_e2b_app(manager, e2b, state_dir, token), port)
+        sockets = [main_socket, e2b_socket]
+        log.info("E2B-compatible API on http://%s:%d (E2B_API_URL and E2B_SANDBOX_URL)", e2b_where["host"], port)
+    server = uvicorn.Server(uvicorn.Config(app, **settings, **where))
     log.info("dsec %s listening on %s (state in %s)", __version__, listen, state_dir)
-    server.run()
+    server.run(sockets=sockets)

@@ -35,27 +35,34 @@ def note(
         state[SANDBOX] = sandbox
 
 
-def _template(route: object, path: str) -> str:
+def _template(route: object, path: str, prefix: str) -> str:
     """The route template, not the path: ids and names in paths stay out of the route column. FastAPI
     gives a route in an included router its path relative to the router's prefix (every API route here
     is under /v1)."""
     template = getattr(route, "path", None)
     if not isinstance(template, str):
         return path[:MAX_ROUTE]  # no route matched (a 404 or 405 from the router itself)
-    return template if template.startswith(PREFIX) else PREFIX + template
+    return template if template.startswith(prefix) else prefix + template
 
 
 class AuditMiddleware:
-    def __init__(self, app: ASGIApp) -> None:
+    """``prefix``: the paths audited (the dsec API's /v1; "" for every path of the E2B API);
+    ``unaudited``: paths that need no token; ``label``: put before the route in the record."""
+
+    def __init__(
+        self, app: ASGIApp, prefix: str = PREFIX, unaudited: tuple[str, ...] = UNAUDITED, label: str = ""
+    ) -> None:
         self.app = app
+        self.prefix = prefix
+        self.unaudited = unaudited
+        self.label = label
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         path: str = scope.get("path", "")
-        if scope["type"] != "http" or not path.startswith("/v1/") or path in UNAUDITED:
+        if scope["type"] != "http" or not path.startswith(self.prefix + "/") or path in self.unaudited:
             await self.app(scope, receive, send)
             return
         started = time.perf_counter()
-        caller = resolve(scope)
         status = 500  # what the last-resort handler answers if the app raises
 
         async def sent(message: Message) -> None:
@@ -67,7 +74,9 @@ class AuditMiddleware:
         try:
             await self.app(scope, receive, sent)
         finally:
-            template = _template(scope.get("route"), path)
+            # after the app: a route may have named the caller (the E2B API's keys and sandbox tokens)
+            caller = resolve(scope)
+            template = self.label + _template(scope.get("route"), path, self.prefix)
             state = scope["state"]
             sandbox = state.get(SANDBOX) or scope.get("path_params", {}).get("sandbox_id")
             entry = Entry(

@@ -286,6 +286,10 @@ class Trajectories:
             live = _Live(seq, op, req, params, payload, digest, run)
             return await self._live(st, sandbox_id, live, caller, on_output), False
 
+    async def length(self, owner: str, tid: str) -> int:
+        """How many calls the trajectory's log holds (the position of the next live call)."""
+        return (await self._state(owner, tid)).length
+
     async def _state(self, owner: str, tid: str) -> _Bound:
         st = self._bound.get((owner, tid))
         if st is None:

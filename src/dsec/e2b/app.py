@@ -1,0 +1,66 @@
+"""The E2B-compatible API as one ASGI app: E2B's control API (``E2B_API_URL``) and its in-sandbox
+envd API (``E2B_SANDBOX_URL``) on the same listener, both served by the daemon's own core. The daemon
+runs it on ``dsec serve --e2b-listen``; it starts and stops with the daemon (no lifespan of its own)."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from .. import __version__
+from ..core.manager import SandboxManager
+from ..errors import DsecError, validation_message
+from ..server.audit import AuditMiddleware
+from ..server.limits import BodyLimit
+
+# the services register their routes on envd.router as they are imported
+from . import control, envd, files, fs_service, process_service  # noqa: F401
+from .auth import EnvdTokens, load_key
+from .errors import control_error, plain_error
+from .service import E2BOptions, E2BService
+
+log = logging.getLogger("dsec.e2b")
+
+
+def create_e2b_app(manager: SandboxManager, options: E2BOptions, state_dir: Path, operator_token: str) -> FastAPI:
+    app = FastAPI(title="dsec E2B-compatible API", version=__version__, openapi_url=None, docs_url=None, redoc_url=None)
+    app.state.manager = manager  # the audit log, and bearer tokens
+    app.state.token = operator_token
+    app.state.e2b = E2BService(manager, options, EnvdTokens(load_key(state_dir)), operator_token)
+
+    @app.exception_handler(DsecError)
+    async def _dsec(_: Request, exc: DsecError) -> Response:
+        if exc.http_status >= 500:
+            log.error("%s: %.2000s", exc.code, exc.message)
+        return control_error(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_: Request, exc: RequestValidationError) -> Response:
+        return plain_error(400, validation_message(exc))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException) -> Response:
+        return plain_error(exc.status_code, str(exc.detail))
+
+    @app.exception_handler(Exception)
+    async def _internal(_: Request, exc: Exception) -> Response:
+        log.exception("internal error in the E2B API")
+        return plain_error(500, f"internal error: {type(exc).__name__}: {exc}")
+
+    app.include_router(envd.router)  # /health, /process.Process/*, /filesystem.Filesystem/*
+    app.include_router(files.router)  # /files
+    app.include_router(control.router)
+    app.add_api_route(
+        "/{rest:path}",
+        control.unsupported,
+        methods=["GET", "POST", "PUT", "PATCH", "DELETE"],
+        include_in_schema=False,
+    )
+    app.add_middleware(BodyLimit)
+    app.add_middleware(AuditMiddleware, prefix="", unaudited=("/health",), label="e2b ")
+    return app

@@ -1,0 +1,103 @@
+"""Who calls the E2B API.
+
+The control API takes E2B's ``X-API-KEY`` header (or ``Authorization: Bearer``): its value is a dsec
+token, the operator's or a tenant's, so an E2B API key *is* a dsec tenant token.
+
+The in-sandbox (envd) API is reached with a per-sandbox access token, E2B's ``envdAccessToken``: the
+create answer carries it and the SDK sends it as ``X-Access-Token`` with every call, next to the
+``E2b-Sandbox-Id`` header that routes the call. The token is an HMAC of the sandbox id under a key
+only the daemon holds (``STATE_DIR/e2b.key``, 0600), so it needs no table, survives a daemon restart,
+and opens exactly one sandbox. A signed file URL (E2B's ``signature`` query parameter) is checked the
+way the SDK makes it, over that same token.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import hashlib
+import hmac
+import os
+import secrets
+import time
+from pathlib import Path
+
+from ..store.tenants import TenantStore
+from ..tenancy import OPERATOR, Caller
+
+KEY_FILE = "e2b.key"
+
+
+def load_key(state_dir: Path) -> bytes:
+    """The daemon's envd token key, made (0600) at first start."""
+    path = state_dir / KEY_FILE
+    with contextlib.suppress(FileNotFoundError):
+        key = path.read_bytes()
+        if len(key) >= 32:
+            return key
+    key = secrets.token_bytes(32)
+    tmp = path.with_suffix(".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(key)
+    os.replace(tmp, path)
+    return key
+
+
+def header(headers: list[tuple[bytes, bytes]], name: bytes) -> bytes:
+    for key, value in headers:
+        if key == name:
+            return value
+    return b""
+
+
+def api_token(headers: list[tuple[bytes, bytes]]) -> bytes:
+    """The API key of a control-API call: ``X-API-KEY``, else an ``Authorization: Bearer`` token."""
+    key = header(headers, b"x-api-key").strip()
+    if key:
+        return key
+    scheme, _, token = header(headers, b"authorization").partition(b" ")
+    return token.strip() if scheme.lower() == b"bearer" else b""
+
+
+def identify(token: bytes, operator_token: str, tenants: TenantStore) -> Caller | None:
+    """The caller behind a dsec token (the operator's, or a tenant's from the tenant store)."""
+    if not token:
+        return None
+    if secrets.compare_digest(token, operator_token.encode()):
+        return OPERATOR
+    return tenants.identify(token)
+
+
+def owner_caller(owner: str | None) -> Caller:
+    """The caller an envd call acts as: the sandbox's owner (the operator's own sandboxes as the operator)."""
+    if owner is None or owner == OPERATOR.tenant:
+        return OPERATOR
+    return Caller(owner)
+
+
+class EnvdTokens:
+    def __init__(self, key: bytes) -> None:
+        self._key = key
+
+    def token(self, sandbox_id: str) -> str:
+        mac = hmac.new(self._key, b"envd\0" + sandbox_id.encode(), hashlib.sha256).digest()
+        return base64.urlsafe_b64encode(mac).rstrip(b"=").decode()
+
+    def check(self, sandbox_id: str, token: str) -> bool:
+        return bool(token) and hmac.compare_digest(self.token(sandbox_id).encode(), token.encode())
+
+    def check_signature(
+        self, sandbox_id: str, path: str, operation: str, user: str, signature: str, expiration: str | None
+    ) -> bool:
+        """E2B's v1 file-URL signature: sha256 over ``path:operation:user:token[:expiration]``."""
+        if not signature.startswith("v1_"):
+            return False
+        parts = [path, operation, user, self.token(sandbox_id)]
+        if expiration:
+            if not expiration.isdigit() or int(expiration) < time.time():
+                return False
+            parts.append(expiration)
+        digest = hashlib.sha256(":".join(parts).encode()).digest()
+        want = "v1_" + base64.b64encode(digest).rstrip(b"=").decode()
+        return hmac.compare_digest(want.encode(), signature.encode())

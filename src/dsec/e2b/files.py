@@ -1,0 +1,108 @@
+"""envd's HTTP file API (``GET``/``POST /files``: the SDK's ``files.read`` and ``files.write``) on the
+core's read and write, so the same size limits, confinement and trajectory logging apply."""
+
+from __future__ import annotations
+
+import json
+import posixpath
+import zlib
+from typing import Annotated
+
+from fastapi import APIRouter, Query, Request, Response
+from starlette.datastructures import UploadFile
+
+from ..errors import DsecError, InvalidRequest, LimitExceeded
+from ..kinds.base import MAX_FILE_READ
+from ..server.limits import MAX_UPLOAD_BODY
+from .auth import EnvdTokens
+from .envd import Call, Refused, route
+from .errors import files_status, plain_error
+
+METADATA_PREFIX = "x-metadata-"
+router = APIRouter()
+PathQ = Annotated[str | None, Query(max_length=4096)]
+UserQ = Annotated[str | None, Query(max_length=64)]
+
+
+def _call(request: Request, path: str | None, operation: str, username: str | None) -> Call:
+    q = request.query_params
+    signature, expiration = q.get("signature"), q.get("signature_expiration")
+
+    def signed(sandbox_id: str) -> bool:
+        if not signature or path is None:
+            return False
+        tokens: EnvdTokens = request.app.state.e2b.tokens
+        return tokens.check_signature(sandbox_id, path, operation, username or "", signature, expiration)
+
+    return route(request, signature=signed)
+
+
+async def _home(call: Call, username: str | None) -> str:
+    return (await call.svc.account(call.rec, username or call.basic_user(), call.caller)).home
+
+
+def _gunzip(data: bytes, limit: int) -> bytes:
+    """A gzip body, inflated to at most ``limit`` bytes (a small bomb must not fill the daemon's memory)."""
+    inflate = zlib.decompressobj(16 + zlib.MAX_WBITS)
+    try:
+        out = inflate.decompress(data, limit + 1)
+    except zlib.error as e:
+        raise InvalidRequest(f"the body is not valid gzip: {e}") from None
+    if len(out) > limit or inflate.unconsumed_tail:
+        raise LimitExceeded(f"the uncompressed upload exceeds {limit} bytes")
+    return out
+
+
+@router.get("/files")
+async def download(request: Request, path: PathQ = None, username: UserQ = None) -> Response:
+    try:
+        call = _call(request, path, "read", username)
+        if not path:
+            raise InvalidRequest("the path query parameter is required")
+        target = call.svc.absolute(path, await _home(call, username))
+        data: bytes = await call.svc.call(call.rec, "read", {"path": target}, caller=call.caller)
+    except Refused as e:
+        return e.response
+    except DsecError as e:
+        return plain_error(files_status(e), e.message)
+    return Response(data, media_type="application/octet-stream")
+
+
+@router.post("/files")
+async def upload(request: Request, path: PathQ = None, username: UserQ = None) -> Response:
+    try:
+        call = _call(request, path, "write", username)
+        if any(k.lower().startswith(METADATA_PREFIX) for k in request.headers):
+            raise InvalidRequest("file metadata (X-Metadata-* extended attributes) is not supported by dsec's E2B API")
+        home = await _home(call, username)
+        files: list[tuple[str, bytes]] = []
+        content_type = request.headers.get("content-type", "").partition(";")[0].strip().lower()
+        if content_type == "multipart/form-data":
+            form = await request.form(max_files=1000, max_fields=1000)
+            parts = [v for _, v in form.multi_items() if isinstance(v, UploadFile)]
+            if not parts:
+                raise InvalidRequest("the multipart upload holds no file")
+            for part in parts:
+                name = path if path and len(parts) == 1 else part.filename
+                if not name:
+                    raise InvalidRequest("a multipart file has no name: give its path as the part's filename")
+                files.append((call.svc.absolute(name, home), await part.read()))
+        else:
+            if not path:
+                raise InvalidRequest("the path query parameter is required")
+            body = await request.body()
+            encoding = request.headers.get("content-encoding", "identity").strip().lower()
+            if encoding == "gzip":
+                body = _gunzip(body, min(MAX_UPLOAD_BODY, MAX_FILE_READ))
+            elif encoding not in ("", "identity"):
+                raise InvalidRequest(f"content-encoding {encoding!r} is not supported (gzip or identity)")
+            files.append((call.svc.absolute(path, home), body))
+        written = []
+        for target, data in files:
+            await call.svc.call(call.rec, "write", {"path": target, "mode": 0o644}, data, caller=call.caller)
+            written.append({"name": posixpath.basename(target), "type": "file", "path": target})
+    except Refused as e:
+        return e.response
+    except DsecError as e:
+        return plain_error(files_status(e), e.message)
+    return Response(json.dumps(written), media_type="application/json")

@@ -1,0 +1,79 @@
+"""One E2B script on each kind: the kind is chosen through the template (``IMAGE@KIND``) or the
+``dsec.kind`` metadata key, and the SDK's calls behave the same on all of them. The microvm case boots
+a real QEMU guest (TCG on this machine): one sandbox, every check in it."""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from typing import Any
+
+import pytest
+
+import dsec
+
+from .conftest import Daemon
+
+e2b = pytest.importorskip("e2b")
+from e2b import Sandbox  # noqa: E402
+from e2b.exceptions import FileNotFoundException, SandboxException, TimeoutException  # noqa: E402
+from e2b.sandbox.commands.command_handle import CommandExitException  # noqa: E402
+
+WAYS: dict[str, dict[str, Any]] = {
+    "container": {"template": "dsec/debian:12"},
+    "function": {"metadata": {"dsec.kind": "function"}},
+    "microvm": {"template": "dsec/debian:12@microvm", "metadata": {"dsec.memory": "384Mi"}},
+}
+
+
+@pytest.mark.parametrize("kind", list(WAYS))
+def test_the_same_script_on_every_kind(kind: str, daemon: Daemon, e2b_env: dict[str, str]) -> None:
+    try:
+        box = Sandbox.create(timeout=600, **WAYS[kind])
+    except SandboxException as e:
+        if "is not available on this node" in str(e):
+            pytest.skip(f"{kind}: {e}")
+        raise
+    try:
+        assert dsec.Sandbox.connect(box.sandbox_id, client=daemon.client()).info().kind == kind
+        res = box.commands.run("echo $((6 * 7)); echo warn >&2")
+        assert (res.exit_code, res.stdout, res.stderr) == (0, "42\n", "warn\n")
+        with pytest.raises(CommandExitException) as failed:
+            box.commands.run("exit 5")
+        assert failed.value.exit_code == 5
+
+        cat = box.commands.run("cat", background=True, stdin=True)
+        box.commands.send_stdin(cat.pid, "fed live\n")
+        box.commands.close_stdin(cat.pid)
+        assert cat.wait().stdout == "fed live\n"
+
+        sleeper = box.commands.run("sleep 300", background=True)
+        assert sleeper.pid in {p.pid for p in box.commands.list()}
+        assert box.commands.kill(sleeper.pid) is True
+        with pytest.raises(CommandExitException) as killed:
+            sleeper.wait()
+        assert killed.value.exit_code == -1
+        assert box.commands.list() == []
+
+        started = time.monotonic()
+        with pytest.raises(TimeoutException):
+            box.commands.run("sleep 120", timeout=3)
+        assert time.monotonic() - started < 30
+
+        blob = bytes(range(256)) * 1024
+        box.files.write("/tmp/k/blob.bin", blob)
+        assert bytes(box.files.read("/tmp/k/blob.bin", format="bytes")) == blob
+        moved = box.files.rename("/tmp/k/blob.bin", "/tmp/k/sub/moved.bin")
+        assert (moved.name, moved.size) == ("moved.bin", len(blob))
+        assert box.files.get_info("/tmp/k/sub").type.value == "dir"
+        assert [e.name for e in box.files.list("/tmp/k/sub")] == ["moved.bin"]
+        assert box.commands.run("md5sum < /tmp/k/sub/moved.bin").stdout.split()[0] == _md5(blob)
+        box.files.remove("/tmp/k")
+        with pytest.raises(FileNotFoundException):
+            box.files.read("/tmp/k/sub/moved.bin")
+    finally:
+        assert box.kill() is True
+
+
+def _md5(data: bytes) -> str:
+    return hashlib.md5(data).hexdigest()
