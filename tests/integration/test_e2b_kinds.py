@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import time
+from datetime import UTC, datetime
 from typing import Any
 
 import pytest
@@ -15,8 +16,13 @@ import dsec
 from .conftest import Daemon
 
 e2b = pytest.importorskip("e2b")
-from e2b import Sandbox  # noqa: E402
-from e2b.exceptions import FileNotFoundException, SandboxException, TimeoutException  # noqa: E402
+from e2b import Sandbox, SandboxQuery  # noqa: E402
+from e2b.exceptions import (  # noqa: E402
+    FileNotFoundException,
+    SandboxException,
+    SandboxNotRunningException,
+    TimeoutException,
+)
 from e2b.sandbox.commands.command_handle import CommandExitException  # noqa: E402
 
 WAYS: dict[str, dict[str, Any]] = {
@@ -28,8 +34,10 @@ WAYS: dict[str, dict[str, Any]] = {
 
 @pytest.mark.parametrize("kind", list(WAYS))
 def test_the_same_script_on_every_kind(kind: str, daemon: Daemon, e2b_env: dict[str, str]) -> None:
+    way = WAYS[kind]
+    meta = {**way.get("metadata", {}), "dsec-test": f"kinds-{kind}"}
     try:
-        box = Sandbox.create(timeout=600, **WAYS[kind])
+        box = Sandbox.create(timeout=600, template=way.get("template"), metadata=meta)
     except SandboxException as e:
         if "is not available on this node" in str(e):
             pytest.skip(f"{kind}: {e}")
@@ -71,8 +79,28 @@ def test_the_same_script_on_every_kind(kind: str, daemon: Daemon, e2b_env: dict[
         box.files.remove("/tmp/k")
         with pytest.raises(FileNotFoundException):
             box.files.read("/tmp/k/sub/moved.bin")
+
+        seen: list[float] = []
+        streamed = box.commands.run("echo a; sleep 1; echo b", on_stdout=lambda _: seen.append(time.monotonic()))
+        assert streamed.stdout == "a\nb\n" and len(seen) == 2 and seen[1] - seen[0] > 0.5  # as it came
+
+        tag = f"kinds-{kind}"
+        box.set_timeout(400)
+        listed = Sandbox.list(query=SandboxQuery(metadata={"dsec-test": tag})).next_items()
+        assert [s.sandbox_id for s in listed] == [box.sandbox_id]
+        assert 350 < (listed[0].end_at - datetime.now(UTC)).total_seconds() <= 400
+        if kind == "function":
+            with pytest.raises(SandboxException, match="cannot be paused"):
+                box.pause()
+        else:
+            assert box.pause() is True and box.get_info().state.value == "paused"
+            box.connect()
+            assert box.commands.run("echo resumed").stdout == "resumed\n"
     finally:
         assert box.kill() is True
+    assert box.kill() is False
+    with pytest.raises(SandboxNotRunningException):
+        box.commands.run("true")
 
 
 def _md5(data: bytes) -> str:

@@ -107,6 +107,8 @@ def test_clear_errors_for_bad_input_and_unsupported_features(e2b_env: dict[str, 
     boxes.append(box)
     with pytest.raises(SandboxException, match="PTY"):
         box.pty.create(size=PtySize(rows=24, cols=80))
+    with pytest.raises(SandboxException, match="cannot be forked"):
+        box.fork(count=2)  # a memory snapshot: VM kinds only
     url = e2b_env["E2B_API_URL"]
     templates = httpx.get(f"{url}/templates", headers={"X-API-KEY": e2b_env["E2B_API_KEY"]})
     assert templates.status_code == 501 and "not supported" in templates.json()["message"]

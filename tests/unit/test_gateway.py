@@ -262,7 +262,9 @@ async def test_no_healthy_node_is_a_clear_error_not_a_hang(cluster: Harness) -> 
 
 
 async def test_nodes_with_one_name_are_told_apart() -> None:
-    h = await start({"a": 8.0, "b": 8.0})
+    # no background polls during the test: on a loaded host one slow answer makes a node suspect (not
+    # placed on), which is health's business, not naming's, and skewed the spread checked below
+    h = await start({"a": 8.0, "b": 8.0}, interval=60.0)
     try:
         h.fake("b").name = "a"  # e.g. two daemons left at the default name, the host name
         await h.gateway.nodes.check_all()

@@ -171,6 +171,17 @@ async def kill_leftovers(console: Console, client: AsyncClient, labels: dict[str
         console.print(f"killed {killed} leftover sandbox(es)" + (f"; {len(left)} remain" if left else ""))
 
 
+async def operator_token(state_dir: Path, timeout: float) -> str:
+    """The operator's token, which a daemon writes at its first start ("" if it did not in time)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with contextlib.suppress(OSError):
+            if token := (state_dir / "token").read_text().strip():
+                return token
+        await asyncio.sleep(0.05)
+    return ""
+
+
 def host_facts() -> Json:
     """The machine a bench ran on, for its JSON."""
     with open("/proc/meminfo") as f:

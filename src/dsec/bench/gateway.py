@@ -26,7 +26,18 @@ from rich.table import Table
 
 from ..errors import DsecError
 from ..sdk.aio import AsyncClient, AsyncSandbox
-from .common import IMAGES_DIR, Json, host_facts, phase, release_node, stop_daemon, summarize, tail, unwind_on_sigterm
+from .common import (
+    IMAGES_DIR,
+    Json,
+    host_facts,
+    operator_token,
+    phase,
+    release_node,
+    stop_daemon,
+    summarize,
+    tail,
+    unwind_on_sigterm,
+)
 
 IMAGE = "dsec/busybox"
 CMD = ["true"]
@@ -120,12 +131,7 @@ def run(
 
         async def go() -> Json:
             nonlocal gateway
-            token = ""
-            deadline = time.monotonic() + START_TIMEOUT
-            while not token and time.monotonic() < deadline:  # written at the daemon's first start
-                with contextlib.suppress(OSError):
-                    token = (state_dir / "token").read_text().strip()
-                await asyncio.sleep(0.05)
+            token = await operator_token(state_dir, START_TIMEOUT)
             direct = AsyncClient(url=node_url, token=token)
             via = AsyncClient(url=gateway_url, token=token)
             try:

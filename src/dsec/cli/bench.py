@@ -284,6 +284,23 @@ def bench_gateway(
     raise typer.Exit(gateway_main(n=n, json_out=json_out, state_dir=state_dir, repository=repository))
 
 
+@bench_app.command("e2b")
+def bench_e2b(
+    n: Annotated[int, typer.Option("--n", help="Calls of each kind of work, each way.", min=10)] = 300,
+    creates: Annotated[int, typer.Option(help="Create, first command, kill: rounds each way.", min=1)] = 20,
+    json_out: Annotated[Path, typer.Option("--json", help="Where to write the JSON results.")] = Path("bench-e2b.json"),
+    state_dir: Annotated[Path, typer.Option(help="Where the bench's node keeps its state.")] = Path(
+        "/var/lib/dsec-bench-e2b"
+    ),
+    repository: Annotated[Path | None, typer.Option(help="Layer repository of the bench's node.")] = None,
+) -> None:
+    """The unmodified e2b SDK vs dsec's SDK on one daemon and sandbox: command round trip, a 64 KiB file
+    written and read back, and create to first command, side by side (needs the e2b package)."""
+    from ..bench.e2b import main as e2b_main
+
+    raise typer.Exit(e2b_main(n=n, creates=creates, json_out=json_out, state_dir=state_dir, repository=repository))
+
+
 @bench_app.command("tiers")
 def bench_tiers(
     n: Annotated[

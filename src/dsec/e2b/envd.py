@@ -161,6 +161,7 @@ def server_stream(path: str, model: type[Req]) -> Callable[[Callable[[Call, Req]
             if isinstance(call, Response):
                 return call
             try:
+                deadline = call.timeout_ms()  # the whole stream's (a command's timeout, a watch's)
                 req = await connect.stream_request_message(request, model, MAX_MESSAGE)
                 events = _translated(handler(call, req))
                 first = await anext(events)  # failures to start are answered before the stream begins
@@ -168,7 +169,10 @@ def server_stream(path: str, model: type[Req]) -> Callable[[Callable[[Call, Req]
                 return connect.stream_error_response(RpcError("internal", "the stream ended before it began"))
             except RpcError as e:
                 return connect.stream_error_response(e)
-            return connect.stream_response(_prepend(first, events))
+            except Exception as e:
+                log.exception("e2b stream %s failed to start", path)
+                return connect.stream_error_response(RpcError("internal", f"the stream failed ({type(e).__name__})"))
+            return connect.stream_response(_prepend(first, events), timeout_ms=deadline)
 
         router.add_api_route(path, endpoint, methods=["POST", "GET", "PUT", "DELETE"], include_in_schema=False)
 

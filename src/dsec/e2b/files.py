@@ -42,15 +42,22 @@ async def _home(call: Call, username: str | None) -> str:
 
 
 def _gunzip(data: bytes, limit: int) -> bytes:
-    """A gzip body, inflated to at most ``limit`` bytes (a small bomb must not fill the daemon's memory)."""
-    inflate = zlib.decompressobj(16 + zlib.MAX_WBITS)
-    try:
-        out = inflate.decompress(data, limit + 1)
-    except zlib.error as e:
-        raise InvalidRequest(f"the body is not valid gzip: {e}") from None
-    if len(out) > limit or inflate.unconsumed_tail:
-        raise LimitExceeded(f"the uncompressed upload exceeds {limit} bytes")
-    return out
+    """A gzip body (one member or several), inflated to at most ``limit`` bytes: a small bomb must not
+    fill the daemon's memory."""
+    out = bytearray()
+    rest = data
+    while rest:
+        inflate = zlib.decompressobj(16 + zlib.MAX_WBITS)
+        try:
+            out += inflate.decompress(rest, limit + 1 - len(out))
+        except zlib.error as e:
+            raise InvalidRequest(f"the body is not valid gzip: {e}") from None
+        if len(out) > limit or inflate.unconsumed_tail:
+            raise LimitExceeded(f"the uncompressed upload exceeds {limit} bytes")
+        if not inflate.eof:
+            raise InvalidRequest("the gzip body is truncated")
+        rest = inflate.unused_data
+    return bytes(out)
 
 
 @router.get("/files")
