@@ -192,3 +192,8 @@ def test_a_trajectory_is_recorded_and_fast_forwarded(daemon: Daemon, e2b_env: di
     ops = [c.op for c in daemon.client().trajectory_calls(tid)]
     assert ops[:5] == ["create", "exec", "write", "read", "exec"] and "exec" in ops[5:]
     box.kill()
+    # and the audit log has the E2B calls, like dsec's own
+    audited = daemon.client().audit(sandbox=first_id, limit=1000)
+    routes = {(r.route, r.command) for r in audited}
+    assert ("e2b /v2/sandboxes", None) in routes and ("e2b /v2/sandboxes/{sandbox_id}/connect", None) in routes
+    assert any(route == "e2b /process.Process/Start" and cmd and "cat /tmp/t" in cmd for route, cmd in routes)

@@ -23,6 +23,7 @@ from ..errors import InvalidRequest, InvalidState, NotFound, SandboxNotFound, Un
 from ..isolation.network import policy
 from ..isolation.network.policy import NetworkAllow, NetworkSpec
 from ..models import TERMINAL_STATES, CreateSandbox, ForkRequest, Limits, SandboxInfo, SnapshotRequest, State
+from ..server.audit import note
 from ..tenancy import Caller
 from . import control_models as m
 from .auth import api_token, identify
@@ -168,7 +169,7 @@ def _json(model: m._Out, status: int = 200) -> Response:
 # ---- create, list, get -------------------------------------------------------------------------------
 
 
-async def _create(svc: E2BService, caller: Caller, raw: Any, idempotency_key: str | None) -> Response:
+async def _create(svc: E2BService, caller: Caller, raw: Any, idempotency_key: str | None, request: Request) -> Response:
     body: m.NewSandbox = _parse(m.NewSandbox, raw)
     _refuse_unsupported(body)
     image, kind = svc.template(body.template_id, body.metadata)
@@ -197,6 +198,7 @@ async def _create(svc: E2BService, caller: Caller, raw: Any, idempotency_key: st
             svc.remember(caller.tenant, idempotency_key, info.id)
     if req.trajectory:
         svc.begin(info.id)
+    note(request.scope, sandbox=info.id)
     svc.sweep()
     return _json(_sandbox(svc, info), 201)
 
@@ -204,12 +206,13 @@ async def _create(svc: E2BService, caller: Caller, raw: Any, idempotency_key: st
 @router.post("/sandboxes")
 @router.post("/v2/sandboxes")
 async def create_sandbox(
+    request: Request,
     svc: Svc,
     caller: Who,
     body: Annotated[Any, Body()] = None,
     idempotency_key: Annotated[str | None, Header(alias="Idempotency-Key", max_length=255)] = None,
 ) -> Response:
-    return await _create(svc, caller, body, idempotency_key)
+    return await _create(svc, caller, body, idempotency_key, request)
 
 
 def _metadata_filter(raw: str | None) -> dict[str, str]:

@@ -21,6 +21,7 @@ from fastapi import APIRouter, Request, Response
 
 from ..errors import DsecError, SandboxNotFound
 from ..models import TERMINAL_STATES
+from ..server.audit import note
 from ..store.records import SandboxRecord
 from ..tenancy import Caller
 from . import connect
@@ -114,6 +115,7 @@ def route(request: Request, *, signature: Callable[[str], bool] | None = None) -
         raise Refused(gone(sandbox_id))
     caller = owner_caller(rec.owner)
     request.scope.setdefault("state", {})["dsec.caller"] = caller
+    note(request.scope, sandbox=rec.id)
     return Call(svc, rec, caller, request)
 
 

@@ -13,6 +13,7 @@ from pydantic import ValidationError
 from ..core.processes import Output, Process, Subscription
 from ..errors import InvalidState, validation_message
 from ..models import MAX_EXEC_TIMEOUT_S, ExecRequest, ExecResult
+from ..server.audit import note
 from . import envd_models as pm
 from .connect import RpcError
 from .envd import Call, client_stream, server_stream, unary
@@ -81,6 +82,7 @@ async def start(call: Call, req: pm.StartRequest) -> AsyncIterator[pm.StartRespo
     if not cfg.cmd:
         raise RpcError("invalid_argument", "process.cmd is empty")
     svc: E2BService = call.svc
+    note(call.request.scope, command=[cfg.cmd, *cfg.args])
     acct = await svc.account(call.rec, call.basic_user(), call.caller)
     cwd = svc.absolute(cfg.cwd, acct.home) if cfg.cwd else acct.home
     try:
