@@ -191,7 +191,10 @@ def serve(
     ] = "container",
     e2b_template: Annotated[
         list[str] | None,
-        typer.Option("--e2b-template", help="NAME=IMAGE[@KIND]: an E2B template name for a dsec image (repeatable)."),
+        typer.Option(
+            "--e2b-template",
+            help="NAME=IMAGE or NAME=IMAGE@KIND: an E2B template name for a dsec image (repeatable).",
+        ),
     ] = None,
     e2b_network: Annotated[
         str,
