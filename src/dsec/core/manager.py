@@ -344,6 +344,14 @@ class SandboxManager(FileActions):
     def info(self, sandbox_id: str, *, caller: Caller = OPERATOR) -> SandboxInfo:
         return self._get(sandbox_id, caller).info()
 
+    def record(self, sandbox_id: str, *, caller: Caller = OPERATOR) -> SandboxRecord:
+        """The sandbox's record, if ``caller`` may act on it (for layers that translate calls into the
+        core's, like the E2B API: they need its owner and trajectory, not only its info)."""
+        return self._get(sandbox_id, caller)
+
+    def is_live(self, sandbox_id: str) -> bool:
+        return sandbox_id in self._live
+
     async def kill(self, sandbox_id: str, *, caller: Caller = OPERATOR) -> SandboxInfo:
         rec = self._get(sandbox_id, caller)
         if rec.state in TERMINAL_STATES:

@@ -295,7 +295,7 @@ async def get_sandbox(sandbox_id: str, svc: Svc, caller: Who) -> Response:
 @router.delete("/sandboxes/{sandbox_id}")
 async def kill_sandbox(sandbox_id: str, svc: Svc, caller: Who) -> Response:
     _live(svc, sandbox_id, caller)
-    rec = svc.mgr._get(sandbox_id, caller)
+    rec = svc.mgr.record(sandbox_id, caller=caller)
     await svc.call(rec, "kill", {}, caller=caller)
     svc.forget(sandbox_id)
     return Response(status_code=204)
@@ -379,7 +379,7 @@ async def snapshot(sandbox_id: str, svc: Svc, caller: Who, body: Annotated[Any, 
     req: m.SnapshotRequest = _parse(m.SnapshotRequest, body)
     _live(svc, sandbox_id, caller)
     name = req.name or f"e2b-snapshots/{sandbox_id}:{int(time.time() * 1000)}"
-    rec = svc.mgr._get(sandbox_id, caller)
+    rec = svc.mgr.record(sandbox_id, caller=caller)
     image = await svc.call(rec, "snapshot", SnapshotRequest(name=name), caller=caller)
     return _json(m.SnapshotInfo(snapshot_id=image.name, names=[image.name]), 201)
 
@@ -414,7 +414,7 @@ async def update_network(sandbox_id: str, svc: Svc, caller: Who, body: Annotated
     net = m.NetworkConfig(allowOut=req.allow_out, denyOut=req.deny_out)
     spec = network_spec(req.allow_internet_access, net, "full")
     _live(svc, sandbox_id, caller)
-    rec = svc.mgr._get(sandbox_id, caller)
+    rec = svc.mgr.record(sandbox_id, caller=caller)
     await svc.call(rec, "set_network", {"policy": policy.to_json(spec)}, caller=caller)
     return Response(status_code=204)
 

@@ -107,7 +107,7 @@ def route(request: Request, *, signature: Callable[[str], bool] | None = None) -
     if not opened:
         raise Refused(gone(sandbox_id))
     try:
-        rec = svc.mgr._get(sandbox_id)
+        rec = svc.mgr.record(sandbox_id)
     except SandboxNotFound:
         raise Refused(gone(sandbox_id)) from None
     if rec.state in TERMINAL_STATES:

@@ -67,7 +67,8 @@ def plain_error(status: int, message: str, headers: dict[str, str] | None = None
 
 
 def gone(sandbox_id: str) -> Response:
-    return plain_error(502, GONE_TEMPLATE.format(id=sandbox_id))
+    # the id comes from a header: quoted back bounded, as a valid id is
+    return plain_error(502, GONE_TEMPLATE.format(id=sandbox_id[:64]))
 
 
 def rpc_error(e: DsecError) -> RpcError:

@@ -265,8 +265,8 @@ class E2BService:
         self._creates += 1
         if self._creates % SWEEP_EVERY:
             return
-        live = self.mgr._live
-        for sid in {*self._cursors, *self._watchers, *(k[0] for k in self._accounts)} - set(live):
+        known = {*self._cursors, *self._watchers, *(k[0] for k in self._accounts)}
+        for sid in [s for s in known if not self.mgr.is_live(s)]:
             self.forget(sid)
 
     def forget(self, sandbox_id: str) -> None:
