@@ -71,6 +71,9 @@ class NodeStatus(BaseModel):
     top: list[SandboxUsage] = Field(
         default_factory=list, description="The caller's sandboxes using the most CPU (with ?top=N)."
     )
+    e2b_url: str | None = Field(
+        None, description="Where the node serves the E2B-compatible API (dsec serve --e2b-listen), if it does."
+    )
 
 
 class BatchCreate(BaseModel):

@@ -129,10 +129,12 @@ def test_a_burst_across_three_ray_nodes_survives_losing_one(trajectory_db: str) 
             node_args=NODE_ARGS,
             interval=0.5,
             misses=3,
+            e2b_listen=f"http://127.0.0.1:{free_port()}",
         )
         running = Running(opts)
         assert running.ready.wait(180), "the cluster did not come up in 3 minutes"
         assert running.error is None and running.url is not None, running.error
+        e2b_through_ray(opts)
         asyncio.run(scenario(running.url, token, cluster, lost))
         passed = True
     finally:
@@ -148,6 +150,20 @@ def test_a_burst_across_three_ray_nodes_survives_losing_one(trajectory_db: str) 
             shutil.rmtree(session, ignore_errors=True)
         else:
             print(f"\n[dsec] kept for a look: node daemons' state and logs in {root}, Ray's logs in {session}")
+
+
+def e2b_through_ray(opts: RayOptions) -> None:
+    """`cluster up --e2b-listen`: every Ray node's daemon serves the E2B API and the gateway routes to it."""
+    e2b = pytest.importorskip("e2b")
+    assert opts.e2b_listen is not None
+    where = {"api_key": opts.token, "api_url": opts.e2b_listen, "sandbox_url": opts.e2b_listen}
+    box = e2b.Sandbox.create("dsec/debian:12", timeout=120, **where)  # E2B runs commands with bash
+    try:
+        assert box.commands.run("echo on a ray node").stdout == "on a ray node\n"
+        box.files.write("/tmp/r.txt", "ray")
+        assert box.files.read("/tmp/r.txt") == "ray"
+    finally:
+        assert box.kill() is True
 
 
 def release_lost_node(state: Path) -> None:

@@ -5,7 +5,9 @@ The fake backend's live commands behave like ``cat``: what is fed on stdin comes
 from __future__ import annotations
 
 import asyncio
+import base64
 import gzip
+import json
 import socket
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -251,3 +253,19 @@ def test_end_events_read_like_envds() -> None:
     oom = end_event(ExecResult(exit_code=137, signal=9, oom_killed=True))
     assert oom.error is not None and "out-of-memory" in oom.error
     assert end_event(ExecResult(exit_code=None)).exit_code == -1
+
+
+def test_the_cluster_gateways_e2b_helpers() -> None:
+    from dsec.cluster.e2b import _after, _demand, _key
+    from dsec.cluster.proxy import Failure
+
+    assert _demand(b'{"metadata": {"dsec.cpu": "2", "dsec.memory": "4Gi"}}').cpu == 2.0
+    assert _demand(b'{"metadata": {"dsec.memory": "4Gi"}}').memory == (4 << 30) // 4  # a quarter: the request
+    assert _demand(b"not json").cpu == 0.25 and _demand(b'{"metadata": {"dsec.cpu": "lots"}}').cpu == 0.25
+    older = {"startedAt": "2026-12-04T04:00:00Z", "sandboxID": "sb-b"}
+    newer = {"startedAt": "2026-12-04T04:00:00.5Z", "sandboxID": "sb-a"}
+    assert sorted([newer, older], key=_key) == [older, newer]  # by time, whatever the precision written
+    token = base64.urlsafe_b64encode(json.dumps(list(_key(older))).encode()).decode()
+    assert _after(token) == _key(older)
+    with pytest.raises(Failure):
+        _after("%%%")

@@ -20,6 +20,14 @@ DEFAULT_STATE_ROOT = Path("/var/lib/dsec-cluster")
 ListenOpt = Annotated[str, typer.Option(help="Where the gateway listens: http://HOST:PORT.")]
 IntervalOpt = Annotated[float, typer.Option(min=0.05, help="Seconds between health checks of each node.")]
 MissesOpt = Annotated[int, typer.Option(min=1, help="Health checks missed in a row before a node is lost.")]
+E2BListenOpt = Annotated[
+    str | None,
+    typer.Option(
+        help="Also serve the E2B-compatible API of the cluster on http://HOST:PORT (E2B_API_URL and "
+        "E2B_SANDBOX_URL; E2B_API_KEY is the cluster's token). Every node must serve it too (dsec serve "
+        "--e2b-listen; `up` starts them so)."
+    ),
+]
 
 
 @cluster_app.command()
@@ -62,6 +70,7 @@ def up(
     keep_sandboxes: Annotated[
         bool, typer.Option(help="On stop, leave the nodes' sandboxes running (the next `up` re-adopts them).")
     ] = False,
+    e2b_listen: E2BListenOpt = None,
     log_level: Annotated[str, typer.Option(help="debug, info, warning, error.")] = "info",
 ) -> None:
     """Start a node daemon on every Ray node and a gateway in front of them, in the foreground until
@@ -76,6 +85,8 @@ def up(
     token_path = token_file or state_root / "token"
     try:
         listen_address(listen)
+        if e2b_listen is not None:
+            listen_address(e2b_listen)
         state_root.mkdir(parents=True, exist_ok=True)
         token = ensure_token(token_path)
 
@@ -83,6 +94,9 @@ def up(
             console.print(f"[green]dsec cluster up[/green]: gateway at {url}")
             console.print(f"  export DSEC_URL={url}")
             console.print(f"  export DSEC_TOKEN=$(cat {token_path})")
+            if e2b_listen is not None:
+                console.print(f"  export E2B_API_URL={e2b_listen} E2B_SANDBOX_URL={e2b_listen}")
+                console.print(f"  export E2B_API_KEY=$(cat {token_path})")
 
         opts = RayOptions(
             listen=listen,
@@ -98,6 +112,7 @@ def up(
             misses=misses,
             keep_sandboxes=keep_sandboxes,
             ready=ready,
+            e2b_listen=e2b_listen,
         )
         uvloop.run(run_ray(opts))  # as uvicorn runs the daemon: the gateway's hop costs less
     except DsecError as e:
@@ -113,6 +128,7 @@ def gateway(
     ] = DEFAULT_STATE_ROOT / "token",
     interval: IntervalOpt = 1.0,
     misses: MissesOpt = 3,
+    e2b_listen: E2BListenOpt = None,
 ) -> None:
     """A gateway over node daemons started some other way (no Ray), in the foreground."""
     import logging
@@ -121,7 +137,7 @@ def gateway(
 
     logging.basicConfig(level="INFO", format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        serve_static(node, read_token(token_file), listen, interval=interval, misses=misses)
+        serve_static(node, read_token(token_file), listen, interval=interval, misses=misses, e2b_listen=e2b_listen)
     except DsecError as e:
         _fail(e)
 

@@ -19,6 +19,7 @@ import json
 import logging
 import secrets
 import time
+from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any
 from urllib.parse import parse_qs
@@ -53,7 +54,7 @@ from .proxy import (
     read_body,
     request_headers,
 )
-from .wire import Broken, Reply
+from .wire import Broken, NodeClient, Reply
 
 log = logging.getLogger("dsec.cluster")
 
@@ -267,11 +268,21 @@ class Gateway:
         self.maybe_prune()
 
     async def place(
-        self, scope: Scope, path: str, body: bytes, demand: Demand, *, pinned: Node | None = None, resend: bool = True
+        self,
+        scope: Scope,
+        path: str,
+        body: bytes,
+        demand: Demand,
+        *,
+        pinned: Node | None = None,
+        resend: bool = True,
+        via: Callable[[Node], NodeClient | None] | None = None,
     ) -> tuple[Reply, Node]:
         """Send a creation to the best node for it, then to the next ones while they refuse (429) or
         cannot be reached; ``resend`` False: only a node that was never reached is skipped (the call
-        may have run). ``pinned``: only that node (a trajectory's sandbox lives there).
+        may have run). ``pinned``: only that node (a trajectory's sandbox lives there). ``via``: the
+        connection to send on (another API of the node, such as its E2B listener; None skips the node),
+        instead of the node's own API.
 
         Every node the demand fits (by the last statuses) is tried; of those it does not fit, only
         until one has refused: such a node keeps the creation in its queue up to the queue timeout
@@ -286,9 +297,12 @@ class Gateway:
             view = node.placement_view()
             if refusals and view is not None and not view.fits(demand):
                 break
+            http = node.http if via is None else via(node)
+            if http is None:
+                continue
             hold = node.hold(demand)
             try:
-                reply = await node.http.request("POST", path, body=body, headers=headers)
+                reply = await http.request("POST", path, body=body, headers=headers)
             except Broken as e:
                 node.release(hold)
                 node.unreachable += 1

@@ -79,11 +79,13 @@ def _tail(path: Path, limit: int = 2000) -> str:
 class NodeDaemon:
     """The actor (made remote by ``Fleet``): one ``dsec serve`` on its node."""
 
-    def __init__(self, name: str, state_root: str, token: str, args: list[str]) -> None:
+    def __init__(self, name: str, state_root: str, token: str, args: list[str], e2b: bool = False) -> None:
         self.name = name
         self.state_dir = Path(state_root) / name
         self.token = token
         self.args = args
+        self.e2b = e2b  # also serve the E2B API, on this node's address (the gateway finds it in the status)
+        self.e2b_port = 0
         self.port = 0
         self.ip = ""
         self.proc: subprocess.Popen[bytes] | None = None
@@ -101,6 +103,8 @@ class NodeDaemon:
             with os.fdopen(fd, "w") as f:
                 f.write(self.token + "\n")
         self.port = self.port or _free_port(self.ip)
+        if self.e2b:
+            self.e2b_port = self.e2b_port or _free_port(self.ip)
         self._spawn()
         return {"name": self.name, "url": self.url(), "ray_node": ray.get_runtime_context().get_node_id()}
 
@@ -111,6 +115,8 @@ class NodeDaemon:
         log_path = self.state_dir / "daemon.log"
         argv = [sys.executable, "-m", "dsec", "serve", "--state-dir", str(self.state_dir)]
         argv += ["--listen", self.url(), "--node-name", self.name, *self.args]
+        if self.e2b:
+            argv += ["--e2b-listen", f"http://{self.ip}:{self.e2b_port}"]
         with open(log_path, "ab") as out:
             # a session of its own: a Ctrl-C at a terminal reaches the CLI, which stops daemons in order
             self.proc = subprocess.Popen(
@@ -250,7 +256,10 @@ class Fleet:
         }
         if node.get("Resources", {}).get(RESOURCE, 0) >= 1:
             options["resources"] = {RESOURCE: 1}
-        actor = self._remote.options(**options).remote(name, str(self.opts.state_root), self.opts.token, self._args())
+        e2b = self.opts.e2b_listen is not None
+        actor = self._remote.options(**options).remote(
+            name, str(self.opts.state_root), self.opts.token, self._args(), e2b
+        )
         return actor, actor.start.remote()
 
     def start_all(self) -> list[Daemon]:

@@ -40,8 +40,14 @@ def server(gateway: Gateway, host: str, port: int, log_level: str = "warning") -
     """A uvicorn server for the gateway (uvloop and httptools when installed, as the daemon)."""
     import uvicorn
 
-    config = uvicorn.Config(
-        gateway,
+    return uvicorn.Server(_config(gateway, host, port, log_level))
+
+
+def _config(app: Any, host: str, port: int, log_level: str) -> Any:
+    import uvicorn
+
+    return uvicorn.Config(
+        app,
         host=host,
         port=port,
         log_level=log_level,
@@ -50,7 +56,30 @@ def server(gateway: Gateway, host: str, port: int, log_level: str = "warning") -
         timeout_keep_alive=KEEP_ALIVE_S,
         timeout_graceful_shutdown=5,
     )
-    return uvicorn.Server(config)
+
+
+def servers(
+    gateway: Gateway, listen: str, e2b_listen: str | None, log_level: str = "warning"
+) -> tuple[Any, list[Any] | None]:
+    """The gateway's uvicorn server and, with ``e2b_listen``, the sockets to serve it on: the gateway's
+    own and the E2B API's (cluster/e2b.py), one server for both as in the daemon."""
+    import uvicorn
+
+    from ..server.app import ByListener
+    from .e2b import E2BGateway
+
+    host, port = listen_address(listen)
+    if e2b_listen is None:
+        return server(gateway, host, port, log_level), None
+    e2b_host, e2b_port = listen_address(e2b_listen)
+    sockets = [_config(gateway, host, port, log_level).bind_socket()]
+    sockets.append(_config(gateway, e2b_host, e2b_port, log_level).bind_socket())
+    for sock in sockets:
+        sock.set_inheritable(False)  # uvicorn makes them inheritable for its workers; none here
+    actual = sockets[1].getsockname()[1]
+    app = ByListener(gateway, E2BGateway(gateway), actual)
+    log.info("E2B-compatible API of the cluster on http://%s:%d", e2b_host, actual)
+    return uvicorn.Server(_config(app, host, port, log_level)), sockets
 
 
 def read_token(path: Path) -> str:
@@ -75,13 +104,22 @@ def ensure_token(path: Path) -> str:
     return token
 
 
-def serve_static(urls: list[str], token: str, listen: str, *, interval: float = 1.0, misses: int = 3) -> None:
-    """A gateway over node daemons that run already (started by hand, by systemd, ...)."""
-    host, port = listen_address(listen)
+def serve_static(
+    urls: list[str],
+    token: str,
+    listen: str,
+    *,
+    interval: float = 1.0,
+    misses: int = 3,
+    e2b_listen: str | None = None,
+) -> None:
+    """A gateway over node daemons that run already (started by hand, by systemd, ...); ``e2b_listen``:
+    also the E2B API over the nodes' own E2B listeners."""
     nodes = NodeSet(token, interval=interval, misses=misses)
     for url in urls:
         nodes.add(url)
-    server(Gateway(nodes, token), host, port, log_level="info").run()
+    srv, sockets = servers(Gateway(nodes, token), listen, e2b_listen, log_level="info")
+    srv.run(sockets=sockets)
 
 
 @dataclass
@@ -101,6 +139,7 @@ class RayOptions:
     misses: int = 3
     keep_sandboxes: bool = False
     ready: Callable[[str], None] | None = None  # called with the gateway's URL once it serves
+    e2b_listen: str | None = None  # the cluster's E2B API; every node then serves one on its own address
 
 
 async def follow(gateway: Gateway, fleet: Any, stop: asyncio.Event, every: float = 2.0) -> None:
@@ -146,9 +185,9 @@ async def run_ray(opts: RayOptions, stop: asyncio.Event | None = None) -> None:
         for d in daemons:
             nodes.add(d.url, d.name, ray_node=d.ray_node)
         gateway = Gateway(nodes, opts.token)
-        srv = server(gateway, host, port, log_level="info")
+        srv, sockets = servers(gateway, opts.listen, opts.e2b_listen, log_level="info")
         srv.install_signal_handlers = lambda: None  # ours: stop following Ray first, then the server
-        serving = asyncio.create_task(srv.serve())
+        serving = asyncio.create_task(srv.serve(sockets=sockets))
         watcher = asyncio.create_task(follow(gateway, fleet, stop))
         while not srv.started and not serving.done():  # noqa: ASYNC110 (uvicorn sets a flag, no event)
             await asyncio.sleep(0.05)

@@ -120,6 +120,8 @@ class SandboxManager(FileActions):
         # one-shot runs' sandboxes: never written to the state database (a daemon that dies mid-run
         # fails the call; the worker it held is cleaned up as stale on the next start)
         self._ephemeral: set[str] = set()
+        # where the node also serves the E2B-compatible API, for its status (set by `dsec serve`)
+        self.e2b_url: str | None = None
 
     # ---- daemon lifecycle --------------------------------------------------------------------------
 

@@ -64,4 +64,5 @@ def node_status(mgr: SandboxManager, caller: Caller, top: int = 0) -> NodeStatus
         evictions=mgr.usage.evictions,
         cpu_use_le_5pct=round(sum(1 for x in ratios if x <= 0.05) / len(ratios), 4) if ratios else None,
         top=usage[:top],
+        e2b_url=mgr.e2b_url,
     )

@@ -216,6 +216,7 @@ def serve(
             # starts, which outlives it, would otherwise hold the listeners and swallow connections
             sock.set_inheritable(False)
         app = ByListener(app, create_e2b_app(manager, e2b, state_dir, token), port)
+        manager.e2b_url = f"http://{e2b_where['host']}:{port}"
         sockets = [main_socket, e2b_socket]
         log.info("E2B-compatible API on http://%s:%d (E2B_API_URL and E2B_SANDBOX_URL)", e2b_where["host"], port)
     server = uvicorn.Server(uvicorn.Config(app, **settings, **where))
