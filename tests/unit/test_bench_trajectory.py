@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 from rich.console import Console
 
+from dsec.bench import common as bench_common
 from dsec.bench import trajectory as tb
 from dsec.bench.common import summarize
 from dsec.models import ExecResult
@@ -211,7 +212,7 @@ def test_main_refuses_bad_arguments_before_starting_a_daemon(
     def no_daemon(*_: Any) -> None:
         raise AssertionError("a daemon was started")
 
-    monkeypatch.setattr(tb, "start_daemon", no_daemon)
+    monkeypatch.setattr(bench_common, "start_daemon", no_daemon)  # what private_daemon calls
     out = tmp_path / "out.json"
     assert tb.main(n=500, steps=5, json_out=out, state_dir=tmp_path / "state") == 2
     assert "--steps must be between" in capsys.readouterr().out

@@ -40,13 +40,11 @@ from .common import (
     kill_leftovers,
     node_figures,
     phase,
-    release_node,
+    private_daemon,
     repository_flags,
-    start_daemon,
-    stop_daemon,
     summarize,
     unwind_on_sigterm,
-    write_json,
+    write_with_plots,
 )
 
 LABEL = {"dsec-bench": "burst"}
@@ -306,29 +304,19 @@ async def warm_up(client: AsyncClient, spec: Spec) -> None:
 async def run(
     console: Console, spec: Spec, n: int, modes: list[str], concurrency: int, state_dir: Path, flags: list[str]
 ) -> tuple[Json, dict[str, Measured]]:
-    proc = start_daemon(state_dir, *flags)
-    try:
-        client = await connect(proc, state_dir)
-        try:
-            await warm_up(client, spec)
-            node = node_figures(await client.node())
-            measured: dict[str, Measured] = {}
-            for mode in modes:
-                # A client of its own for each run: under load the daemon takes requests on the connections
-                # a client keeps open well before those on new ones, so a second run on the first one's
-                # client would see its requests arrive in another order (and the queue in another shape).
-                async with await connect(proc, state_dir) as fresh:
-                    measured[mode] = await measure(console, fresh, proc.pid, spec, n, mode, concurrency)
-                await kill_leftovers(console, client, LABEL)
-                await asyncio.sleep(2)  # the kills' deferred work, before the next run
-            return node, measured
-        finally:
-            with contextlib.suppress(DsecError, RuntimeError):
-                await kill_leftovers(console, client, LABEL)
-            await client.aclose()
-    finally:
-        stop_daemon(proc)
-        release_node(state_dir)
+    async with private_daemon(console, state_dir, flags, LABEL) as (proc, client):
+        await warm_up(client, spec)
+        node = node_figures(await client.node())
+        measured: dict[str, Measured] = {}
+        for mode in modes:
+            # A client of its own for each run: under load the daemon takes requests on the connections
+            # a client keeps open well before those on new ones, so a second run on the first one's
+            # client would see its requests arrive in another order (and the queue in another shape).
+            async with await connect(proc, state_dir) as fresh:
+                measured[mode] = await measure(console, fresh, proc.pid, spec, n, mode, concurrency)
+            await kill_leftovers(console, client, LABEL)
+            await asyncio.sleep(2)  # the kills' deferred work, before the next run
+        return node, measured
 
 
 def thin(samples: list[Json], keep: int = 150) -> list[Json]:
@@ -456,12 +444,6 @@ def main(
         "targets": targets(runs[headline]),
     }
     prefix = f"burst-{kind}"
-    try:
-        result["plots"] = draw(out, prefix, headline, measured)
-    except RuntimeError as e:
-        console.print(f"[yellow]no plots[/yellow]: {e}")
-        result["plots"] = []
-    path = write_json(out, f"{prefix}.json", result)
-    console.print_json(data={"runs": runs, "targets": result["targets"]})
-    console.print(f"wrote {path} and {len(result['plots'])} plot(s) in {out}")
+    shown = {"runs": runs, "targets": result["targets"]}
+    write_with_plots(console, out, prefix, result, lambda: draw(out, prefix, headline, measured), shown)
     return 0 if all(f["failed"] == 0 for f in runs.values()) else 1

@@ -12,7 +12,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -171,6 +171,27 @@ async def kill_leftovers(console: Console, client: AsyncClient, labels: dict[str
         console.print(f"killed {killed} leftover sandbox(es)" + (f"; {len(left)} remain" if left else ""))
 
 
+@contextlib.asynccontextmanager
+async def private_daemon(
+    console: Console, state_dir: Path, flags: Sequence[str], labels: dict[str, str], stop_timeout: float = 10.0
+) -> AsyncIterator[tuple[subprocess.Popen[bytes], AsyncClient]]:
+    """A daemon of the bench's own and a client of it. On the way out, Ctrl-C and failures included, the
+    sandboxes labelled ``labels`` are killed (none may outlive the bench), then the daemon is stopped
+    and what it leaves running on purpose is released."""
+    proc = start_daemon(state_dir, *flags)
+    try:
+        client = await connect(proc, state_dir)
+        try:
+            yield proc, client
+        finally:
+            with contextlib.suppress(DsecError, RuntimeError):
+                await kill_leftovers(console, client, labels)
+            await client.aclose()
+    finally:
+        stop_daemon(proc, timeout=stop_timeout)
+        release_node(state_dir)
+
+
 async def operator_token(state_dir: Path, timeout: float) -> str:
     """The operator's token, which a daemon writes at its first start ("" if it did not in time)."""
     deadline = time.monotonic() + timeout
@@ -193,6 +214,22 @@ def write_json(out_dir: Path, name: str, result: Json) -> Path:
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / name
     path.write_text(json.dumps(result, indent=2, ensure_ascii=False) + "\n")
+    return path
+
+
+def write_with_plots(
+    console: Console, out: Path, prefix: str, result: Json, draw: Callable[[], list[str]], shown: Json
+) -> Path:
+    """The end of a bench that plots: ``result["plots"]`` from ``draw`` (none, said so, when matplotlib is
+    missing: the JSON is still worth having), then ``PREFIX.json`` in ``out``, and ``shown`` printed."""
+    try:
+        result["plots"] = draw()
+    except RuntimeError as e:
+        console.print(f"[yellow]no plots[/yellow]: {e}")
+        result["plots"] = []
+    path = write_json(out, f"{prefix}.json", result)
+    console.print_json(data=shown)
+    console.print(f"wrote {path} and {len(result['plots'])} plot(s) in {out}")
     return path
 
 

@@ -25,7 +25,6 @@ from ..sdk.aio import AsyncClient, AsyncSandbox
 from . import plots
 from .common import (
     Json,
-    connect,
     cpu_seconds,
     host_busy_seconds,
     host_facts,
@@ -33,13 +32,11 @@ from .common import (
     node_figures,
     percentile,
     phase,
-    release_node,
+    private_daemon,
     repository_flags,
-    start_daemon,
-    stop_daemon,
     summarize,
     unwind_on_sigterm,
-    write_json,
+    write_with_plots,
 )
 
 LABEL = {"dsec-bench": "density"}
@@ -309,51 +306,40 @@ def creation_figures(filler: Filler) -> Json:
 
 
 async def run(console: Console, opts: Options, state_dir: Path, flags: list[str]) -> tuple[Json, Filler]:
-    proc = start_daemon(state_dir, *flags)
-    try:
-        client = await connect(proc, state_dir)
-        try:
-            filler = Filler(console, client, opts, proc.pid)
-            warm = await warm_up(console, filler)
-            node_start = node_figures(await client.node())
-            await filler.fill()
-            await filler.read_timings()
-            wall = filler.creations[-1][0] if filler.creations else 0.0
-            idle = await idle_cpu(proc.pid)
-            after, daemon_after = meminfo(), rss(proc.pid)
-            held = len(filler.made)
-            delta = used(after) - used(filler.before)
-            figures: Json = {
-                "held": held,
-                "attempted": filler.attempted,
-                "failures": dict(filler.failures),
-                "stopped": filler.stop,
-                "create_wall_s": round(wall, 2),
-                "creations_per_s": round(held / wall, 2) if wall else None,
-                "creation": creation_figures(filler),
-                "host_memory_per_sandbox_mib": round(mib(delta / held), 3) if held else None,
-                "host_memory_used_delta_mib": round(mib(delta), 1),
-                "slab_delta_mib": round(mib(after["Slab"] - filler.before["Slab"]), 1),
-                "shmem_delta_mib": round(mib(after["Shmem"] - filler.before["Shmem"]), 1),
-                "daemon_rss_delta_mib": round(mib(daemon_after - filler.daemon_before), 1),
-                "idle_cpu_cores": idle,
-                "node_at_start": node_start,
-                "node_when_held": node_figures(await client.node()),
-                "exec_while_full": await exec_while_full(filler.made),
-                "warmup": warm,
-            }
-            t = time.perf_counter()
-            await kill_leftovers(console, client, LABEL)
-            figures["kill_all_s"] = round(time.perf_counter() - t, 2)
-            return figures, filler
-        finally:
-            # Ctrl-C or a failure half-way: the sandboxes made so far must not outlive the bench
-            with contextlib.suppress(DsecError, RuntimeError):
-                await kill_leftovers(console, client, LABEL)
-            await client.aclose()
-    finally:
-        stop_daemon(proc)
-        release_node(state_dir)
+    async with private_daemon(console, state_dir, flags, LABEL) as (proc, client):
+        filler = Filler(console, client, opts, proc.pid)
+        warm = await warm_up(console, filler)
+        node_start = node_figures(await client.node())
+        await filler.fill()
+        await filler.read_timings()
+        wall = filler.creations[-1][0] if filler.creations else 0.0
+        idle = await idle_cpu(proc.pid)
+        after, daemon_after = meminfo(), rss(proc.pid)
+        held = len(filler.made)
+        delta = used(after) - used(filler.before)
+        figures: Json = {
+            "held": held,
+            "attempted": filler.attempted,
+            "failures": dict(filler.failures),
+            "stopped": filler.stop,
+            "create_wall_s": round(wall, 2),
+            "creations_per_s": round(held / wall, 2) if wall else None,
+            "creation": creation_figures(filler),
+            "host_memory_per_sandbox_mib": round(mib(delta / held), 3) if held else None,
+            "host_memory_used_delta_mib": round(mib(delta), 1),
+            "slab_delta_mib": round(mib(after["Slab"] - filler.before["Slab"]), 1),
+            "shmem_delta_mib": round(mib(after["Shmem"] - filler.before["Shmem"]), 1),
+            "daemon_rss_delta_mib": round(mib(daemon_after - filler.daemon_before), 1),
+            "idle_cpu_cores": idle,
+            "node_at_start": node_start,
+            "node_when_held": node_figures(await client.node()),
+            "exec_while_full": await exec_while_full(filler.made),
+            "warmup": warm,
+        }
+        t = time.perf_counter()
+        await kill_leftovers(console, client, LABEL)
+        figures["kill_all_s"] = round(time.perf_counter() - t, 2)
+        return figures, filler
 
 
 def draw(out: Path, kind: str, filler: Filler) -> list[str]:
@@ -474,14 +460,8 @@ def main(
         "samples": filler.samples,
         "targets": targets(kind, shape, figures),
     }
-    try:
-        result["plots"] = draw(out, kind, filler)
-    except RuntimeError as e:  # matplotlib missing: the JSON is still worth having
-        console.print(f"[yellow]no plots[/yellow]: {e}")
-        result["plots"] = []
-    path = write_json(out, f"density-{kind}.json", result)
     summary = {k: v for k, v in figures.items() if k not in ("node_at_start", "node_when_held")}
-    console.print_json(data={"dsec": summary, "targets": result["targets"]})
-    console.print(f"wrote {path} and {len(result['plots'])} plot(s) in {out}")
+    shown = {"dsec": summary, "targets": result["targets"]}
+    write_with_plots(console, out, f"density-{kind}", result, lambda: draw(out, kind, filler), shown)
     unexpected = sum(figures["failures"].values()) if not until_full else 0
     return 0 if not unexpected else 1

@@ -30,13 +30,10 @@ from ..run_models import MAX_BATCH, RunRequest
 from ..sdk.aio import AsyncClient
 from .common import (
     Json,
-    connect,
     host_facts,
-    kill_leftovers,
     phase,
-    release_node,
-    start_daemon,
-    stop_daemon,
+    private_daemon,
+    repository_flags,
     summarize,
     unwind_on_sigterm,
 )
@@ -354,29 +351,21 @@ def main(n: int, calls: int, json_out: Path, state_dir: Path, repository: Path |
     state_dir = state_dir.resolve()
     unwind_on_sigterm()
     load_before = os.getloadavg()
-    # a second --repository overrides start_daemon's default (the last one given wins)
-    proc = start_daemon(state_dir, *(["--repository", str(repository)] if repository is not None else []))
+
+    async def run() -> Json:
+        # destroying a full pool's workers one by one takes longer than stop_daemon's default
+        flags = repository_flags(repository)
+        async with private_daemon(console, state_dir, flags, RUN_LABELS, STOP_TIMEOUT) as (proc, client):
+            version = (await client.health()).version
+            figures = await measure(console, client, n, calls, {"daemon": proc.pid, "bench": os.getpid()})
+            pools = [p.model_dump() for p in await client.pools()]
+            return figures | {"version": version, "pools": pools, "python_versions": await versions(client)}
+
     try:
-
-        async def run() -> Json:
-            client = await connect(proc, state_dir)
-            try:
-                version = (await client.health()).version
-                figures = await measure(console, client, n, calls, {"daemon": proc.pid, "bench": os.getpid()})
-                pools = [p.model_dump() for p in await client.pools()]
-                return figures | {"version": version, "pools": pools, "python_versions": await versions(client)}
-            finally:
-                await kill_leftovers(console, client, RUN_LABELS)
-                await client.aclose()
-
         figures = asyncio.run(run())
     except (DsecError, OSError, RuntimeError) as e:
         console.print(f"[red]bench failed[/red]: {e}")
         return 1
-    finally:
-        # destroying a full pool's workers one by one takes longer than stop_daemon's default
-        stop_daemon(proc, timeout=STOP_TIMEOUT)
-        release_node(state_dir)
 
     ratios, targets = judge(figures["latency"], figures["throughput"])
     params = {"n": n, "container_n": min(n, CONTAINER_N), "calls": calls, "concurrency": list(CONCURRENCY)}

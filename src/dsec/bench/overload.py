@@ -14,7 +14,6 @@ Two rounds of N requests fired at once:
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from collections import Counter
 from datetime import UTC, datetime
@@ -35,12 +34,10 @@ from .common import (
     metric_sum,
     node_figures,
     phase,
-    release_node,
+    private_daemon,
     repository_flags,
-    start_daemon,
-    stop_daemon,
     unwind_on_sigterm,
-    write_json,
+    write_with_plots,
 )
 
 ROUNDS = ("sdk_retry", "raw")
@@ -107,27 +104,17 @@ async def one_round(
 async def run(
     console: Console, spec: Spec, n: int, factor: float, raw_queue_timeout: float, state_dir: Path, flags: list[str]
 ) -> tuple[Json, dict[str, tuple[Json, list[Outcome], list[Json]]]]:
-    proc = start_daemon(state_dir, *flags)
-    try:
-        client = await connect(proc, state_dir)
-        try:
-            await warm_up(client, spec)
-            node = node_figures(await client.node())
-            rounds = {}
-            for name in ROUNDS:
-                # a fresh client per round (see burst.run): each round's requests reach the node alike
-                async with await connect(proc, state_dir) as fresh:
-                    rounds[name] = await one_round(console, fresh, spec, n, name, raw_queue_timeout)
-                await kill_leftovers(console, client, LABEL)
-                await asyncio.sleep(2)
-            return node, rounds
-        finally:
-            with contextlib.suppress(DsecError, RuntimeError):
-                await kill_leftovers(console, client, LABEL)
-            await client.aclose()
-    finally:
-        stop_daemon(proc)
-        release_node(state_dir)
+    async with private_daemon(console, state_dir, flags, LABEL) as (proc, client):
+        await warm_up(client, spec)
+        node = node_figures(await client.node())
+        rounds = {}
+        for name in ROUNDS:
+            # a fresh client per round (see burst.run): each round's requests reach the node alike
+            async with await connect(proc, state_dir) as fresh:
+                rounds[name] = await one_round(console, fresh, spec, n, name, raw_queue_timeout)
+            await kill_leftovers(console, client, LABEL)
+            await asyncio.sleep(2)
+        return node, rounds
 
 
 def draw(out: Path, prefix: str, n: int, rounds: dict[str, tuple[Json, list[Outcome], list[Json]]]) -> list[str]:
@@ -209,12 +196,6 @@ def main(
         "targets": targets(figures),
     }
     prefix = f"overload-{kind}"
-    try:
-        result["plots"] = draw(out, prefix, n, rounds)
-    except RuntimeError as e:
-        console.print(f"[yellow]no plots[/yellow]: {e}")
-        result["plots"] = []
-    path = write_json(out, f"{prefix}.json", result)
-    console.print_json(data={"rounds": figures, "targets": result["targets"]})
-    console.print(f"wrote {path} and {len(result['plots'])} plot(s) in {out}")
+    shown = {"rounds": figures, "targets": result["targets"]}
+    write_with_plots(console, out, prefix, result, lambda: draw(out, prefix, n, rounds), shown)
     return 0 if all(result["targets"].values()) else 1

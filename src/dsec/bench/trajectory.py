@@ -33,13 +33,10 @@ from ..sdk.aio import AsyncClient, AsyncSandbox
 from ..sdk.trajectory import PAGE
 from .common import (
     Json,
-    connect,
     host_facts,
-    kill_leftovers,
     phase,
-    release_node,
-    start_daemon,
-    stop_daemon,
+    private_daemon,
+    repository_flags,
     summarize,
     unwind_on_sigterm,
 )
@@ -469,27 +466,19 @@ def main(n: int, steps: int, json_out: Path, state_dir: Path, repository: Path |
     state_dir = state_dir.resolve()
     unwind_on_sigterm()
     load_before = os.getloadavg()
-    # a second --repository overrides start_daemon's default (the last one given wins)
-    proc = start_daemon(state_dir, *(["--repository", str(repository)] if repository is not None else []))
+
+    async def run() -> Json:
+        flags = repository_flags(repository)
+        async with private_daemon(console, state_dir, flags, LABELS, STOP_TIMEOUT) as (proc, client):
+            version = (await client.health()).version
+            pids = {"daemon": proc.pid, "bench": os.getpid()}
+            return await measure(console, client, state_dir, steps, n, pids) | {"version": version}
+
     try:
-
-        async def run() -> Json:
-            client = await connect(proc, state_dir)
-            try:
-                version = (await client.health()).version
-                pids = {"daemon": proc.pid, "bench": os.getpid()}
-                return await measure(console, client, state_dir, steps, n, pids) | {"version": version}
-            finally:
-                await kill_leftovers(console, client, LABELS)
-                await client.aclose()
-
         figures = asyncio.run(run())
     except (DsecError, OSError, RuntimeError) as e:
         console.print(f"[red]bench failed[/red]: {e}")
         return 1
-    finally:
-        stop_daemon(proc, timeout=STOP_TIMEOUT)
-        release_node(state_dir)
 
     runs, lat = figures["fast_forward"]["runs"], figures["latency"]
     params: Json = {"steps": steps, "n": n, "fast_forwards": FAST_FORWARDS, "warmup": WARMUP, "sdk_page": PAGE}
