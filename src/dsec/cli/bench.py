@@ -9,15 +9,22 @@ import typer
 
 from .common import err
 
+# options most benches take (each bench sets its own default)
+JsonOut = Annotated[Path, typer.Option("--json", help="Where to write the JSON results.")]
+DaemonState = Annotated[Path, typer.Option(help="State dir of the daemon the bench starts.")]
+Repository = Annotated[
+    Path | None,
+    typer.Option(help="Layer repository of the bench's daemon (default /var/tmp/dsec-images/repository)."),
+]
+PlotsOut = Annotated[Path, typer.Option(help="Directory for the JSON and its PNG plots.")]
+
 bench_app = typer.Typer(help="Benchmarks that write JSON, with peers measured side by side.", no_args_is_help=True)
 
 
 @bench_app.command("images")
 def bench_images(
     n: Annotated[int, typer.Option("--n", help="Sandboxes in each cold burst.", min=1, max=1024)] = 64,
-    json_out: Annotated[Path, typer.Option("--json", help="Where to write the JSON results.")] = Path(
-        "bench-images.json"
-    ),
+    json_out: JsonOut = Path("bench-images.json"),
     state_dir: Annotated[Path, typer.Option(help="Where the bench's nodes keep their state.")] = Path(
         "/var/lib/dsec-bench-images"
     ),
@@ -37,12 +44,8 @@ def bench_images(
 def bench_lifecycle(
     n: Annotated[int, typer.Option("--n", help="Sequential iterations per system.", min=5)] = 100,
     burst: Annotated[int, typer.Option(help="Sandboxes in the concurrent burst.", min=1)] = 100,
-    json_out: Annotated[Path, typer.Option("--json", help="Where to write the JSON results.")] = Path(
-        "bench-lifecycle.json"
-    ),
-    state_dir: Annotated[Path, typer.Option(help="State dir of the daemon the bench starts.")] = Path(
-        "/var/lib/dsec-bench"
-    ),
+    json_out: JsonOut = Path("bench-lifecycle.json"),
+    state_dir: DaemonState = Path("/var/lib/dsec-bench"),
     skip_podman: Annotated[bool, typer.Option(help="Do not measure podman.")] = False,
 ) -> None:
     """create → exec `true` → destroy for dsec, bare crun and podman; exec round trip vs crun exec."""
@@ -55,15 +58,9 @@ def bench_lifecycle(
 def bench_function(
     n: Annotated[int, typer.Option("--n", help="Sequential calls per latency measurement.", min=5)] = 200,
     calls: Annotated[int, typer.Option("--calls", help="Calls per throughput measurement.", min=64)] = 1000,
-    json_out: Annotated[Path, typer.Option("--json", help="Where to write the JSON results.")] = Path(
-        "bench-function.json"
-    ),
-    state_dir: Annotated[Path, typer.Option(help="State dir of the daemon the bench starts.")] = Path(
-        "/var/lib/dsec-bench-function"
-    ),
-    repository: Annotated[
-        Path | None, typer.Option(help="Layer repository holding dsec/busybox and dsec/debian:12.")
-    ] = None,
+    json_out: JsonOut = Path("bench-function.json"),
+    state_dir: DaemonState = Path("/var/lib/dsec-bench-function"),
+    repository: Repository = None,
 ) -> None:
     """One-shot `true` and python latency and calls/s at concurrency 1/8/64: a warm function pool beside
     a fresh container per call and a bare host subprocess."""
@@ -86,13 +83,9 @@ def bench_trajectory(
             max=100_000,
         ),
     ] = 500,
-    json_out: Annotated[Path, typer.Option("--json", help="Where to write the JSON results.")] = Path(
-        "bench-trajectory.json"
-    ),
-    state_dir: Annotated[Path, typer.Option(help="State dir of the daemon the bench starts.")] = Path(
-        "/var/lib/dsec-bench-trajectory"
-    ),
-    repository: Annotated[Path | None, typer.Option(help="Layer repository holding dsec/busybox.")] = None,
+    json_out: JsonOut = Path("bench-trajectory.json"),
+    state_dir: DaemonState = Path("/var/lib/dsec-bench-trajectory"),
+    repository: Repository = None,
 ) -> None:
     """Trajectory log: fast-forward rate of a recorded trajectory (a fresh client issuing the same calls)
     and the logging overhead on live exec latency, a logged and a plain sandbox side by side."""
@@ -120,10 +113,8 @@ def bench_density(
     ] = False,
     max_n: Annotated[int, typer.Option("--max", help="With --until-full: give up after this many.", min=1)] = 10_000,
     out: Annotated[Path, typer.Option(help="Directory for density-KIND.json and its PNG plots.")] = OUT_DIR,
-    state_dir: Annotated[Path, typer.Option(help="State dir of the daemon the bench starts.")] = Path(
-        "/var/lib/dsec-bench"
-    ),
-    repository: Annotated[Path | None, typer.Option(help="Layer repository holding dsec/busybox.")] = None,
+    state_dir: DaemonState = Path("/var/lib/dsec-bench"),
+    repository: Repository = None,
     image: Annotated[str | None, typer.Option(help="Image of the sandboxes (default dsec/busybox).")] = None,
     concurrency: Annotated[
         int | None, typer.Option(help="Creations in flight at once (default 32; microvm 4).", min=1)
@@ -170,11 +161,9 @@ def bench_density(
 def bench_burst(
     n: Annotated[int, typer.Option("--n", help="Creations fired at once.", min=1, max=10_000)] = 1000,
     kind: Annotated[str, typer.Option(help="container or microvm.")] = "container",
-    out: Annotated[Path, typer.Option(help="Directory for the JSON and its PNG plots.")] = OUT_DIR,
-    state_dir: Annotated[Path, typer.Option(help="State dir of the daemon the bench starts.")] = Path(
-        "/var/lib/dsec-bench-burst"
-    ),
-    repository: Annotated[Path | None, typer.Option(help="Layer repository holding dsec/busybox.")] = None,
+    out: PlotsOut = OUT_DIR,
+    state_dir: DaemonState = Path("/var/lib/dsec-bench-burst"),
+    repository: Repository = None,
     mode: Annotated[
         list[str] | None,
         typer.Option(
@@ -251,7 +240,7 @@ def bench_vm(
     ] = None,
     samples: Annotated[int, typer.Option(help="Boots, restores and bare QEMU boots per kind.", min=1)] = 5,
     idle: Annotated[int, typer.Option(help="Idle micro-VMs to hold (0: skip).", min=0)] = 64,
-    json_out: Annotated[Path, typer.Option("--json", help="Where to write the JSON results.")] = Path("bench-vm.json"),
+    json_out: JsonOut = Path("bench-vm.json"),
     state_dir: Annotated[Path, typer.Option(help="Where the bench's daemons keep their state.")] = Path(
         "/var/lib/dsec-bench-vm"
     ),
@@ -270,13 +259,9 @@ def bench_vm(
 @bench_app.command("gateway")
 def bench_gateway(
     n: Annotated[int, typer.Option("--n", help="`true` calls each way.", min=10)] = 500,
-    json_out: Annotated[Path, typer.Option("--json", help="Where to write the JSON results.")] = Path(
-        "bench-gateway.json"
-    ),
-    state_dir: Annotated[Path, typer.Option(help="Where the bench's node keeps its state.")] = Path(
-        "/var/lib/dsec-bench-gateway"
-    ),
-    repository: Annotated[Path | None, typer.Option(help="Layer repository of the bench's node.")] = None,
+    json_out: JsonOut = Path("bench-gateway.json"),
+    state_dir: DaemonState = Path("/var/lib/dsec-bench-gateway"),
+    repository: Repository = None,
 ) -> None:
     """Exec round trip straight at a node vs through the cluster gateway, side by side."""
     from ..bench.gateway import main as gateway_main
@@ -288,11 +273,9 @@ def bench_gateway(
 def bench_e2b(
     n: Annotated[int, typer.Option("--n", help="Calls of each kind of work, each way.", min=10)] = 300,
     creates: Annotated[int, typer.Option(help="Create, first command, kill: rounds each way.", min=1)] = 20,
-    json_out: Annotated[Path, typer.Option("--json", help="Where to write the JSON results.")] = Path("bench-e2b.json"),
-    state_dir: Annotated[Path, typer.Option(help="Where the bench's node keeps its state.")] = Path(
-        "/var/lib/dsec-bench-e2b"
-    ),
-    repository: Annotated[Path | None, typer.Option(help="Layer repository of the bench's node.")] = None,
+    json_out: JsonOut = Path("bench-e2b.json"),
+    state_dir: DaemonState = Path("/var/lib/dsec-bench-e2b"),
+    repository: Repository = None,
 ) -> None:
     """The unmodified e2b SDK vs dsec's SDK on one daemon and sandbox: command round trip, a 64 KiB file
     written and read back, and create to first command, side by side (needs the e2b package)."""
@@ -307,9 +290,7 @@ def bench_tiers(
         int, typer.Option("--n", help="Creations admitted (and queued) in the admission runs.", min=100)
     ] = 50_000,
     tenants: Annotated[int, typer.Option(help="Tenants the creations are spread over.", min=1)] = 16,
-    json_out: Annotated[Path, typer.Option("--json", help="Where to write the JSON results.")] = Path(
-        "bench-tiers.json"
-    ),
+    json_out: JsonOut = Path("bench-tiers.json"),
 ) -> None:
     """The node's tiers on a creation's path measured alone (no daemon): admission, uncontended and with
     every creation queued, and the state database's writes (docs/scaling.md)."""
