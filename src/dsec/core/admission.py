@@ -106,11 +106,15 @@ class Admission:
         self._total = _Held()
         self._queues: dict[str, collections.deque[_Waiter]] = {}  # insertion order = service order
         self._releases: collections.deque[float] = collections.deque()
-        self.admitted = 0
         self.refused: collections.Counter[str] = collections.Counter()  # why creations were turned away
         self._last_idle = time.monotonic()  # when the queue was last empty: the current load began after
 
     # ---- figures -----------------------------------------------------------------------------------
+
+    @property
+    def admitted(self) -> int:
+        """Claims held now: sandboxes bound to one, and creations admitted but not yet made."""
+        return self._total.sandboxes
 
     @property
     def requested(self) -> Resources:
@@ -166,10 +170,14 @@ class Admission:
                     detail={"quota": name, "limit": bound},
                 )
 
+    def _fits_node_only(self, claim: Claim) -> bool:
+        return (
+            self._total.cpu + claim.cpu <= self.allocatable.cpu + 1e-9
+            and self._total.memory + claim.memory <= self.allocatable.memory
+        )
+
     def _fits(self, claim: Claim) -> bool:
-        if self._total.cpu + claim.cpu > self.allocatable.cpu + 1e-9:
-            return False
-        if self._total.memory + claim.memory > self.allocatable.memory:
+        if not self._fits_node_only(claim):
             return False
         quota = self.quota_of(claim.tenant)
         if quota is None:
@@ -186,7 +194,6 @@ class Admission:
             held.sandboxes += 1
             held.cpu += claim.cpu
             held.memory += claim.memory
-        self.admitted += 1
 
     async def admit(self, claim: Claim, timeout: float | None) -> float:
         """Wait until ``claim`` fits (within ``timeout`` seconds; None: the node's default); returns the
@@ -258,7 +265,6 @@ class Admission:
             held.memory -= claim.memory
         if self._by_tenant[claim.tenant].sandboxes <= 0:
             self._by_tenant.pop(claim.tenant, None)
-        self.admitted -= 1
 
     def _dispatch(self) -> None:
         """Serve the tenants' queues in turn while heads fit; a served tenant goes to the back."""
@@ -316,10 +322,4 @@ class Admission:
             f"{waited:g} s: {why} (free: {free.cpu:g} cpu, {format_size(max(0, free.memory))}; "
             f"{ahead} creations waiting)",
             detail={"retry_after": self.retry_after(ahead), "queued": ahead, "waited": waited},
-        )
-
-    def _fits_node_only(self, claim: Claim) -> bool:
-        return (
-            self._total.cpu + claim.cpu <= self.allocatable.cpu + 1e-9
-            and self._total.memory + claim.memory <= self.allocatable.memory
         )
