@@ -16,6 +16,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 
 import dsec
@@ -34,7 +35,7 @@ def small() -> Iterator[Daemon]:
     state = Path(tempfile.mkdtemp(prefix="dsec-scale-"))
     os.chmod(state, 0o755)
     flags = ["--cpu-capacity", "1", "--cpu-ratio", "1", "--memory-capacity", "700M", "--evict-at", "0.8"]
-    d = start_daemon(state, *flags, "--queue-timeout", "2", "--node-name", "small-node")
+    d = start_daemon(state, *flags, "--queue-timeout", "2", "--node-name", "small-node", e2b=True)
     try:
         yield d
     finally:
@@ -148,6 +149,28 @@ def test_a_burst_far_beyond_capacity_is_queued_and_served(small: Daemon) -> None
     assert peak_queue >= 4
     assert sum(1 for t in timings if t["queue"] > 0.1) >= 8
     assert refused_live == 3 * 100 + 4  # three 429s, and only the four held sandboxes exist
+
+
+def test_a_creation_whose_caller_left_is_cancelled(small: Daemon, client: dsec.Client) -> None:
+    e2b = pytest.importorskip("e2b")
+    held = [dsec.Sandbox.create(IMAGE, client=client) for _ in range(4)]  # the node is full
+    uds = httpx.HTTPTransport(uds=small.url.removeprefix("unix://"))
+    auth = {"authorization": f"Bearer {small.token}"}
+    with httpx.Client(transport=uds, base_url="http://dsec", headers=auth, timeout=1.0) as http:
+        with pytest.raises(httpx.ReadTimeout):  # gives up while its creation waits (up to 60 s)
+            http.post("/v1/sandboxes", json={"image": IMAGE, "queue_timeout": 60, "labels": {"left": "dsec"}})
+    with pytest.raises(httpx.TimeoutException):  # the SDK's transport gives up; the node would wait 2 s
+        opts = {"api_key": small.token, "api_url": small.e2b_url, "sandbox_url": small.e2b_url}
+        e2b.Sandbox.create(IMAGE, metadata={"left": "e2b"}, request_timeout=0.5, **opts)
+    deadline = time.monotonic() + 10
+    while client.node().queued and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert client.node().queued == 0
+    held[0].kill()
+    time.sleep(1)  # room again: a creation still queued would be made now
+    assert len(client.list()) == 3 and client.node().requested.cpu == 0.75
+    creates = [r for r in client.audit(limit=50) if r.method == "POST" and r.route.endswith("/sandboxes")]
+    assert [(r.route, r.status) for r in creates[-2:]] == [("/v1/sandboxes", 499), ("e2b /v2/sandboxes", 499)]
 
 
 def test_create_many_streams_sandboxes_through_the_sync_sdk(client: dsec.Client) -> None:

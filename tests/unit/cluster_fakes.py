@@ -69,6 +69,8 @@ class FakeNode:
         self.sandboxes: dict[str, SandboxInfo] = {}
         self.trajectories: dict[str, str] = {}  # id -> sandbox id (a shared log would hold it)
         self.creates = 0
+        self.stall = False  # hold every creation until its caller (the gateway) goes away
+        self.left = 0  # creations whose caller went away while held
         self.files: dict[tuple[str, str], bytes] = {}
         self.release = asyncio.Event()  # a streamed exec waits for it after its first line
         self.app = self._app()
@@ -116,8 +118,13 @@ class FakeNode:
             return Response(status(node.name, node.free_cpu).model_dump_json(), media_type="application/json")
 
         @app.post("/v1/sandboxes", status_code=201)
-        async def create(body: CreateSandbox) -> Response:
+        async def create(body: CreateSandbox, request: Request) -> Response:
             node.creates += 1
+            if node.stall:
+                while (await request.receive())["type"] != "http.disconnect":
+                    pass
+                node.left += 1
+                return Response(status_code=499)
             if node.full:
                 return overloaded(node.name)
             info = node.make(body)

@@ -47,14 +47,14 @@ def workdir(tmp_path: Path) -> Iterator[Path]:
 ROOMY = AdmissionOptions(cpu_capacity=4096, memory_capacity=1 << 44)
 
 
-def new_manager(root: Path) -> tuple[SandboxManager, FakeBackend]:
+def new_manager(root: Path, admission: AdmissionOptions = ROOMY) -> tuple[SandboxManager, FakeBackend]:
     images = root / "images"
     make_image(images, IMAGE, env={"PATH": "/usr/bin:/bin", "FROM_IMAGE": "1"})
     mgr = SandboxManager(
         state_dir=root / "state",
         images=ImageStore(images, lazy=False, mount=False),
         kinds=["container"],
-        admission=ROOMY,
+        admission=admission,
     )
     backend = FakeBackend(mgr.ctx)
     mgr.backends["container"] = backend

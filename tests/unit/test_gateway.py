@@ -88,6 +88,21 @@ async def test_invalid_create_is_400_without_touching_nodes(cluster: Harness) ->
     assert sum(f.creates for f in cluster.fakes) == 0
 
 
+async def test_a_caller_that_leaves_its_create_makes_the_gateway_leave_the_node(cluster: Harness) -> None:
+    for f in cluster.fakes:
+        f.stall = True
+    async with httpx.AsyncClient(base_url=cluster.url, headers=AUTH, timeout=0.5) as http:
+        with pytest.raises(httpx.ReadTimeout):
+            await http.post("/v1/sandboxes", json={"image": "x"})
+    # the node sees its caller go (a real node then cancels the creation), and nothing is resent
+    await wait_for(lambda: sum(f.left for f in cluster.fakes) == 1)
+    assert sum(f.creates for f in cluster.fakes) == 1
+    for f in cluster.fakes:
+        f.stall = False
+    async with httpx.AsyncClient(base_url=cluster.url, headers=AUTH) as http:
+        assert (await http.post("/v1/sandboxes", json={"image": "x"})).status_code == 201
+
+
 async def test_list_merges_every_node_in_creation_order(cluster: Harness) -> None:
     c = client(cluster)
     made = [await dsec.AsyncSandbox.create(image="x", labels={"job": str(i % 2)}, client=c) for i in range(5)]

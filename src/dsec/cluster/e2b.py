@@ -29,6 +29,7 @@ from pydantic import ValidationError
 from starlette.types import Receive, Scope, Send
 
 from ..models import Limits
+from ..server.disconnect import CLIENT_GONE, GONE, unless_gone
 from .gateway import Gateway
 from .nodes import Node
 from .placement import Demand
@@ -165,7 +166,12 @@ class E2BGateway:
 
     async def _create(self, scope: Scope, receive: Receive, send: Send) -> None:
         body = await read_body(receive)
-        reply, node = await self.gw.place(scope, target(scope), body, _demand(body), via=self.client)
+        placing = self.gw.place(scope, target(scope), body, _demand(body), via=self.client)
+        placed = await unless_gone(receive, placing, "gateway E2B create")
+        if placed is GONE:  # cancelled: its connection to the node closed, the node cancels in turn
+            await answer(send, CLIENT_GONE, b"", [])
+            return
+        reply, node = placed
         if reply.status < 300:
             # the directory learns where it is from the node's own API (the E2B answer is no SandboxInfo)
             try:

@@ -31,6 +31,7 @@ from ..errors import validation_message
 from ..models import CreateSandbox, ForkResult, Health, SandboxInfo, SandboxList
 from ..node_models import NodeStatus
 from ..run_models import PoolList, RunRequest
+from ..server.disconnect import CLIENT_GONE, GONE, unless_gone
 from ..trajectory_models import TrajectoryList
 from . import aggregate
 from .directory import Directory, labels_of
@@ -261,7 +262,12 @@ class Gateway:
         pinned: Node | None = None
         if req.trajectory:
             pinned, _ = await self.directory.trajectory(req.trajectory)
-        reply, node = await self.place(scope, "/v1/sandboxes", body, Demand.of(req.limits), pinned=pinned)
+        placing = self.place(scope, "/v1/sandboxes", body, Demand.of(req.limits), pinned=pinned)
+        placed = await unless_gone(receive, placing, "gateway create")
+        if placed is GONE:  # cancelled: its connection to the node closed, the node cancels in turn
+            await answer(send, CLIENT_GONE, b"", [])
+            return
+        reply, node = placed
         if reply.status < 300:
             self.directory.record_json(node, reply.content)
         await answer(send, reply.status, reply.content, reply.response_headers())

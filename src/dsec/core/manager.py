@@ -322,24 +322,28 @@ class SandboxManager(FileActions):
         self._live[rec.id] = rec
         # VM kinds bound their boots (and restores) themselves, by the accelerator a first use finds
         slots = self._create_slots.setdefault(req.kind, asyncio.Semaphore(self.max_concurrent_creates))
-        async with slots, self._lock(rec.id):
-            if rec.state != State.creating:  # killed while it waited for a create slot
-                raise SandboxGone(f"sandbox {rec.id} was {rec.state.value} before it was created: {rec.reason}")
-            timings = rec.runtime["timings"] = {"queue": round(time.monotonic() - started, 6)}
-            try:
-                await backend.create(rec, image)
-            except BaseException as e:
-                reason = str(e) if isinstance(e, DsecError) else f"{type(e).__name__}: {e}"
-                self._set_state(rec, State.failed, f"creation failed: {reason}")
-                with contextlib.suppress(Exception):
-                    await backend.destroy(rec)
-                if isinstance(e, DsecError) or not isinstance(e, Exception):
-                    raise
-                raise BackendError(f"creating sandbox failed: {reason}") from e
-            total = time.monotonic() - started
-            timings["runtime"] = round(total - timings["queue"] - timings.get("rootfs", 0.0), 6)
-            timings["total"] = round(total, 6)
-            self._set_state(rec, State.running)
+        try:
+            async with slots, self._lock(rec.id):
+                if rec.state != State.creating:  # killed while it waited for a create slot
+                    raise SandboxGone(f"sandbox {rec.id} was {rec.state.value} before it was created: {rec.reason}")
+                timings = rec.runtime["timings"] = {"queue": round(time.monotonic() - started, 6)}
+                try:
+                    await backend.create(rec, image)
+                except BaseException as e:
+                    self._set_state(rec, State.failed, f"creation failed: {_failure(e)}")
+                    with contextlib.suppress(Exception):
+                        await backend.destroy(rec)
+                    if isinstance(e, DsecError) or not isinstance(e, Exception):
+                        raise
+                    raise BackendError(f"creating sandbox failed: {_failure(e)}") from e
+                total = time.monotonic() - started
+                timings["runtime"] = round(total - timings["queue"] - timings.get("rootfs", 0.0), 6)
+                timings["total"] = round(total, 6)
+                self._set_state(rec, State.running)
+        except BaseException as e:
+            if rec.state == State.creating:  # cancelled before its backend was asked (waiting for a slot)
+                self._set_state(rec, State.failed, f"creation failed: {_failure(e)}")
+            raise
         self.metrics.created(rec.kind, timings)
         return rec
 
@@ -588,3 +592,11 @@ class SandboxManager(FileActions):
                 killed.append(rec.id)
         assert revoked.revoked_at is not None
         return revoked.revoked_at, killed
+
+
+def _failure(e: BaseException) -> str:
+    if isinstance(e, DsecError):
+        return str(e)
+    if isinstance(e, asyncio.CancelledError):
+        return "cancelled (its caller went away, or the daemon is stopping)"
+    return f"{type(e).__name__}: {e}"

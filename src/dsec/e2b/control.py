@@ -24,6 +24,7 @@ from ..isolation.network import policy
 from ..isolation.network.policy import NetworkAllow, NetworkSpec
 from ..models import TERMINAL_STATES, CreateSandbox, ForkRequest, Limits, SandboxInfo, SnapshotRequest, State
 from ..server.audit import note
+from ..server.disconnect import GONE, gone_response, unless_gone
 from ..tenancy import Caller
 from . import control_models as m
 from .auth import api_token, identify
@@ -187,15 +188,19 @@ async def _create(svc: E2BService, caller: Caller, raw: Any, idempotency_key: st
         )
     except ValidationError as e:
         raise InvalidRequest(validation_message(e)) from None
+    what = "E2B create"
     if idempotency_key is None:
-        info = await svc.mgr.create(req, caller=caller)
+        info = await unless_gone(request.receive, svc.mgr.create(req, caller=caller), what)
     else:
         async with svc.idempotency_lock(caller.tenant, idempotency_key):
             earlier = svc.idempotent(caller.tenant, idempotency_key)
             if earlier is not None:
                 return _json(_sandbox(svc, svc.mgr.info(earlier, caller=caller)), 201)
-            info = await svc.mgr.create(req, caller=caller)
-            svc.remember(caller.tenant, idempotency_key, info.id)
+            info = await unless_gone(request.receive, svc.mgr.create(req, caller=caller), what)
+            if info is not GONE:
+                svc.remember(caller.tenant, idempotency_key, info.id)
+    if info is GONE:
+        return gone_response()
     if req.trajectory:
         svc.begin(info.id)
     note(request.scope, sandbox=info.id)

@@ -181,7 +181,11 @@ class ImageStore:
                 raise _not_found(norm)
             if not build:
                 raise ImageNotFound(f"image {name!r} is not built yet") from None
-            await self.ensure(norm)
+            # the build outlives the creation that asked for it: that caller may go away (and its
+            # creation be cancelled), but a build cut short would start over at the next creation
+            building = asyncio.ensure_future(self.ensure(norm))
+            building.add_done_callback(_build_done)
+            await asyncio.shield(building)
             tag = await self.catalog.tag(norm)
             if tag is None:
                 raise _not_found(norm)
@@ -482,3 +486,9 @@ class ImageStore:
                     await self.fetcher.save_trace(ref.digest)
         except Exception as e:  # a trace is an optimisation: never let it fail a kill
             log.warning("could not save access traces of %s: %s", version_digest[:12], e)
+
+
+def _build_done(task: asyncio.Task[ImageInfo]) -> None:
+    """Say how a build ended that its caller may no longer wait for."""
+    if not task.cancelled() and (e := task.exception()) is not None:
+        log.warning("building an image failed: %s", e)

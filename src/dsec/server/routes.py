@@ -46,6 +46,7 @@ from ..models import (
 from ..trajectory_models import REPLAYED_HEADER, SEQ_HEADER
 from .audit import note
 from .auth import CallerDep, OperatorDep, authorize
+from .disconnect import GONE, gone_response, unless_gone
 
 log = logging.getLogger("dsec.server")
 
@@ -83,8 +84,12 @@ async def health(mgr: Mgr) -> Health:
 
 
 @api.post("/sandboxes", response_model=SandboxInfo, status_code=201)
-async def create_sandbox(body: CreateSandbox, mgr: Mgr, caller: CallerDep, request: Request) -> SandboxInfo:
-    info = await mgr.create(body, caller=caller)
+async def create_sandbox(body: CreateSandbox, mgr: Mgr, caller: CallerDep, request: Request) -> SandboxInfo | Response:
+    """Create a sandbox and answer once it runs. A caller that disconnects first cancels the creation
+    (out of the queue, or the half-made sandbox destroyed)."""
+    info = await unless_gone(request.receive, mgr.create(body, caller=caller), "POST /v1/sandboxes")
+    if info is GONE:
+        return gone_response()
     note(request.scope, sandbox=info.id)
     return info
 

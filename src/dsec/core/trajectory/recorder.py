@@ -169,9 +169,11 @@ class Trajectories:
         )  # fmt: skip
         try:
             await self.writer.write(TrajectoryStore.begin(row, first))
-        except Exception as e:
+        except BaseException as e:  # cancelled too (its caller went away): no sandbox the log may not know
             with contextlib.suppress(Exception):
                 await self.mgr.kill(info.id)
+            if not isinstance(e, Exception):
+                raise
             raise BackendError(f"the trajectory log could not record trajectory {tid!r}: {e}") from e
         self._bound[(caller.tenant, tid)] = _Bound(caller.tenant, tid, 1, info.id)
         return info.model_copy(update={"trajectory_length": 1})
