@@ -69,9 +69,11 @@ def create_body(
 async def post_create(transport: Transport, body: dict[str, Any], wait_for_capacity: float) -> SandboxInfo:
     """POST the creation; on 429, wait as the node says (with jitter) and retry until the budget is spent."""
     deadline = time.monotonic() + wait_for_capacity
+    # giving up on the answer cancels the creation in the daemon: wait out the queue it may wait in too
+    timeout = CREATE_TIMEOUT + float(body.get("queue_timeout") or 0)
     while True:
         try:
-            reply = await transport.request("POST", "/v1/sandboxes", json=body, timeout=CREATE_TIMEOUT)
+            reply = await transport.request("POST", "/v1/sandboxes", json=body, timeout=timeout)
             return SandboxInfo.model_validate_json(reply.content)
         except Overloaded as e:
             left = deadline - time.monotonic()
