@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import functools
 import logging
 import os
 import stat
@@ -64,7 +65,6 @@ _INIT_OUT = struct.Struct("<IIIIHHIIHHIIH22x")
 _STATFS = struct.Struct("<QQQQQIIII24x")
 _DIRENT = struct.Struct("<QQII")
 _FORGET_ONE = struct.Struct("<QQ")
-_U64 = struct.Struct("<Q")
 _U32 = struct.Struct("<I")
 
 
@@ -186,7 +186,7 @@ class FuseServer:
         elif opcode in (FORGET, BATCH_FORGET):
             pass  # inode numbers stay valid for the mount's life: a name always maps to the same file
         elif opcode == INTERRUPT:
-            self._interrupt(_U64.unpack_from(body)[0])
+            self._interrupt(unique)
         elif opcode == DESTROY:
             self._reply(unique)
             self._close()
@@ -197,7 +197,7 @@ class FuseServer:
         elif handler := self._handlers.get(opcode):
             task = asyncio.ensure_future(self._run(handler, unique, nodeid, bytes(body)))
             self._tasks[unique] = task
-            task.add_done_callback(lambda _t: self._tasks.pop(unique, None))
+            task.add_done_callback(functools.partial(self._finished, unique))
         else:
             self._error(unique, errno.ENOSYS)  # xattrs, access, locks, ioctl, ...: the kernel stops asking
 
@@ -242,9 +242,21 @@ class FuseServer:
         raise OSError(errno.EIO, "request timed out")
 
     def _interrupt(self, unique: int) -> None:
-        task = self._tasks.get(unique)
-        if task is not None and not task.done():
-            task.cancel()
+        """Decline interrupts: every request is answered in full (or failed at the deadline). A signal to
+        the reader (a shell's SIGCHLD mid page fault, QEMU's thread kicks) must not fail its read: EROFS
+        would turn that EINTR into an I/O error of the sandbox's file. ENOSYS tells the kernel to stop
+        sending interrupts; from then on only a fatal signal ends a wait, and only for a request we
+        have not read yet. (Cancelling the request's task instead lost requests: an INTERRUPT read in the
+        same drain as its READ cancelled the task before it ran, nothing answered, and the reader hung
+        in D state for good.)"""
+        self._error(unique, errno.ENOSYS)  # the INTERRUPT's own id: the kernel takes it as the answer to it
+
+    def _finished(self, unique: int, task: asyncio.Task[None]) -> None:
+        self._tasks.pop(unique, None)
+        if task.cancelled():
+            # cancelled before it ran (_run answers for itself once started): a request left without
+            # an answer holds its reader forever
+            self._error(unique, errno.EINTR)
 
     def _reply(self, unique: int, *payload: bytes | memoryview) -> None:
         size = _OUT_HEADER.size + sum(len(p) for p in payload)
