@@ -29,7 +29,6 @@ from pydantic import ValidationError
 from starlette.types import Receive, Scope, Send
 
 from ..models import Limits
-from ..server.disconnect import CLIENT_GONE, GONE, unless_gone
 from .gateway import Gateway
 from .nodes import Node
 from .placement import Demand
@@ -166,10 +165,8 @@ class E2BGateway:
 
     async def _create(self, scope: Scope, receive: Receive, send: Send) -> None:
         body = await read_body(receive)
-        placing = self.gw.place(scope, target(scope), body, _demand(body), via=self.client)
-        placed = await unless_gone(receive, placing, "gateway E2B create")
-        if placed is GONE:  # cancelled: its connection to the node closed, the node cancels in turn
-            await answer(send, CLIENT_GONE, b"", [])
+        placed = await self.gw.place_for(receive, send, scope, target(scope), body, _demand(body), via=self.client)
+        if placed is None:
             return
         reply, node = placed
         if reply.status < 300:

@@ -262,16 +262,25 @@ class Gateway:
         pinned: Node | None = None
         if req.trajectory:
             pinned, _ = await self.directory.trajectory(req.trajectory)
-        placing = self.place(scope, "/v1/sandboxes", body, Demand.of(req.limits), pinned=pinned)
-        placed = await unless_gone(receive, placing, "gateway create")
-        if placed is GONE:  # cancelled: its connection to the node closed, the node cancels in turn
-            await answer(send, CLIENT_GONE, b"", [])
+        placed = await self.place_for(receive, send, scope, "/v1/sandboxes", body, Demand.of(req.limits), pinned=pinned)
+        if placed is None:
             return
         reply, node = placed
         if reply.status < 300:
             self.directory.record_json(node, reply.content)
         await answer(send, reply.status, reply.content, reply.response_headers())
         self.maybe_prune()
+
+    async def place_for(
+        self, receive: Receive, send: Send, scope: Scope, path: str, body: bytes, demand: Demand, **how: Any
+    ) -> tuple[Reply, Node] | None:
+        """``place``, cancelled if the caller goes away first: its connection to the node then closes, and
+        the node cancels the creation in turn. None: the caller is gone (answered 499, for the audit)."""
+        placed = await unless_gone(receive, self.place(scope, path, body, demand, **how), f"gateway {path}")
+        if placed is GONE:
+            await answer(send, CLIENT_GONE, b"", [])
+            return None
+        return placed
 
     async def place(
         self,
