@@ -353,8 +353,8 @@ def main(n: int, calls: int, json_out: Path, state_dir: Path, repository: Path |
     load_before = os.getloadavg()
 
     async def run() -> Json:
-        # destroying a full pool's workers one by one takes longer than stop_daemon's default
         flags = repository_flags(repository)
+        # STOP_TIMEOUT: destroying a full pool's workers one by one takes longer than stop_daemon's default
         async with private_daemon(console, state_dir, flags, RUN_LABELS, STOP_TIMEOUT) as (proc, client):
             version = (await client.health()).version
             figures = await measure(console, client, n, calls, {"daemon": proc.pid, "bench": os.getpid()})

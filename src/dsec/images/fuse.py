@@ -211,8 +211,6 @@ class FuseServer:
                 await handler(unique, nodeid, memoryview(body))
         except OSError as e:
             self._error(unique, e.errno or errno.EIO)
-        except asyncio.CancelledError:
-            self._error(unique, errno.EINTR)
         except Exception:
             log.exception("FUSE request %d failed", unique)
             self._error(unique, errno.EIO)  # a bug must not leave the reader waiting forever
@@ -254,8 +252,8 @@ class FuseServer:
     def _finished(self, unique: int, task: asyncio.Task[None]) -> None:
         self._tasks.pop(unique, None)
         if task.cancelled():
-            # cancelled before it ran (_run answers for itself once started): a request left without
-            # an answer holds its reader forever
+            # by stop(), before or while it ran (a task cancelled before its first step never enters
+            # _run's handlers): a request left without an answer holds its reader forever
             self._error(unique, errno.EINTR)
 
     def _reply(self, unique: int, *payload: bytes | memoryview) -> None:
