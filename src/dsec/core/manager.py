@@ -17,8 +17,6 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from ..errors import BackendError, DsecError, InvalidRequest, InvalidState, SandboxGone, SandboxNotFound
-from ..grade_models import GradeRequest, GradeResult
-from ..images.canary import call_canaries
 from ..images.store import ImageRef, ImageStore
 from ..isolation.network.host import NetworkHost
 from ..isolation.network.options import NetworkOptions
@@ -33,12 +31,9 @@ from ..models import (
     ExecResult,
     ForkRequest,
     ForkResult,
-    GcResult,
-    ImageInfo,
     NetworkSpec,
     NetworkStatus,
     SandboxInfo,
-    SnapshotRequest,
     State,
 )
 from ..store.audit import AuditLog
@@ -51,6 +46,7 @@ from .admission import Admission, AdmissionOptions, Claim
 from .builds import Builder
 from .fileops import FileActions
 from .grading import Grader
+from .imageops import ImageActions
 from .metrics import NodeMetrics
 from .oneshot import Runner
 from .processes import ProcessTable
@@ -70,7 +66,7 @@ def _host_memory() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-class SandboxManager(FileActions):
+class SandboxManager(FileActions, ImageActions):
     def __init__(
         self,
         state_dir: Path,
@@ -517,57 +513,6 @@ class SandboxManager(FileActions):
     async def network_status(self, sandbox_id: str, *, caller: Caller = OPERATOR) -> NetworkStatus:
         rec, backend = self._running(sandbox_id, caller)
         return await backend.network_status(rec)
-
-    # ---- images ------------------------------------------------------------------------------------
-
-    def images_in_use(self) -> set[str]:
-        used = {r.image_digest for r in self._live.values() if r.image_digest}
-        for backend in self.backends.values():
-            used |= backend.images_in_use()
-        return used
-
-    async def snapshot(self, sandbox_id: str, req: SnapshotRequest, *, caller: Caller = OPERATOR) -> ImageInfo:
-        """pack_diff: freeze the sandbox, pack its writable layer, thaw it, publish a new image version.
-
-        Only the freeze-and-pack part holds the sandbox still; uploading happens after it runs again.
-        Allowed in: running.
-        """
-        rec, backend = self._running(sandbox_id, caller)
-        name = await self.images.check_free(req.name, caller)
-        rules = self.images.scrub.plus(req.scrub, defaults=req.scrub_defaults)
-        parent = await self.images.resolve(rec.image)
-        if rec.image_digest and parent.digest != rec.image_digest:
-            raise InvalidState(f"image {rec.image} now names another version than sandbox {rec.id} runs on")
-        async with self._lock(rec.id):
-            rec, backend = self._running(sandbox_id)
-            done = self._packing[rec.id] = asyncio.Event()
-            try:
-                async with backend.frozen_upper(rec) as upper:
-                    staged = await self.images.pack(upper, rules)
-            finally:
-                done.set()
-                self._packing.pop(rec.id, None)
-        log.info("sandbox %s packed in %.1f ms (%d entries)", rec.id, staged.seconds * 1000, staged.scan.entries)
-        with call_canaries(req.canaries):  # every layer of the new version is searched for them
-            return await self.images.publish_diff(
-                staged,
-                name=name,
-                parent=parent,
-                source_sandbox=rec.id,
-                description=req.description,
-                owner=caller.owner,
-            )
-
-    async def grade(self, sandbox_id: str, req: GradeRequest, *, caller: Caller = OPERATOR) -> GradeResult:
-        """Run ``req.cmd`` in a fresh sibling of the candidate's pristine image against a read-only copy
-        of its ``req.paths`` (core/grading.py). Allowed in: running; the candidate is only read from."""
-        return await self.grader.grade(sandbox_id, req, caller=caller)
-
-    async def remove_image(self, name: str, *, caller: Caller = OPERATOR) -> None:
-        await self.images.remove(name, self.images_in_use(), caller)
-
-    async def gc_images(self) -> GcResult:
-        return await self.images.gc(self.images_in_use())
 
     def list(
         self, labels: dict[str, str] | None = None, include_finished: bool = False, *, caller: Caller = OPERATOR

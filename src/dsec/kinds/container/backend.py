@@ -27,23 +27,24 @@ import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
-from ...errors import BackendError, DsecError, InvalidRequest, SandboxGone
+from ...errors import BackendError, DsecError, SandboxGone
 from ...images.store import ImageRef
 from ...isolation import cgroups, seccomp, users
 from ...isolation.idmap import idmapped_bind, make_userns
 from ...isolation.mounts import MS_NODEV, MS_NOSUID, is_mountpoint, mount, umount
 from ...isolation.network.host import Attached
 from ...isolation.network.policy import NetworkSpec
-from ...isolation.rootpath import RootFS, clean_path
-from ...models import ExecRequest, ExecResult, FileEntry
+from ...isolation.rootpath import RootFS
+from ...models import ExecRequest, ExecResult
 from ...proc import run
 from ...store.records import SandboxRecord
-from ..base import MAX_FILE_READ, BackendContext, OutputCallback
+from ..base import BackendContext, OutputCallback
 from ..execio import ExecIO
 from ..network import PolicyNetwork
 from . import agent, spec
 from .agent import AgentChannel
 from .execution import ExecPlan, run_via_agent, run_via_runtime
+from .files import ContainerFiles
 from .rootfs import mount_rootfs, unmount_rootfs
 
 log = logging.getLogger("dsec.container")
@@ -71,7 +72,7 @@ def _repair_host_devices() -> list[str]:
     return notes
 
 
-class ContainerBackend(PolicyNetwork):
+class ContainerBackend(ContainerFiles, PolicyNetwork):
     kind = "container"
 
     def __init__(self, ctx: BackendContext) -> None:
@@ -465,24 +466,6 @@ class ContainerBackend(PolicyNetwork):
             self._channels[rec.id] = chan
             return chan
 
-    # ---- files -------------------------------------------------------------------------------------
-
-    def _fs(self, rec: SandboxRecord, path: str = "/") -> tuple[RootFS, str]:
-        """The file API's view of ``path``: the overlay root, or for a function worker's /tmp (bound
-        from beside the writable layer, which the overlay does not show) that directory."""
-        base = rec.runtime.get("uid_base")
-        account = rec.runtime.get("user")
-        uid, gid = (int(account[0]), int(account[1])) if isinstance(account, list) else (0, 0)
-        if isinstance(base, int):
-            owner: tuple[int, int] | None = (base + uid, base + gid)
-        else:
-            owner = (uid, gid) if uid or gid else None
-        clean = clean_path(path)
-        if rec.runtime.get("worker") and (clean == "tmp" or clean.startswith("tmp/")):
-            scratch = self._bundle(rec) / "disk" / "tmp"
-            return RootFS(str(scratch), owner=owner), "/" + clean.removeprefix("tmp").lstrip("/")
-        return RootFS(str(self._bundle(rec) / "rootfs"), owner=owner), path
-
     async def pause(self, rec: SandboxRecord) -> None:
         await self._runtime_call(rec, "pause")
 
@@ -557,63 +540,3 @@ class ContainerBackend(PolicyNetwork):
                 os.close(fd)
         finally:
             self.uid_slots.release(base)
-
-    async def read_file(self, rec: SandboxRecord, path: str) -> bytes:
-        fs, path = self._fs(rec, path)
-        return await asyncio.to_thread(fs.read, path, MAX_FILE_READ)
-
-    async def write_file(self, rec: SandboxRecord, path: str, data: bytes, mode: int = 0o644) -> None:
-        fs, path = self._fs(rec, path)
-        await asyncio.to_thread(fs.write, path, data, mode)
-
-    async def list_dir(self, rec: SandboxRecord, path: str) -> list[FileEntry]:
-        fs, path = self._fs(rec, path)
-        return await asyncio.to_thread(fs.list, path)
-
-    async def remove(self, rec: SandboxRecord, path: str, recursive: bool = False) -> None:
-        fs, path = self._fs(rec, path)
-        await asyncio.to_thread(fs.remove, path, recursive)
-
-    async def mkdir(self, rec: SandboxRecord, path: str) -> None:
-        fs, path = self._fs(rec, path)
-        await asyncio.to_thread(fs.mkdir, path)
-
-    async def stat(self, rec: SandboxRecord, path: str) -> FileEntry:
-        fs, inner = self._fs(rec, path)
-        entry = await asyncio.to_thread(fs.stat, inner)
-        return entry.model_copy(update={"path": "/" + clean_path(path).lstrip(".")})
-
-    async def rename(self, rec: SandboxRecord, source: str, destination: str) -> None:
-        src_fs, src = self._fs(rec, source)
-        dst_fs, dst = self._fs(rec, destination)
-        if src_fs.root != dst_fs.root:
-            # a function worker's /tmp is a directory of its own beside the overlay
-            raise InvalidRequest(f"cannot move {source} to {destination}: they are on different file systems")
-        await asyncio.to_thread(src_fs.rename, src, dst)
-
-    # Archives are packed and unpacked by the helper busybox inside the sandbox's own namespaces, so
-    # whatever a hostile archive names (absolute paths, .., links, devices) stays inside the sandbox.
-    async def upload_tar(self, rec: SandboxRecord, path: str, data: bytes) -> None:
-        target = "/" + clean_path(path).lstrip(".")
-        bb = f"{spec.HELPER_MOUNT}/busybox"
-        script = f'{bb} mkdir -p "$1" && exec {bb} tar -x -o -f - -C "$1"'
-        plan = ExecPlan(argv=[bb, "sh", "-c", script, "untar", target], stdin=data, timeout=600, limit=1 << 16)
-        res = await self._run(rec, plan)
-        if res.exit_code != 0:
-            raise InvalidRequest(f"cannot unpack the archive into {path}: {res.stderr.strip()[-500:]}")
-
-    async def download_tar(self, rec: SandboxRecord, path: str) -> bytes:
-        target = "/" + clean_path(path).lstrip(".")
-        bb = f"{spec.HELPER_MOUNT}/busybox"
-        plan = ExecPlan(
-            argv=[bb, "tar", "-c", "-f", "-", "-C", target, "."],
-            stdin=None,
-            timeout=600,
-            limit=1 << 16,
-            raw=bytearray(),
-        )
-        res = await self._run(rec, plan)
-        if res.exit_code != 0:
-            raise InvalidRequest(f"cannot archive {path}: {res.stderr.strip()[-500:]}")
-        assert plan.raw is not None
-        return bytes(plan.raw)
