@@ -131,14 +131,18 @@ static void park(void) {
     parked = 1;
 }
 
-static void child(const char *cwd, char **argv, char **envp, int fds[4], int as_user, uint32_t uid, uint32_t gid) {
+static void child(const char *cwd, char **argv, char **envp, int fds[4], int joined, int as_user, uint32_t uid,
+                  uint32_t gid) {
     sigset_t none;
     sigemptyset(&none);
     sigprocmask(SIG_SETMASK, &none, NULL);
     signal(SIGPIPE, SIG_DFL);
     setsid();
-    if (write(fds[3], "0", 1) != 1) {
-        dprintf(fds[2], "dsec: cannot enter the exec's cgroup: %s\n", strerror(errno));
+    int in_group = write(fds[3], "0", 1) == 1;
+    int join_err = errno;
+    close(joined); /* the agent reports the start only now (see serve_one) */
+    if (!in_group) {
+        dprintf(fds[2], "dsec: cannot enter the exec's cgroup: %s\n", strerror(join_err));
         _exit(125);
     }
     if (dup2(fds[0], 0) < 0 || dup2(fds[1], 1) < 0 || dup2(fds[2], 2) < 0) _exit(125);
@@ -235,8 +239,27 @@ static int serve_one(void) {
     if (!ok) {
         reply('F', id, EINVAL);
     } else {
-        pid_t pid = fork();
-        if (pid == 0) child(cwd, argv, envp, fds, as_user, uid, gid);
+        /* 'S' goes out only once the child is in the exec's cgroup: a signal sent to the group as soon
+         * as the daemon knows the pid (a kill right after the start) must reach the command. The
+         * child closes its end of this pipe when it has joined (or died trying). */
+        int joined[2];
+        pid_t pid = -1;
+        if (pipe2(joined, O_CLOEXEC) == 0) {
+            pid = fork();
+            if (pid == 0) {
+                close(joined[0]);
+                child(cwd, argv, envp, fds, joined[1], as_user, uid, gid);
+            }
+            int err = errno;
+            close(joined[1]);
+            if (pid > 0) {
+                char c;
+                while (read(joined[0], &c, 1) < 0 && errno == EINTR) {
+                }
+            }
+            close(joined[0]);
+            errno = err;
+        }
         if (pid < 0) reply('F', id, errno);
         else {
             track(pid, id);
