@@ -154,6 +154,15 @@ class BackendError(DsecError, RuntimeError):
     http_status = 500
 
 
+class KindUnavailable(BackendError):
+    """A kind's probe found a named prerequisite missing on this node (no QEMU binary, not root, no OCI
+    runtime, ...): the node runs without that kind. Anything else a kind's start raises is a bug, and the
+    daemon does not start."""
+
+    code = "kind_unavailable"
+    http_status = 501
+
+
 class BuildFailed(BackendError):
     """An image build step exited non-zero, or produced a layer that may not be published."""
 
@@ -206,6 +215,7 @@ ERRORS_BY_CODE: dict[str, type[DsecError]] = {
         SandboxTimeout,
         DaemonUnreachable,
         BackendError,
+        KindUnavailable,
         BuildFailed,
         ResidueFound,
         TrajectoryDiverged,

@@ -50,6 +50,11 @@ class NodeStatus(BaseModel):
     node: str = Field(description="The node's name (--node-name, default the host name).")
     version: str
     kinds: list[str] = Field(description="The kinds this node runs.")
+    unavailable: dict[str, str] = Field(
+        default_factory=dict,
+        description="Kinds this node cannot run, each with the prerequisite its probe found missing "
+        "(in a cluster: the kinds no node runs, with one node's reason).",
+    )
     capacity: Resources = Field(description="What the node has for sandboxes (host figures minus the reserve).")
     ratios: Ratios
     allocatable: Resources = Field(description="capacity x ratios: the sum of requests the node admits.")

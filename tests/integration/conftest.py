@@ -85,6 +85,15 @@ def layer_bytes(digest: str) -> bytes:
     return asyncio.run(read())
 
 
+def require_kind(client: dsec.Client, kind: str) -> None:
+    """Skip only where the node's probe found a named prerequisite of ``kind`` missing (no QEMU binary,
+    say): the reason is the node's. Any other failure to create a sandbox of the kind is a failure, and
+    under CI (tests/conftest.py) even this skip is one."""
+    why = client.node().unavailable.get(kind)
+    if why is not None:
+        pytest.skip(f"the {kind} kind is unavailable on this node: {why}")
+
+
 def release_node(state_dir: Path) -> None:
     """What a daemon leaves running on purpose (the layer fetcher, layer mounts) so its sandboxes survive
     a restart: stopped here, after the test is done with the node."""

@@ -13,7 +13,7 @@ import pytest
 
 import dsec
 
-from .conftest import Daemon
+from .conftest import Daemon, require_kind
 
 e2b = pytest.importorskip("e2b")
 from e2b import Sandbox, SandboxQuery  # noqa: E402
@@ -36,12 +36,8 @@ WAYS: dict[str, dict[str, Any]] = {
 def test_the_same_script_on_every_kind(kind: str, daemon: Daemon, e2b_env: dict[str, str]) -> None:
     way = WAYS[kind]
     meta = {**way.get("metadata", {}), "dsec-test": f"kinds-{kind}"}
-    try:
-        box = Sandbox.create(timeout=600, template=way.get("template"), metadata=meta)
-    except SandboxException as e:
-        if "is not available on this node" in str(e):
-            pytest.skip(f"{kind}: {e}")
-        raise
+    require_kind(daemon.client(), kind)
+    box = Sandbox.create(timeout=600, template=way.get("template"), metadata=meta)
     try:
         assert dsec.Sandbox.connect(box.sandbox_id, client=daemon.client()).info().kind == kind
         res = box.commands.run("echo $((6 * 7)); echo warn >&2")

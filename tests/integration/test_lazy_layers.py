@@ -42,10 +42,24 @@ def _missing() -> str | None:
         return "no /dev/fuse"
     if not shutil.which("mkfs.erofs"):
         return "no mkfs.erofs (erofs-utils)"
-    with open("/proc/filesystems") as f:
-        if "erofs" not in f.read():
-            return "no EROFS in this kernel"
+    if not _has_erofs():
+        return "no EROFS in this kernel (neither built in nor loadable with modprobe erofs)"
     return None
+
+
+def _has_erofs() -> bool:
+    """EROFS built in, or a module the kernel loads on the first mount (a freshly booted Debian 12 has
+    not loaded it yet, so /proc/filesystems alone would skip the module's tests): load it now."""
+
+    def listed() -> bool:
+        with open("/proc/filesystems") as f:
+            return any(line.split()[-1] == "erofs" for line in f if line.strip())
+
+    if listed():
+        return True
+    if shutil.which("modprobe"):
+        subprocess.run(["modprobe", "-q", "erofs"], check=False, timeout=30)
+    return listed()
 
 
 pytestmark = pytest.mark.skipif(_missing() is not None, reason=_missing() or "")

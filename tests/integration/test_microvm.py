@@ -12,15 +12,13 @@ import pytest
 
 import dsec
 
-from .conftest import Daemon, qemu_pid
+from .conftest import Daemon, qemu_pid, require_kind
 
 
 @pytest.fixture(scope="module")
 def vm(daemon: Daemon) -> Iterator[dsec.Sandbox]:
-    try:
-        sb = dsec.Sandbox.create(image="dsec/busybox", kind="microvm", client=daemon.client(), memory="256Mi")
-    except dsec.InvalidRequest as e:
-        pytest.skip(f"microvm: {e}")
+    require_kind(daemon.client(), "microvm")
+    sb = dsec.Sandbox.create(image="dsec/busybox", kind="microvm", client=daemon.client(), memory="256Mi")
     yield sb
     sb.kill()
 
@@ -56,10 +54,8 @@ def test_console_flood_is_capped(vm: dsec.Sandbox, daemon: Daemon) -> None:
 
 def test_killing_qemu_from_outside_fails_the_sandbox(daemon: Daemon) -> None:
     client = daemon.client()
-    try:
-        sb = dsec.Sandbox.create(image="dsec/busybox", kind="microvm", client=client, memory="256Mi")
-    except dsec.InvalidRequest as e:
-        pytest.skip(f"microvm: {e}")
+    require_kind(client, "microvm")
+    sb = dsec.Sandbox.create(image="dsec/busybox", kind="microvm", client=client, memory="256Mi")
     try:
         os.kill(qemu_pid(sb.id), signal.SIGKILL)
         time.sleep(0.5)
@@ -73,10 +69,8 @@ def test_killing_qemu_from_outside_fails_the_sandbox(daemon: Daemon) -> None:
 
 def test_restored_vms_start_fast_with_their_own_clock_and_randomness(daemon: Daemon) -> None:
     client = daemon.client()
-    try:
-        first = dsec.Sandbox.create(image="dsec/busybox", kind="microvm", client=client, memory="192Mi")
-    except dsec.InvalidRequest as e:
-        pytest.skip(f"microvm: {e}")
+    require_kind(client, "microvm")
+    first = dsec.Sandbox.create(image="dsec/busybox", kind="microvm", client=client, memory="192Mi")
     first.kill()
     # the first VM of this shape boots; a template is saved in the background for the next ones
     restored: list[dsec.Sandbox] = []

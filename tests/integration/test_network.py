@@ -26,7 +26,7 @@ import pytest
 import dsec
 from dsec.isolation.network import addresses, nft
 
-from .conftest import Daemon, release_node, shut_down, start_daemon
+from .conftest import Daemon, release_node, require_kind, shut_down, start_daemon
 
 X = 100 + os.getpid() % 100
 Y = 8 * (os.getpid() % 32)
@@ -422,12 +422,8 @@ def test_create_latency(make: Callable[..., dsec.Sandbox]) -> None:
 
 
 def _vm(netd: Daemon, kind: str, image: str, **kwargs: object) -> dsec.Sandbox:
-    try:
-        return dsec.Sandbox.create(image=image, kind=kind, client=netd.client(), timeout=900, **kwargs)
-    except dsec.InvalidRequest as e:
-        if "not available on this node" in str(e):
-            pytest.skip(f"{kind}: {e}")
-        raise
+    require_kind(netd.client(), kind)
+    return dsec.Sandbox.create(image=image, kind=kind, client=netd.client(), timeout=900, **kwargs)
 
 
 def test_microvm_policies_on_its_tap(netd: Daemon, host_listener: int) -> None:

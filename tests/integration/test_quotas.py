@@ -14,7 +14,7 @@ import pytest
 
 import dsec
 
-from .conftest import Daemon
+from .conftest import Daemon, require_kind
 
 KINDS = ["container", "microvm", "vm"]
 DISK = "64Mi"
@@ -26,19 +26,17 @@ BB = "/.dsec/busybox"
 @pytest.fixture(scope="module", params=KINDS)
 def box(request: pytest.FixtureRequest, daemon: Daemon) -> Iterator[dsec.Sandbox]:
     kind = request.param
-    try:
-        sb = dsec.Sandbox.create(
-            image="dsec/busybox",
-            kind=kind,
-            client=daemon.client(),
-            memory="256Mi",
-            disk=DISK,
-            nofile=NOFILE,
-            file_size=FILE_SIZE,
-            timeout=1800,
-        )
-    except dsec.InvalidRequest as e:
-        pytest.skip(f"{kind}: {e}")
+    require_kind(daemon.client(), kind)
+    sb = dsec.Sandbox.create(
+        image="dsec/busybox",
+        kind=kind,
+        client=daemon.client(),
+        memory="256Mi",
+        disk=DISK,
+        nofile=NOFILE,
+        file_size=FILE_SIZE,
+        timeout=1800,
+    )
     yield sb
     sb.kill()
 

@@ -21,7 +21,7 @@ import pytest
 
 import dsec
 
-from .conftest import Daemon, shut_down, start_daemon
+from .conftest import Daemon, require_kind, shut_down, start_daemon
 
 TRAINER = Path(__file__).with_name("trainer.py")
 SEED = int(os.environ.get("DSEC_TEST_SEED", str(random.randrange(1 << 30))))
@@ -119,8 +119,7 @@ def test_a_microvm_trainer_resumes_the_same_way(daemon: Daemon, tmp: Path) -> No
     """Under TCG a VM costs seconds a step for git and python: the microvm runs the light profile's shell
     steps (appends, a move, file writes and reads). The uninterrupted run is checked against the same
     steps in a container too: what the trainer sees does not depend on the kind."""
-    if "microvm" not in daemon.client().health().kinds:
-        pytest.skip("the microvm kind is not available on this node")
+    require_kind(daemon.client(), "microvm")
     run_trainer(daemon, "it/microvm/straight", "microvm", tmp / "straight.jsonl", profile="light")
     run_trainer(daemon, "it/microvm/reference", "container", tmp / "reference.jsonl", profile="light")
     straight, reference = lines(tmp / "straight.jsonl"), lines(tmp / "reference.jsonl")

@@ -12,7 +12,7 @@ import pytest
 import dsec
 from dsec.images.buildspec import ImageSpec
 
-from .conftest import Daemon
+from .conftest import Daemon, require_kind
 
 # systemd learns devices from udev: without it, units bound to a device (the console's getty) wait 90 s
 SYSTEMD = ImageSpec("dsec/debian:12").apt("systemd-sysv", "udev")
@@ -39,11 +39,9 @@ def vm(daemon: Daemon) -> Iterator[dsec.Sandbox]:
     if not _resolves("deb.debian.org"):
         pytest.skip("no route to the Debian archive to build a systemd image")
     image = client.build(SYSTEMD, f"test/systemd-vm:{secrets.token_hex(4)}").image.name  # cached after one build
+    require_kind(client, "vm")
     started = time.monotonic()
-    try:
-        sb = dsec.Sandbox.create(image=image, kind="vm", client=client, memory="512Mi", timeout=1800)
-    except dsec.InvalidRequest as e:
-        pytest.skip(f"vm: {e}")
+    sb = dsec.Sandbox.create(image=image, kind="vm", client=client, memory="512Mi", timeout=1800)
     print(f"\n[dsec] vm with systemd: created in {time.monotonic() - started:.1f}s")
     yield sb
     sb.kill()

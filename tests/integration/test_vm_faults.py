@@ -14,14 +14,12 @@ import pytest
 import dsec
 from dsec.kinds.microvm import snapshots
 
-from .conftest import Daemon, shut_down, start_daemon
+from .conftest import Daemon, require_kind, shut_down, start_daemon
 
 
 def _vm(client: dsec.Client) -> dsec.Sandbox:
-    try:
-        return dsec.Sandbox.create(image="dsec/busybox", kind="microvm", client=client, memory="192Mi")
-    except dsec.InvalidRequest as e:
-        pytest.skip(f"microvm: {e}")
+    require_kind(client, "microvm")
+    return dsec.Sandbox.create(image="dsec/busybox", kind="microvm", client=client, memory="192Mi")
 
 
 def test_a_guest_that_stops_answering_is_killed(daemon: Daemon) -> None:

@@ -10,15 +10,13 @@ import pytest
 
 import dsec
 
-from .conftest import Daemon
+from .conftest import Daemon, require_kind
 
 
 @pytest.fixture(scope="module")
 def parent(daemon: Daemon) -> Iterator[dsec.Sandbox]:
-    try:
-        sb = dsec.Sandbox.create(image="dsec/busybox", kind="microvm", client=daemon.client(), memory="192Mi")
-    except dsec.InvalidRequest as e:
-        pytest.skip(f"microvm: {e}")
+    require_kind(daemon.client(), "microvm")
+    sb = dsec.Sandbox.create(image="dsec/busybox", kind="microvm", client=daemon.client(), memory="192Mi")
     yield sb
     sb.kill()
 
@@ -90,10 +88,8 @@ def test_fork_of_a_paused_machine_and_of_a_container(parent: dsec.Sandbox, daemo
 
 
 def test_a_full_vm_forks_and_pauses_too(daemon: Daemon) -> None:
-    try:
-        vm = dsec.Sandbox.create(image="dsec/busybox", kind="vm", client=daemon.client(), memory="256Mi")
-    except dsec.InvalidRequest as e:
-        pytest.skip(f"vm: {e}")
+    require_kind(daemon.client(), "vm")
+    vm = dsec.Sandbox.create(image="dsec/busybox", kind="vm", client=daemon.client(), memory="256Mi")
     try:
         vm.exec("echo from-parent > /root/mark")
         vm.pause()

@@ -15,7 +15,7 @@ import pytest
 import dsec
 from dsec.kinds.microvm import jail
 
-from .conftest import Daemon, qemu_pid
+from .conftest import Daemon, qemu_pid, require_kind
 
 
 @dataclass
@@ -41,10 +41,8 @@ def _arg(pid: int, flag: str) -> str:
 
 @pytest.fixture(scope="module")
 def vm(daemon: Daemon) -> Iterator[VM]:
-    try:
-        sb = dsec.Sandbox.create(image="dsec/busybox", kind="microvm", client=daemon.client(), memory="256Mi")
-    except dsec.InvalidRequest as e:
-        pytest.skip(f"microvm: {e}")
+    require_kind(daemon.client(), "microvm")
+    sb = dsec.Sandbox.create(image="dsec/busybox", kind="microvm", client=daemon.client(), memory="256Mi")
     try:
         bundle = daemon.state_dir / "vms" / sb.id
         yield VM(sb, qemu_pid(sb.id), bundle, jail.key(sb.id, bundle))

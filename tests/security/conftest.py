@@ -1,7 +1,7 @@
 """The red-team suite: hostile workloads in an attacker sandbox while a neighbour keeps a heartbeat.
 
-Every case runs once per kind (container, microvm, vm; a kind the node cannot run is skipped with the
-daemon's stated reason) against one daemon for the whole session. Each case asserts
+Every case runs once per kind (container, microvm, vm; a kind whose prerequisite the node's probe found
+missing is skipped with that reason, never under CI) against one daemon for the whole session. Each case asserts
 (a) the safe outcome, observed from the host or the platform (not only the attacker's own word), and
 (b) that the neighbour stayed responsive.
 
@@ -52,7 +52,7 @@ import pytest
 
 import dsec
 
-from ..integration.conftest import SKIP, shut_down, start_daemon
+from ..integration.conftest import SKIP, require_kind, shut_down, start_daemon
 from ..integration.conftest import Daemon as Daemon
 
 KINDS = ("container", "function", "microvm", "vm")
@@ -119,13 +119,9 @@ def kind(request: pytest.FixtureRequest) -> str:
 
 
 def create(daemon: Daemon, kind: str, image: str = "dsec/busybox", **kwargs: Any) -> dsec.Sandbox:
-    """A sandbox of ``kind``, or a skip carrying the daemon's reason when this node cannot run it."""
-    try:
-        return dsec.Sandbox.create(image=image, kind=kind, client=daemon.client(), timeout=1800, **kwargs)
-    except dsec.InvalidRequest as e:
-        if "not available on this node" in str(e):
-            pytest.skip(f"{kind}: {e}")
-        raise
+    """A sandbox of ``kind``, or a skip carrying the node's probed reason when it cannot run the kind."""
+    require_kind(daemon.client(), kind)
+    return dsec.Sandbox.create(image=image, kind=kind, client=daemon.client(), timeout=1800, **kwargs)
 
 
 @pytest.fixture(scope="session")

@@ -11,17 +11,20 @@ import pytest
 
 from dsec.core import manager as manager_module
 from dsec.core.manager import KEEP_FINISHED_S, SandboxManager
+from dsec.core.node import node_status
 from dsec.errors import (
     BackendError,
     FileNotFoundInSandbox,
     ImageNotFound,
     InvalidRequest,
     InvalidState,
+    KindUnavailable,
     SandboxGone,
     SandboxNotFound,
 )
 from dsec.models import CreateSandbox, ExecRequest, Limits, State
 from dsec.store.records import SandboxRecord
+from dsec.tenancy import OPERATOR
 
 from .conftest import IMAGE
 from .fakes import FakeBackend
@@ -426,7 +429,7 @@ async def test_an_optional_kind_that_cannot_start_is_reported_not_fatal(
             pass
 
         async def start(self) -> list[str]:
-            raise BackendError("qemu-system-x86_64 is not installed")
+            raise KindUnavailable("qemu-system-x86_64 is not installed")
 
     monkeypatch.setattr(manager_module.registry, "load", lambda kind, ctx: Broken(ctx))
     await mgr.start()
@@ -434,5 +437,29 @@ async def test_an_optional_kind_that_cannot_start_is_reported_not_fatal(
         assert "microvm" in mgr.unavailable and "microvm" not in mgr.backends
         with pytest.raises(InvalidRequest, match="not available on this node: qemu"):
             await mgr.create(req(kind="microvm"))
+        assert node_status(mgr, OPERATOR).unavailable == {"microvm": "qemu-system-x86_64 is not installed"}
     finally:
         await mgr.close()
+
+
+@pytest.mark.parametrize("failure", [TypeError("start() got an unexpected keyword"), BackendError("probe failed")])
+async def test_a_kind_that_fails_to_start_for_no_named_reason_stops_the_daemon(
+    fresh: tuple[SandboxManager, FakeBackend], monkeypatch: pytest.MonkeyPatch, failure: Exception
+) -> None:
+    """Only a probed, named prerequisite makes a kind unavailable; any other failure is a bug that a
+    node quietly running without the kind (and a suite skipping it) would hide."""
+    mgr, _ = fresh
+    mgr.kinds = ["container", "microvm"]
+
+    class Broken:
+        def __init__(self, ctx: object) -> None:
+            pass
+
+        async def start(self) -> list[str]:
+            raise failure
+
+    monkeypatch.setattr(manager_module.registry, "load", lambda kind, ctx: Broken(ctx))
+    with pytest.raises(type(failure)):
+        await mgr.start()
+    await mgr.close()
+    assert mgr.unavailable == {}

@@ -47,10 +47,13 @@ def node_total(name: str, statuses: Sequence[NodeStatus], top: int = 0) -> NodeS
                 )
             )
     used: list[SandboxUsage] = sorted((u for s in statuses for u in s.top), key=lambda u: -u.cpu_used)
+    kinds = sorted({k for s in statuses for k in s.kinds})
+    missing = {k: why for s in statuses for k, why in s.unavailable.items() if k not in kinds}
     return NodeStatus(
         node=name,
         version=__version__,
-        kinds=sorted({k for s in statuses for k in s.kinds}),
+        kinds=kinds,
+        unavailable=dict(sorted(missing.items())),
         capacity=capacity,
         ratios=Ratios(
             cpu=round(allocatable.cpu / capacity.cpu, 6) if capacity.cpu else 0.0,

@@ -16,7 +16,15 @@ from collections.abc import Awaitable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
-from ..errors import BackendError, DsecError, InvalidRequest, InvalidState, SandboxGone, SandboxNotFound
+from ..errors import (
+    BackendError,
+    DsecError,
+    InvalidRequest,
+    InvalidState,
+    KindUnavailable,
+    SandboxGone,
+    SandboxNotFound,
+)
 from ..images.store import ImageRef, ImageStore
 from ..isolation.network.host import NetworkHost
 from ..isolation.network.options import NetworkOptions
@@ -134,13 +142,13 @@ class SandboxManager(FileActions, ImageActions):
             try:
                 backend = registry.load(kind, self.ctx)
                 self.notes += await backend.start()
-            except Exception as e:
+            except KindUnavailable as e:
                 if kind == "container":
                     raise
-                # an optional kind this node cannot run (no QEMU, say) must not stop the others
-                why = e.message if isinstance(e, DsecError) else f"{type(e).__name__}: {e}"
-                self.unavailable[kind] = why
-                self.notes.append(f"{kind} kind unavailable: {why}")
+                # a named prerequisite of an optional kind is missing (no QEMU, say): the others go on.
+                # Anything else is a bug and stops the daemon: a kind quietly gone would hide it.
+                self.unavailable[kind] = e.message
+                self.notes.append(f"{kind} kind unavailable: {e.message}")
                 continue
             self.backends[kind] = backend
         await self.readopt()

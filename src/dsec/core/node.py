@@ -49,6 +49,7 @@ def node_status(mgr: SandboxManager, caller: Caller, top: int = 0) -> NodeStatus
         node=mgr.node_name,
         version=__version__,
         kinds=sorted(mgr.backends),
+        unavailable=dict(sorted(mgr.unavailable.items())),
         capacity=adm.capacity,
         ratios=adm.ratios,
         allocatable=adm.allocatable,

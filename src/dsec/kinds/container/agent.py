@@ -17,7 +17,7 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-from ...errors import BackendError, SandboxGone
+from ...errors import BackendError, KindUnavailable, SandboxGone
 
 log = logging.getLogger("dsec.container.agent")
 
@@ -30,7 +30,8 @@ _libc.syscall.restype = ctypes.c_long
 
 
 def build(dest_dir: Path) -> Path:
-    """Compile the agent statically (once per source version); raises BackendError without a C compiler."""
+    """Compile the agent statically (once per source version). KindUnavailable without a C compiler;
+    BackendError when the compiler fails (a bug, never a reason to run without the agent)."""
     source = SOURCE.read_bytes()
     digest = hashlib.sha256(source).hexdigest()
     target = dest_dir / "agent"
@@ -39,7 +40,7 @@ def build(dest_dir: Path) -> Path:
         return target
     cc = shutil.which("cc") or shutil.which("gcc")
     if cc is None:
-        raise BackendError("no C compiler to build dsec's sandbox agent (apt-get install gcc libc6-dev)")
+        raise KindUnavailable("no C compiler to build dsec's sandbox agent (apt-get install gcc libc6-dev)")
     tmp = dest_dir / "agent.tmp"
     res = subprocess.run(
         [cc, "-O2", "-static", "-Wall", "-o", str(tmp), str(SOURCE)], capture_output=True, text=True, check=False

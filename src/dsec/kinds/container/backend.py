@@ -27,7 +27,7 @@ import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
-from ...errors import BackendError, DsecError, SandboxGone
+from ...errors import BackendError, DsecError, KindUnavailable, SandboxGone
 from ...images.store import ImageRef
 from ...isolation import cgroups, seccomp, users
 from ...isolation.idmap import idmapped_bind, make_userns
@@ -98,9 +98,9 @@ class ContainerBackend(ContainerFiles, PolicyNetwork):
 
     async def start(self) -> list[str]:
         if os.geteuid() != 0:
-            raise BackendError("the container kind needs root (namespaces, cgroups, overlay mounts)")
+            raise KindUnavailable("the container kind needs root (namespaces, cgroups, overlay mounts)")
         if not self.runtime:
-            raise BackendError("no OCI runtime found: install crun (apt-get install crun) or runc")
+            raise KindUnavailable("no OCI runtime found: install crun (apt-get install crun) or runc")
         self.layout = cgroups.detect()
         notes = cgroups.prepare_host(self.layout)
         notes += _repair_host_devices()
@@ -113,7 +113,7 @@ class ContainerBackend(ContainerFiles, PolicyNetwork):
         await asyncio.to_thread(self._install_helpers)
         try:
             await asyncio.to_thread(agent.build, self.helper_dir)
-        except BackendError as e:
+        except KindUnavailable as e:
             # Sandboxes still work without the agent, through the runtime's exec (~10 ms slower per exec).
             self.agent_error = str(e)
             notes.append(f"container kind: no sandbox agent ({e}); execs use {self.runtime_name} exec")

@@ -22,7 +22,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Hashable
 from dataclasses import dataclass
 from pathlib import Path
 
-from ...errors import DsecError, InvalidRequest, SandboxGone
+from ...errors import InvalidRequest, KindUnavailable, SandboxGone
 from ...images.store import ImageRef
 from ...isolation.network.policy import NetworkSpec, describe
 from ...models import ExecRequest, ExecResult, FileEntry, Limits, NetworkStatus, State
@@ -75,7 +75,7 @@ class FunctionBackend(Backend):
         notes = await self.containers.start()
         if self.containers.agent_error is not None:
             # reset and verification go through the agent, which must outlive its users
-            raise DsecError(f"the function kind needs the container sandbox agent: {self.containers.agent_error}")
+            raise KindUnavailable(f"the function kind needs the container sandbox agent: {self.containers.agent_error}")
         self._shrinker = asyncio.create_task(self._shrink_forever())
         cfg = self.pools.default
         return [

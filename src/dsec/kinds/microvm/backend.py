@@ -24,7 +24,7 @@ from collections.abc import AsyncIterator, Coroutine
 from pathlib import Path
 from typing import Any, ClassVar
 
-from ...errors import BackendError, DsecError, InvalidRequest, SandboxGone
+from ...errors import BackendError, DsecError, InvalidRequest, KindUnavailable, SandboxGone
 from ...images.store import ImageRef
 from ...isolation import users
 from ...isolation.network import addresses
@@ -103,7 +103,7 @@ class MicroVMBackend(PolicyNetwork):
 
     async def start(self) -> list[str]:
         if shutil.which(qemu.QEMU) is None:
-            raise BackendError(f"{qemu.QEMU} is not installed (apt-get install qemu-system-x86)")
+            raise KindUnavailable(f"{qemu.QEMU} is not installed (apt-get install qemu-system-x86)")
         self.vm_dir.mkdir(parents=True, exist_ok=True)
         # templates saved by an older dsec sat directly in vm-templates/, before they went per kind
         for old in await asyncio.to_thread(lambda: list(self.templates.parent.glob("?" * 32))):
