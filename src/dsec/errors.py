@@ -100,6 +100,13 @@ class TenantExists(DsecError, FileExistsError):
     http_status = 409
 
 
+class IdempotencyConflict(InvalidState):
+    """A request carried the Idempotency-Key of an earlier one that it cannot be answered for: another
+    request's key, or one whose answer was cut off or too large to keep (it is never run twice)."""
+
+    code = "idempotency_conflict"
+
+
 class ImageInUse(InvalidState):
     """The image is used by a live sandbox or is the parent of a kept image."""
 
@@ -205,6 +212,7 @@ ERRORS_BY_CODE: dict[str, type[DsecError]] = {
         ImageNotFound,
         ImageExists,
         ImageInUse,
+        IdempotencyConflict,
         TenantExists,
         FileNotFoundInSandbox,
         InvalidState,

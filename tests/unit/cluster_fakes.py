@@ -21,7 +21,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from dsec.cluster.gateway import Gateway
 from dsec.cluster.nodes import NodeSet
-from dsec.cluster.runner import server
+from dsec.cluster.runner import node_api, server
 from dsec.models import CreateSandbox, ExecRequest, Limits, SandboxInfo, State
 from dsec.node_models import BatchCreate, BatchEvent, NodeStatus, Ratios, Resources
 
@@ -265,7 +265,7 @@ async def start(free: dict[str, float], *, interval: float = 0.05, misses: int =
     for f in fakes:
         nodes.add(f.url)
     gateway = Gateway(nodes, TOKEN)
-    srv = server(gateway, "127.0.0.1", 0)
+    srv = server(node_api(gateway), "127.0.0.1", 0)
     task = asyncio.create_task(srv.serve())
     while not srv.started:  # noqa: ASYNC110
         await asyncio.sleep(0.01)

@@ -291,3 +291,26 @@ async def test_nodes_with_one_name_are_told_apart() -> None:
         assert [f.creates for f in h.fakes] == [2, 2]
     finally:
         await h.close()
+
+
+async def test_a_repeated_creation_is_answered_again_not_placed_again(cluster: Harness) -> None:
+    """The gateway remembers Idempotency-Keys: the SDK's repeat of a creation whose answer was lost must
+    not make a second sandbox (perhaps on another node); a refusal (429) is not remembered."""
+    body = CreateSandbox(image="dsec/busybox").model_dump(mode="json")
+    headers = {**AUTH, "idempotency-key": "create-1"}
+    async with httpx.AsyncClient(base_url=cluster.url, timeout=10) as http:
+        first = await http.post("/v1/sandboxes", json=body, headers=headers)
+        again = await http.post("/v1/sandboxes", json=body, headers=headers)
+        assert first.status_code == again.status_code == 201 and first.json()["id"] == again.json()["id"]
+        assert again.headers["idempotent-replayed"] == "true"
+        assert sum(f.creates for f in cluster.fakes) == 1
+        for f in cluster.fakes:
+            f.full = True
+        await cluster.gateway.nodes.check_all()
+        refused = await http.post("/v1/sandboxes", json=body, headers={**AUTH, "idempotency-key": "create-2"})
+        assert refused.status_code == 429
+        for f in cluster.fakes:
+            f.full = False
+        await cluster.gateway.nodes.check_all()
+        later = await http.post("/v1/sandboxes", json=body, headers={**AUTH, "idempotency-key": "create-2"})
+        assert later.status_code == 201 and "idempotent-replayed" not in later.headers

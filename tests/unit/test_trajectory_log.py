@@ -49,6 +49,7 @@ from dsec.models import TERMINAL_STATES, ExecRequest, ExecResult, FileEntry, Net
 from dsec.sdk.aio import AsyncClient, AsyncSandbox
 from dsec.sdk.trajectory import PAGE as SDK_PAGE
 from dsec.sdk.trajectory import canonical_params
+from dsec.sdk.transport import RETRIES
 from dsec.store.records import SandboxRecord
 from dsec.store.trajectories import TRAJECTORIES, CallRow, TrajectoryRow, TrajectoryStore
 from dsec.trajectory_models import RECORDED_AT, REPLAYED_HEADER, SEQ_HEADER, RecordedCall, call_digest
@@ -920,21 +921,26 @@ async def test_a_closed_trajectory_resumes_as_stopped_after_its_record_is_reaped
 
 
 class LosesAnswers(httpx.AsyncBaseTransport):
-    """Between the SDK and the app: ``lose`` drops the answer of the next request to a path after the app
-    handled it (the connection broke on the way back); ``refuse`` fails the next one before it is sent."""
+    """Between the SDK and the app: ``lose`` drops the answers of the next requests to a path after the app
+    handled them (the connection broke on the way back): by default as many as the SDK's transport sends
+    one call (its first try and its retries with the same Idempotency-Key), so the call fails to the
+    trajectory layer above it; ``refuse`` fails the next one before it is sent."""
 
     def __init__(self, inner: httpx.AsyncBaseTransport) -> None:
         self.inner = inner
-        self.lose: set[str] = set()
+        self.lose: dict[str, int] = {}
         self.refuse: set[str] = set()
+
+    def lose_next(self, path: str, times: int = RETRIES + 1) -> None:
+        self.lose[path] = times
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         if request.url.path in self.refuse:
             self.refuse.discard(request.url.path)
             raise httpx.ConnectError("connection refused", request=request)
         response = await self.inner.handle_async_request(request)
-        if request.url.path in self.lose:
-            self.lose.discard(request.url.path)
+        if self.lose.get(request.url.path):
+            self.lose[request.url.path] -= 1
             await response.aclose()
             raise httpx.ReadError("connection reset by peer", request=request)
         return response
@@ -949,7 +955,7 @@ async def test_a_call_whose_answer_was_lost_is_sent_again_and_answered_from_the_
     sb = await client.create(image=IMAGE, trajectory=tid)
     exec_url, files_url = f"/v1/sandboxes/{sb.id}/exec", f"/v1/sandboxes/{sb.id}/files"
 
-    flaky.lose.add(exec_url)
+    flaky.lose_next(exec_url)
     result = await sb.exec(["echo", "once"])  # ran, answer lost, sent again: the log answers
     assert result.stdout == "echo once\n" and result.replayed
     assert [r.argv() for r in d.backend.execs] == [["echo", "once"]]
@@ -959,7 +965,7 @@ async def test_a_call_whose_answer_was_lost_is_sent_again_and_answered_from_the_
     assert not result.replayed
     assert [r.argv() for r in d.backend.execs] == [["echo", "once"], ["echo", "twice"]]
 
-    flaky.lose.add(files_url)
+    flaky.lose_next(files_url)
     with pytest.raises(FileNotFoundInSandbox) as info:
         await sb.files.read("/missing")  # its answer, an error, lost: the retry gets the recorded error
     assert info.value.detail[RECORDED_AT] == 3
@@ -968,6 +974,22 @@ async def test_a_call_whose_answer_was_lost_is_sent_again_and_answered_from_the_
     assert [(c.seq, c.op, c.status) for c in d.calls(tid)] == [
         (0, "create", "done"), (1, "exec", "done"), (2, "exec", "done"), (3, "read", "error"),
     ]  # fmt: skip
+
+
+async def test_a_lost_answer_is_first_asked_again_with_the_same_idempotency_key(daemon: Daemon) -> None:
+    """One lost answer: the transport sends the call again with its key, and the daemon's memory answers
+    it (the answer of the run that happened, not one from the log): it ran once."""
+    d, tid = daemon, "t/retry-key"
+    client = await d.client()
+    flaky = LosesAnswers(httpx.ASGITransport(app=d.app))
+    await client._transport.http.aclose()
+    client._transport.http = httpx.AsyncClient(transport=flaky, base_url=BASE, headers=AUTH)
+    sb = await client.create(image=IMAGE, trajectory=tid)
+    flaky.lose_next(f"/v1/sandboxes/{sb.id}/exec", times=1)
+    result = await sb.exec(["echo", "once"])
+    assert result.stdout == "echo once\n" and not result.replayed
+    assert [r.argv() for r in d.backend.execs] == [["echo", "once"]]
+    assert [(c.seq, c.op, c.status) for c in d.calls(tid)] == [(0, "create", "done"), (1, "exec", "done")]
 
 
 async def test_two_clients_at_one_position_run_the_call_once(daemon: Daemon) -> None:

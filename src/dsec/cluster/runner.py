@@ -36,11 +36,11 @@ def listen_address(listen: str) -> tuple[str, int]:
     return url.hostname, url.port
 
 
-def server(gateway: Gateway, host: str, port: int, log_level: str = "warning") -> Any:
-    """A uvicorn server for the gateway (uvloop and httptools when installed, as the daemon)."""
+def server(app: Any, host: str, port: int, log_level: str = "warning") -> Any:
+    """A uvicorn server for the gateway's app (uvloop and httptools when installed, as the daemon)."""
     import uvicorn
 
-    return uvicorn.Server(_config(gateway, host, port, log_level))
+    return uvicorn.Server(_config(app, host, port, log_level))
 
 
 def _config(app: Any, host: str, port: int, log_level: str) -> Any:
@@ -58,6 +58,15 @@ def _config(app: Any, host: str, port: int, log_level: str) -> Any:
     )
 
 
+def node_api(gateway: Gateway) -> Any:
+    """The gateway as served: it remembers Idempotency-Keys itself, so a repeated creation whose answer
+    was lost is answered again instead of being placed a second time (perhaps on another node)."""
+    from ..server.errors import error_response
+    from ..server.idempotency import Idempotency
+
+    return Idempotency(gateway, error=error_response)
+
+
 def servers(
     gateway: Gateway, listen: str, e2b_listen: str | None, log_level: str = "warning"
 ) -> tuple[Any, list[Any] | None]:
@@ -65,19 +74,23 @@ def servers(
     own and the E2B API's (cluster/e2b.py), one server for both as in the daemon."""
     import uvicorn
 
+    from ..e2b.errors import plain_error
     from ..server.app import ByListener
+    from ..server.idempotency import Idempotency
     from .e2b import E2BGateway
 
     host, port = listen_address(listen)
+    api = node_api(gateway)
     if e2b_listen is None:
-        return server(gateway, host, port, log_level), None
+        return server(api, host, port, log_level), None
     e2b_host, e2b_port = listen_address(e2b_listen)
     sockets = [_config(gateway, host, port, log_level).bind_socket()]
     sockets.append(_config(gateway, e2b_host, e2b_port, log_level).bind_socket())
     for sock in sockets:
         sock.set_inheritable(False)  # uvicorn makes them inheritable for its workers; none here
     actual = sockets[1].getsockname()[1]
-    app = ByListener(gateway, E2BGateway(gateway), actual)
+    e2b_api = Idempotency(E2BGateway(gateway), error=lambda status, _code, message: plain_error(status, message))
+    app = ByListener(api, e2b_api, actual)
     log.info("E2B-compatible API of the cluster on http://%s:%d", e2b_host, actual)
     return uvicorn.Server(_config(app, host, port, log_level)), sockets
 

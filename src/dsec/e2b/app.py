@@ -16,6 +16,7 @@ from .. import __version__
 from ..core.manager import SandboxManager
 from ..errors import DsecError, validation_message
 from ..server.audit import AuditMiddleware
+from ..server.idempotency import Idempotency
 from ..server.limits import BodyLimit
 
 # the services register their routes on envd.router as they are imported
@@ -62,5 +63,6 @@ def create_e2b_app(manager: SandboxManager, options: E2BOptions, state_dir: Path
         include_in_schema=False,
     )
     app.add_middleware(BodyLimit)
+    app.add_middleware(Idempotency, error=lambda status, _code, message: plain_error(status, message))
     app.add_middleware(AuditMiddleware, prefix="", unaudited=("/health",), label="e2b ")
     return app

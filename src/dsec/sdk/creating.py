@@ -2,8 +2,9 @@
 
 A node that has no capacity answers 429 (``Overloaded``) with Retry-After once a creation has waited
 its queue deadline. The SDK waits as told and asks again, up to ``wait_for_capacity`` seconds in all,
-so trainers need no rate limiter of their own; each retry is a fresh request, and nothing is left
-behind by the refused ones (the node creates nothing it has not admitted).
+so trainers need no rate limiter of their own; nothing is left behind by the refused ones (the node
+creates nothing it has not admitted), and every retry carries the same Idempotency-Key: a creation
+whose answer was lost is answered again, not made twice.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from typing import Any
 from ..errors import DsecError, InvalidRequest, Overloaded, error_from_wire, validation_message
 from ..models import CreateSandbox, Limits, NetworkAllow, NetworkSpec, SandboxInfo
 from ..node_models import BatchCreate, BatchEvent
-from .transport import Transport
+from .transport import Transport, new_key
 
 log = logging.getLogger("dsec.sdk")
 
@@ -71,9 +72,10 @@ async def post_create(transport: Transport, body: dict[str, Any], wait_for_capac
     deadline = time.monotonic() + wait_for_capacity
     # giving up on the answer cancels the creation in the daemon: wait out the queue it may wait in too
     timeout = CREATE_TIMEOUT + float(body.get("queue_timeout") or 0)
+    key = new_key()  # one creation, however many times it is asked for: never two sandboxes
     while True:
         try:
-            reply = await transport.request("POST", "/v1/sandboxes", json=body, timeout=timeout)
+            reply = await transport.request("POST", "/v1/sandboxes", json=body, timeout=timeout, idempotency_key=key)
             return SandboxInfo.model_validate_json(reply.content)
         except Overloaded as e:
             left = deadline - time.monotonic()

@@ -27,6 +27,8 @@ from ..isolation.network.options import NetworkOptions
 from ..store.audit import DEFAULT_KEEP_DAYS, DEFAULT_MAX_RECORDS, AuditLog
 from . import errors, node_routes, routes, run_routes, tenant_routes, trajectory_routes
 from .audit import AuditMiddleware
+from .errors import error_response
+from .idempotency import Idempotency
 from .limits import BodyLimit
 
 if TYPE_CHECKING:
@@ -79,7 +81,8 @@ def create_app(manager: SandboxManager, token: str) -> FastAPI:
     app.include_router(run_routes.router)
     app.include_router(trajectory_routes.router)
     app.add_middleware(BodyLimit)
-    app.add_middleware(AuditMiddleware)  # added last: outside the body limit, so its 413s are audited too
+    app.add_middleware(Idempotency, error=error_response)  # outside the body limit: its 413s are answers too
+    app.add_middleware(AuditMiddleware)  # added last: outside the others, so their answers are audited too
     return app
 
 
