@@ -4,10 +4,16 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import subprocess
 import sys
+import tempfile
+from pathlib import Path
 
 import dsec
+
+from .conftest import IMAGES_DIR, release_node
+from .test_daemon_shutdown import mounts_under, processes_of
 
 
 def test_demo_rewards_exactly_the_right_candidates(daemon: object) -> None:
@@ -36,3 +42,29 @@ def test_python_in_the_default_image(make_sandbox: object) -> None:
     res = sb.exec(["python3", "-c", "import sys, json; print(json.dumps(sys.version_info[:2]))"])
     assert res.exit_code == 0 and res.stdout.strip() == "[3, 11]"
     assert sb.exec("bash -c 'echo $BASH_VERSION' && git --version").exit_code == 0
+
+
+def test_the_demo_on_a_daemon_of_its_own_leaves_no_process_and_no_mount() -> None:
+    """What `make demo` does on a machine with no daemon: starts one, runs, stops it; nothing of dsec may
+    stay running after it (the layer fetcher used to). The state dir shares the suite's layer repository,
+    so dsec/debian:12 is not built again."""
+    state = Path(tempfile.mkdtemp(prefix="dsec-demo-"))  # under /tmp: sandboxes' users traverse its parents
+    (state / "images").mkdir()
+    (state / "images" / "repository").symlink_to(IMAGES_DIR / "repository")
+    env = {k: v for k, v in os.environ.items() if k not in ("DSEC_URL", "DSEC_TOKEN")}
+    env["COLUMNS"] = "120"
+    try:
+        res = subprocess.run(
+            [sys.executable, "-m", "dsec", "demo", "--n", "2", "--concurrency", "2", "--state-dir", str(state)],
+            capture_output=True,
+            text=True,
+            timeout=900,
+            env=env,
+        )
+        assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+        assert re.search(r"sandboxes left behind\s*│\s*0 ", res.stdout), res.stdout
+        assert processes_of(state) == []
+        assert mounts_under(state) == []
+    finally:
+        release_node(state)
+        shutil.rmtree(state, ignore_errors=True)

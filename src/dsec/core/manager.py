@@ -26,6 +26,7 @@ from ..errors import (
     SandboxNotFound,
 )
 from ..images.store import ImageRef, ImageStore
+from ..isolation.mounts import unmount_under
 from ..isolation.network.host import NetworkHost
 from ..isolation.network.options import NetworkOptions
 from ..kinds import registry
@@ -179,6 +180,14 @@ class SandboxManager(FileActions, ImageActions):
                 await self.ctx.net.close()
             except Exception:
                 log.exception("closing the network side failed")
+        survivors = sum(1 for r in self._live.values() if r.state not in TERMINAL_STATES)
+        try:
+            for note in await self.images.close(survivors):
+                log.info("%s", note)
+            if not survivors:  # what the kinds mounted for their sandboxes (helpers, say) has no user left
+                await asyncio.to_thread(unmount_under, self.state_dir)
+        except (DsecError, OSError) as e:
+            log.error("releasing the node's mounts: %s", e)
         await self.trajectories.close()
         await self.audit.close()
         self.tenants.close()

@@ -146,6 +146,18 @@ class NodeLayers:
         else:
             os.rename(blob, final)
 
+    async def detach_all(self) -> int:
+        """Detach every layer mount (the daemon stops and no sandbox uses them); local copies stay."""
+        detached = 0
+        for d in list(self.mnt.iterdir()):
+            if await asyncio.to_thread(is_mountpoint, d):
+                await asyncio.to_thread(umount, d, lazy=True)
+                detached += 1
+            with contextlib.suppress(OSError):
+                d.rmdir()
+        self._mounted.clear()
+        return detached
+
     async def unmount_unused(self, keep: set[str]) -> int:
         """Detach layer mounts not in ``keep`` and drop their local copies (gc)."""
         dropped = 0

@@ -138,6 +138,24 @@ class ImageStore:
             await self.layers.start(fetcher_restarted=restarted)
         return notes
 
+    async def close(self, survivors: int) -> list[str]:
+        """The daemon stops. With no sandbox left running nothing of the image side stays behind: the
+        layer mounts are detached and the fetcher stopped. Sandboxes that outlive the daemon (the next
+        one adopts them) keep both, and the note says so."""
+        if not self.mount:
+            return []
+        if survivors:
+            pid = self.fetcher.pid if self.fetcher is not None else None
+            serving = f"the layer fetcher (pid {pid}) and " if pid is not None else ""
+            return [
+                f"{serving}the layer mounts stay for {survivors} sandbox(es) that outlive this daemon "
+                "(the next daemon on this state directory adopts them)"
+            ]
+        detached = await self.layers.detach_all()
+        if self.fetcher is not None:
+            await self.fetcher.stop()
+        return [f"no sandbox left running: {detached} layer mount(s) detached, layer fetcher stopped"]
+
     # ---- resolving ---------------------------------------------------------------------------------
 
     async def _check_fetcher(self) -> None:
