@@ -104,3 +104,20 @@ def test_image_commands(daemon: object, tmp_path: Path) -> None:
     assert missing.returncode == 2 and "image_not_found" in missing.stderr
     bad = dsec_cli("image", "import", str(tmp_path / "nothing.tar"), "test/x:1")
     assert bad.returncode == 2 and "nothing to import" in bad.stderr
+
+
+def test_names_and_ids_are_whole_in_a_narrow_terminal_and_in_a_pipe(daemon: object) -> None:
+    """A table shrinks its other columns, never a name or an id (`dsec image ls` showed `dsec/busyb…`)."""
+    sb = dsec.Sandbox.create(image="dsec/busybox", labels={"cli": "narrow"})
+    try:
+        for columns in ("30", "80"):  # a narrow terminal; a pipe (rich's 80 columns)
+            env = {**os.environ, "COLUMNS": columns}
+            images = dsec_cli("image", "ls", env=env)
+            assert images.returncode == 0, images.stderr
+            assert "dsec/busybox" in images.stdout and "dsec/debian:12" in images.stdout, images.stdout
+            ps = dsec_cli("ps", "--label", "cli=narrow", env=env)
+            assert sb.id in ps.stdout and "dsec/busybox" in ps.stdout, ps.stdout
+            row = next(line for line in ps.stdout.splitlines() if sb.id in line)
+            assert "dsec/busybox:latest" in row, row  # whole on the sandbox's own line
+    finally:
+        sb.kill()

@@ -44,6 +44,17 @@ def test_memory_bomb_is_oom_killed_and_reported(make_sandbox: Callable[..., dsec
     assert bomb.exec("echo alive").stdout == "alive\n"  # the sandbox itself survives its step
 
 
+def test_a_child_killed_by_the_oom_killer_under_a_shell_is_reported(make_sandbox: Callable[..., dsec.Sandbox]) -> None:
+    """The README's case: a string command runs under /bin/sh -c, the shell waits for python, the OOM
+    killer kills python and the shell exits 137. Before, only a command that itself died of SIGKILL was
+    checked against the OOM counter, so this read oom_killed=False on cgroup v1 and v2 alike."""
+    sb = make_sandbox(image="dsec/debian:12", memory="64Mi")
+    res = sb.exec("python3 -c 'x = bytearray(200 << 20)'; exit $?", timeout=60)
+    assert res.exit_code == 137 and res.signal is None and res.oom_killed, res
+    calm = sb.exec("sh -c 'exit 137'")  # the same code without an OOM kill is not one
+    assert calm.exit_code == 137 and not calm.oom_killed
+
+
 def test_fork_bomb_is_contained(make_sandbox: Callable[..., dsec.Sandbox]) -> None:
     bomb = make_sandbox(pids=64)
     neighbour = make_sandbox()

@@ -11,7 +11,7 @@ import typer
 from rich.table import Table
 
 from ..errors import DsecError
-from .common import TokenOpt, UrlOpt, console, err
+from .common import TokenOpt, UrlOpt, console, err, ident, show
 from .common import fail as _fail
 
 cluster_app = typer.Typer(help="Scale out: a node daemon per Ray node behind one gateway.", no_args_is_help=True)
@@ -171,7 +171,9 @@ def status(
     if as_json:
         console.print_json(json.dumps(st.model_dump(mode="json")))
         return
-    table = Table("node", "health", "url", "cpu free/alloc", "memory free/alloc", "sandboxes", "queued", "why")
+    table = Table(
+        ident("node"), "health", ident("url"), "cpu free/alloc", "memory free/alloc", "sandboxes", "queued", "why"
+    )
     colour = {"healthy": "green", "suspect": "yellow", "lost": "red"}
     for n in st.nodes:
         s = n.status
@@ -180,7 +182,7 @@ def status(
         live = sum(c for states in s.sandboxes.values() for c in states.values()) if s else n.routed
         health = f"[{colour.get(n.health, 'white')}]{n.health}[/]"
         table.add_row(n.name, health, n.url, cpu, mem, str(live), str(s.queued if s else "-"), n.reason or "")
-    console.print(table)
+    show(table)
     if st.total is not None:
         t = st.total
         console.print(

@@ -12,7 +12,7 @@ from rich.table import Table
 from ..errors import DsecError, InvalidRequest
 from ..models import ImageInfo
 from ..units import format_size
-from .common import TokenOpt, UrlOpt, client, console, fail
+from .common import TokenOpt, UrlOpt, client, console, fail, ident, show
 
 image_app = typer.Typer(help="Images: layered, versioned, lazily fetched.", no_args_is_help=True)
 
@@ -24,7 +24,7 @@ def _short(digest: str | None) -> str:
 
 
 def _table(items: list[ImageInfo]) -> Table:
-    table = Table("NAME", "VERSION", "LAYERS", "SIZE", "CREATED", "DESCRIPTION")
+    table = Table(ident("NAME"), ident("VERSION"), "LAYERS", "SIZE", "CREATED", "DESCRIPTION")
     for i in items:
         created = i.created_at.strftime("%Y-%m-%d %H:%M") if i.created_at else "-"
         if not i.ready:
@@ -45,7 +45,7 @@ def ls(url: UrlOpt = None, token: TokenOpt = None, as_json: JsonOpt = False) -> 
     if as_json:
         console.print_json(data=[i.model_dump(mode="json") for i in items])
     else:
-        console.print(_table(items))
+        show(_table(items))
 
 
 @image_app.command("inspect")
@@ -68,7 +68,7 @@ def history(name: str, url: UrlOpt = None, token: TokenOpt = None, as_json: Json
     if as_json:
         console.print_json(data=[i.model_dump(mode="json") for i in items])
         return
-    table = Table("VERSION", "PUBLISHED AS", "LAYERS", "SIZE", "FROM SANDBOX", "SCRUBBED")
+    table = Table(ident("VERSION"), ident("PUBLISHED AS"), "LAYERS", "SIZE", ident("FROM SANDBOX"), "SCRUBBED")
     for i in items:
         table.add_row(
             _short(i.digest),
@@ -78,7 +78,7 @@ def history(name: str, url: UrlOpt = None, token: TokenOpt = None, as_json: Json
             i.source_sandbox or "-",
             str(len(i.scrubbed)),
         )
-    console.print(table)
+    show(table)
 
 
 @image_app.command("stats")
@@ -97,7 +97,7 @@ def stats(name: str, url: UrlOpt = None, token: TokenOpt = None, as_json: JsonOp
         f"({s.exposed_fraction:.1%} exposed, {s.mode}); chunk hit rate {rate}; "
         f"{s.fetch_wait_seconds:.2f}s waiting on fetches"
     )
-    table = Table("LAYER", "SIZE", "FETCHED", "READ", "HITS", "MISSES", "WAIT", "ERRORS")
+    table = Table(ident("LAYER"), "SIZE", "FETCHED", "READ", "HITS", "MISSES", "WAIT", "ERRORS")
     for layer in s.layers:
         table.add_row(
             _short(layer.digest),
@@ -109,7 +109,7 @@ def stats(name: str, url: UrlOpt = None, token: TokenOpt = None, as_json: JsonOp
             f"{layer.fetch_wait_seconds:.2f}s",
             str(layer.errors),
         )
-    console.print(table)
+    show(table)
 
 
 @image_app.command("rm")
@@ -187,7 +187,7 @@ def build(
             result = c.build(Path(target), name, args=args, secrets=secrets)
     except DsecError as e:
         fail(e)
-    table = Table("STEP", "LAYER", "CACHED", "SECONDS", "SIZE", "SCRUBBED")
+    table = Table("STEP", ident("LAYER"), "CACHED", "SECONDS", "SIZE", "SCRUBBED")
     for step in result.steps:
         layer = step.layer
         table.add_row(
@@ -198,7 +198,7 @@ def build(
             format_size(layer.size) if layer else "-",
             str(len(step.scrubbed)),
         )
-    console.print(table)
+    show(table)
     console.print(_table([result.image]))
 
 

@@ -10,13 +10,13 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.table import Column, Table
+from rich.table import Table
 
 from .. import __version__
 from ..errors import DsecError, InvalidRequest
 from .bench import bench_app
 from .cluster import cluster_app
-from .common import TokenOpt, UrlOpt, console, err
+from .common import TokenOpt, UrlOpt, console, err, ident, show
 from .common import client as _client
 from .common import fail as _fail
 from .image import image_app
@@ -316,8 +316,7 @@ def ps(
     if as_json:
         console.print_json(json.dumps([i.model_dump(mode="json") for i in items]))
         return
-    table = Table("KIND", "IMAGE", "STATE", "CREATED", "EXPIRES", "LABELS", "REASON")
-    table.columns.insert(0, Column("ID", no_wrap=True, min_width=15))
+    table = Table(ident("ID"), "KIND", ident("IMAGE"), "STATE", "CREATED", "EXPIRES", "LABELS", "REASON")
     for i in items:
         table.add_row(
             i.id,
@@ -329,15 +328,15 @@ def ps(
             ",".join(f"{k}={v}" for k, v in i.labels.items()),
             i.reason or "",
         )
-    console.print(table)
+    show(table)
     try:
         pools = _client(url, token).pools()
     except DsecError:
         pools = []
     if pools:
         ptable = Table(
-            "FUNCTION POOL",
-            "TENANT",
+            ident("FUNCTION POOL"),
+            ident("TENANT"),
             "WORKERS",
             "IDLE",
             "LENT",
@@ -370,7 +369,7 @@ def ps(
                     )
                 ),
             )
-        console.print(ptable)
+        show(ptable)
 
 
 @app.command("exec")
@@ -475,10 +474,10 @@ def images(
     except DsecError as e:
         _fail(e)
         return
-    table = Table("NAME", "READY", "SIZE", "DESCRIPTION")
+    table = Table(ident("NAME"), "READY", "SIZE", "DESCRIPTION")
     for i in items:
         table.add_row(i.name, "yes" if i.ready else "no (built on first use)", format_size(i.size), i.description)
-    console.print(table)
+    show(table)
 
 
 @app.command()

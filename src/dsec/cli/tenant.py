@@ -10,7 +10,7 @@ import typer
 from rich.table import Table
 
 from ..errors import DsecError
-from .common import TokenOpt, UrlOpt, console, err
+from .common import TokenOpt, UrlOpt, console, err, ident, show
 from .common import client as _client
 from .common import fail as _fail
 
@@ -51,11 +51,11 @@ def ls(
     if as_json:
         console.print_json(json.dumps([t.model_dump(mode="json") for t in items]))
         return
-    table = Table("NAME", "CREATED", "SANDBOXES", "STATE")
+    table = Table(ident("NAME"), "CREATED", "SANDBOXES", "STATE")
     for t in items:
         state = "operator" if t.operator else ("removed " + t.revoked_at.isoformat() if t.revoked_at else "active")
         table.add_row(t.name, t.created_at.strftime("%Y-%m-%d %H:%M:%S"), str(t.sandboxes), state)
-    console.print(table)
+    show(table)
 
 
 @tenant_app.command("rm")
@@ -130,7 +130,7 @@ def audit(
         for r in records:
             print(r.model_dump_json())
         return
-    table = Table("TIME", "TENANT", "METHOD", "ROUTE", "SANDBOX", "STATUS", "MS", "COMMAND")
+    table = Table("TIME", ident("TENANT"), "METHOD", "ROUTE", ident("SANDBOX"), "STATUS", "MS", "COMMAND")
     for r in records:
         table.add_row(
             r.time.strftime("%Y-%m-%d %H:%M:%S.%f")[:-3],
@@ -142,4 +142,4 @@ def audit(
             f"{r.duration_ms:.1f}",
             r.command or "",
         )
-    console.print(table)
+    show(table)

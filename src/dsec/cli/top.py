@@ -68,7 +68,10 @@ def render(s: NodeStatus) -> Group:
         f"cpu <= 5% of request: {idle}"
     )
     top = Table(title="busiest sandboxes (yours)", title_justify="left")
-    for col in ("id", "kind", "owner", "state", "cpu used/req", "memory used/req/limit", "age"):
+    top.add_column("id", no_wrap=True)  # ids are never cut (dsec top redraws to the terminal's width)
+    top.add_column("kind")
+    top.add_column("owner", no_wrap=True)
+    for col in ("state", "cpu used/req", "memory used/req/limit", "age"):
         top.add_column(col)
     for u in s.top:
         ratio = u.cpu_used / u.cpu_request if u.cpu_request else 0.0

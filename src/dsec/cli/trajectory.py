@@ -12,9 +12,10 @@ from rich.table import Table
 
 from ..errors import DsecError
 from ..trajectory_models import RecordedCall
-from .common import TokenOpt, UrlOpt, console
+from .common import TokenOpt, UrlOpt, ident
 from .common import client as _client
 from .common import fail as _fail
+from .common import show as show_table
 
 trajectory_app = typer.Typer(
     help="Trajectories: the durable log of every call a trainer made to its sandbox.", no_args_is_help=True
@@ -36,7 +37,7 @@ def ls(
     except DsecError as e:
         _fail(e)
         return
-    table = Table("ID", "CALLS", "SANDBOX", "KIND", "IMAGE", "REBUILDS", "CLOSED", "UPDATED")
+    table = Table(ident("ID"), "CALLS", ident("SANDBOX"), "KIND", ident("IMAGE"), "REBUILDS", "CLOSED", "UPDATED")
     for t in found:
         table.add_row(
             t.id,
@@ -48,7 +49,7 @@ def ls(
             "yes" if t.closed else "",
             t.updated_at.strftime("%Y-%m-%d %H:%M:%S"),
         )
-    console.print(table)
+    show_table(table)
 
 
 @trajectory_app.command("show")
@@ -68,7 +69,7 @@ def show(trajectory_id: IdArg, url: UrlOpt = None, token: TokenOpt = None) -> No
     except DsecError as e:
         _fail(e)
         return
-    console.print(table)
+    show_table(table)
 
 
 @trajectory_app.command("export")

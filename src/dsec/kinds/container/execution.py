@@ -305,9 +305,12 @@ def _prlimit(pid: int, limits: tuple[int, int]) -> None:
 
 
 def _oom_killed(layout: cgroups.CgroupLayout, cg_path: str, before: int, status: int) -> bool:
-    # the OOM killer's signal is SIGKILL: only then is the counter worth reading again
+    """The OOM killer's signal is SIGKILL: only when the command died of it, or exited 137 as a shell
+    does when the child it waited for died of it (``sh -c "python3 ..."``), is the sandbox's counter
+    worth reading again (v2's memory.events or v1's memory.oom_control)."""
     killed = os.WIFSIGNALED(status) and os.WTERMSIG(status) == 9
-    return killed and layout.oom_kills(cg_path) > before
+    shell_reported = os.WIFEXITED(status) and os.WEXITSTATUS(status) == 128 + 9
+    return (killed or shell_reported) and layout.oom_kills(cg_path) > before
 
 
 def _close(fd: int) -> None:
