@@ -1,7 +1,8 @@
 """What a VM boots: a Debian kernel, an initramfs dsec builds, and a read-only helper disk.
 
-- The kernel and its modules come from Debian's ``linux-image-*-cloud-amd64-unsigned`` package
-  (downloaded once with ``apt-get download`` and unpacked, never installed on the host).
+- The kernel and its modules come from Debian's ``linux-image-*-cloud-amd64-unsigned`` package of the
+  pinned series (``KERNEL_SERIES``, or ``DSEC_GUEST_KERNEL``), downloaded once with ``apt-get
+  download`` and unpacked, never installed on the host.
 - The initramfs holds busybox, ``/init`` and the few modules the guest needs (virtio transports,
   block, console, rng; EROFS; overlayfs), dependencies resolved from each module's own modinfo.
 - The helper disk is an EROFS image of the guest agent, a static busybox and ``pack-upper``. ``/init``
@@ -32,6 +33,9 @@ from ...errors import BackendError
 from . import agent_build
 
 KERNEL_FLAVOUR = "cloud-amd64"
+# The guest kernel line VMs boot: Debian 12's linux-6.12 packages, the newest of them when first needed.
+# DSEC_GUEST_KERNEL picks another series (6.1) or one exact version (6.12.118+deb12).
+KERNEL_SERIES = "6.12"
 MODULES = (
     "virtio_mmio",
     "virtio_pci",
@@ -191,36 +195,72 @@ def _sh(argv: list[str], what: str) -> str:
     return result.stdout
 
 
-def _fetch_kernel(root: Path) -> tuple[Path, Path, str]:
-    """Unpack Debian's cloud kernel package under ``root`` (once); returns (vmlinuz, modules dir, version)."""
-    done = root / "unpacked"
-    if not done.exists():
-        root.mkdir(parents=True, exist_ok=True)
-        pattern = f"^linux-image-.*-{KERNEL_FLAVOUR}-unsigned$"
-        out = _sh([_tool("apt-cache"), "search", "--names-only", pattern], "apt-cache search")
-        names = sorted(line.split()[0] for line in out.splitlines() if line.strip())
-        if not names:
-            raise BackendError(f"no linux-image-*-{KERNEL_FLAVOUR}-unsigned package is available from apt")
-        work = root / "download"
-        shutil.rmtree(work, ignore_errors=True)
-        work.mkdir()
-        _sh(
-            [_tool("sh"), "-c", 'cd "$1" && exec apt-get download "$2"', "sh", str(work), names[-1]],
-            f"apt-get download {names[-1]}",
+def kernel_pin() -> str:
+    """The guest kernel: a series (the newest of it) or an exact version, from DSEC_GUEST_KERNEL."""
+    return os.environ.get("DSEC_GUEST_KERNEL", "").strip() or KERNEL_SERIES
+
+
+def version_key(version: str) -> tuple[int, ...]:
+    """Order of Debian kernel versions: by their numbers (6.12.118+deb12 after 6.12.99+deb12, and every
+    6.12 after every 6.1.0-N), which a sort of the text gets wrong."""
+    return tuple(int(n) for n in re.findall(r"\d+", version))
+
+
+def matches(version: str, pin: str) -> bool:
+    return version == pin or version.startswith(pin + ".")
+
+
+def choose_kernel(versions: list[str], pin: str) -> str:
+    """The newest version the pin admits (a series such as 6.12, or one exact version)."""
+    chosen = sorted((v for v in versions if matches(v, pin)), key=version_key)
+    if not chosen:
+        raise BackendError(
+            f"no guest kernel {pin} (linux-image-{pin}*-{KERNEL_FLAVOUR}-unsigned) is available from apt; "
+            f"available: {', '.join(sorted(versions, key=version_key)) or 'none'} (set DSEC_GUEST_KERNEL)"
         )
-        debs = list(work.glob("*.deb"))
-        if not debs:
-            raise BackendError(f"apt-get download {names[-1]} left no package")
-        tmp = root / "unpacking"
-        shutil.rmtree(tmp, ignore_errors=True)
-        _sh([_tool("dpkg-deb"), "-x", str(debs[0]), str(tmp)], f"unpacking {debs[0].name}")
-        shutil.rmtree(work, ignore_errors=True)
-        os.rename(tmp, done)
+    return chosen[-1]
+
+
+def _fetch_kernel(root: Path) -> tuple[Path, Path, str]:
+    """Unpack Debian's cloud kernel package of the pinned series under ``root`` (once: a kernel unpacked
+    earlier that the pin admits is kept, so VMs do not change kernel under a running fleet); returns
+    (vmlinuz, modules dir, version)."""
+    pin = kernel_pin()
+    root.mkdir(parents=True, exist_ok=True)
+    unpacked = {d.name.removeprefix("unpacked-"): d for d in root.glob("unpacked-*") if (d / "boot").is_dir()}
+    have = [v for v in unpacked if matches(v, pin)]
+    if have:
+        version = max(have, key=version_key)
+    else:
+        suffix = f"-{KERNEL_FLAVOUR}-unsigned"
+        out = _sh([_tool("apt-cache"), "search", "--names-only", f"^linux-image-.*{suffix}$"], "apt-cache search")
+        names = [line.split()[0] for line in out.splitlines() if line.strip()]
+        version = choose_kernel([n.removeprefix("linux-image-").removesuffix(suffix) for n in names], pin)
+        _unpack(root, f"linux-image-{version}{suffix}", root / f"unpacked-{version}")
+    done = root / f"unpacked-{version}"
     kernels = sorted((done / "boot").glob("vmlinuz-*"))
-    if not kernels:
-        raise BackendError(f"the kernel package unpacked in {done} holds no vmlinuz")
-    version = kernels[-1].name.removeprefix("vmlinuz-")
-    return kernels[-1], done / "lib" / "modules" / version, version
+    if len(kernels) != 1:
+        raise BackendError(f"the kernel package unpacked in {done} holds {len(kernels)} vmlinuz files, not one")
+    release = kernels[0].name.removeprefix("vmlinuz-")
+    return kernels[0], done / "lib" / "modules" / release, release
+
+
+def _unpack(root: Path, package: str, done: Path) -> None:
+    work = root / "download"
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir()
+    _sh(
+        [_tool("sh"), "-c", 'cd "$1" && exec apt-get download "$2"', "sh", str(work), package],
+        f"apt-get download {package}",
+    )
+    debs = list(work.glob("*.deb"))
+    if not debs:
+        raise BackendError(f"apt-get download {package} left no package")
+    tmp = root / "unpacking"
+    shutil.rmtree(tmp, ignore_errors=True)
+    _sh([_tool("dpkg-deb"), "-x", str(debs[0]), str(tmp)], f"unpacking {debs[0].name}")
+    shutil.rmtree(work, ignore_errors=True)
+    os.rename(tmp, done)
 
 
 async def prepare(root: Path, agent: Path) -> GuestAssets:
