@@ -80,7 +80,7 @@ async def _container(frames: list[bytes], close: bool) -> None:
         theirs.close()
 
 
-@fuzz(300, deadline_ms=10_000)
+@fuzz(500)
 @given(frames=st.lists(agent_replies(), max_size=6))
 # a reply claiming 4 GiB, its bytes still coming: the channel buffered them, without bound
 @example(frames=[struct.pack("<I", 2**32 - 1) + bytes(64)])
@@ -137,7 +137,7 @@ async def _guest(frames: list[bytes], version: bytes) -> None:
     assert chan._task.done() and (chan._task.cancelled() or chan._task.exception() is None)
 
 
-@fuzz(300, deadline_ms=10_000)
+@fuzz(500)
 @given(frames=st.lists(guest_frames(), max_size=6), version=st.binary(max_size=12))
 def test_guest_agent_frames_settle_every_call(frames: list[bytes], version: bytes) -> None:
     asyncio.run(_guest(frames, version))

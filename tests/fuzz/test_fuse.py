@@ -124,7 +124,7 @@ def _expected(batch: list[bytes]) -> list[int]:
     return ids
 
 
-@fuzz(600, deadline_ms=5000)
+@fuzz(600)
 @given(batch=sessions())
 @example(batch=[IN_HEADER.pack(IN_HEADER.size, fuse.READ, 2, 2, 0, 0, 0, 0, 0)])  # a READ with no body
 def test_every_readable_request_gets_exactly_one_well_formed_answer(batch: list[bytes]) -> None:

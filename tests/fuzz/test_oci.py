@@ -202,7 +202,7 @@ def _extract_all(image: OciImage, top: Path, dest: Path) -> None:
 @example(src=Source("oci-dir", [], [False, False], nested=False, files=[("fifo", 2)]))
 # a symlink loop in its place: BackendError (a 500), as if the host had failed
 @example(src=Source("oci-dir", [], [False, False], nested=False, files=[("symlink-loop", 2)]))
-@fuzz(250, deadline_ms=10_000)
+@fuzz(600)
 @given(src=SOURCES)
 def test_an_image_source_is_read_and_extracted_or_refused(src: Source) -> None:
     with fuzz_root() as (top, dest):

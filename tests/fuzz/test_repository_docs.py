@@ -87,7 +87,7 @@ async def _fetcher(root: Path, repo: LocalRepository, offset: int, size: int) ->
         cache.close()
 
 
-@fuzz(300, deadline_ms=10_000)
+@fuzz(300)
 @given(doc=DOCUMENTS, offset=st.integers(0, 16), size=st.integers(0, 16))
 def test_a_repository_document_is_read_or_refused(doc: tuple[str, bytes], offset: int, size: int) -> None:
     kind, body = doc

@@ -86,7 +86,7 @@ async def _exchange(answers: list[bytes], keep_open: bool) -> None:
             await server.wait_closed()
 
 
-@fuzz(150, deadline_ms=10_000)
+@fuzz(150)
 @given(answers=st.lists(responses(), min_size=1, max_size=3), keep_open=st.booleans())
 def test_any_response_is_read_or_an_httpx_error(answers: list[bytes], keep_open: bool) -> None:
     with bounded_memory():

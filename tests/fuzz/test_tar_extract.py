@@ -71,7 +71,7 @@ MTIME_INF = Recipe([Member(tarfile.REGTYPE, "f", pax={"mtime": "inf"})])
 MTIME_NAN_DIR = Recipe([Member(tarfile.DIRTYPE, "d", pax={"mtime": "nan"})])
 
 
-@fuzz(300)
+@fuzz(800)
 @given(recipe=recipes())
 # a PAX mtime of inf or nan escaped as OverflowError / ValueError from setting the times
 @example(recipe=MTIME_INF)

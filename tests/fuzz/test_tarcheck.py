@@ -46,7 +46,7 @@ def unpack_contained(plain: bytes, top: Path, dest: Path) -> None:
 
 
 @pytest.mark.skipif(BUSYBOX is None, reason="busybox (the sandboxes' unpacker) is not installed")
-@fuzz(250)
+@fuzz(500)
 @given(recipe=recipes(), compress=st.sampled_from(["none"] * 4 + ["gzip", "gzip", "gzip+junk"]))
 def test_an_accepted_archive_unpacks_inside_its_destination(recipe: Recipe, compress: str) -> None:
     with fuzz_root() as (top, dest):

@@ -101,7 +101,7 @@ def _request(op: str, sandbox: str, text: str, number: str) -> tuple[str, str, d
     return "GET", "/v1/trajectories/calls", {"id": tid, "start": number}, None
 
 
-@fuzz(400, deadline_ms=10_000, fixtures=True)
+@fuzz(600, fixtures=True)
 @given(
     op=OPS,
     seq=st.one_of(st.none(), SEQ_VALUES),
