@@ -19,8 +19,16 @@ CHUNK = 1 << 20
 GZIP_MAGIC = b"\x1f\x8b"
 ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
 
-# what decompressors and tarfile raise on damaged input (gzip.BadGzipFile is an OSError: check it first)
-CORRUPT: tuple[type[BaseException], ...] = (tarfile.TarError, EOFError, zlib.error, gzip.BadGzipFile, ValueError)
+# what decompressors and tarfile raise on damaged input (gzip.BadGzipFile is an OSError: check it first);
+# IndexError: tarfile indexes a GNU sparse extension block that the archive ends before
+CORRUPT: tuple[type[BaseException], ...] = (
+    tarfile.TarError,
+    EOFError,
+    zlib.error,
+    gzip.BadGzipFile,
+    ValueError,
+    IndexError,
+)
 READ_ERRORS: tuple[type[BaseException], ...] = (*CORRUPT, OSError)
 
 

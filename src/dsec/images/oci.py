@@ -14,6 +14,7 @@ a gzip-compressed tar or an unpacked directory.
 
 from __future__ import annotations
 
+import errno
 import functools
 import gzip
 import hashlib
@@ -67,6 +68,9 @@ LAYER_TYPES: dict[str, Compression] = {
     "application/vnd.docker.image.rootfs.foreign.diff.tar.gzip": "gzip",
 }
 _DIGEST = re.compile(r"sha256:([0-9a-f]{64})")
+# what the source's own shape causes when a name is opened in it: a symlink loop, a file where its path
+# needs a directory, a name too long: the source's fault, not the host's
+_SOURCE_ERRNOS = {errno.ELOOP, errno.ENOTDIR, errno.ENAMETOOLONG}
 # where a docker save archive names a blob by its digest: "blobs/sha256/<hex>" (Docker 25+) or "<hex>.json"
 _PATH_DIGEST = re.compile(r"(?:.*/)?(?:blobs/sha256/([0-9a-f]{64})|([0-9a-f]{64})\.json)")
 
@@ -142,17 +146,22 @@ class _DirStore(_Store):
         try:
             rootfd = os.open(self.root, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
             try:
-                # confined to the source directory: a symlinked blob cannot make us read a host file
-                fd = openat2(rootfd, name, os.O_RDONLY, resolve=RESOLVE_IN_ROOT | RESOLVE_NO_MAGICLINKS)
+                # confined to the source directory: a symlinked blob cannot make us read a host file;
+                # O_NONBLOCK: opening a FIFO put in the layout's place of a file would wait for a writer
+                flags = os.O_RDONLY | os.O_NONBLOCK
+                fd = openat2(rootfd, name, flags, resolve=RESOLVE_IN_ROOT | RESOLVE_NO_MAGICLINKS)
             finally:
                 os.close(rootfd)
         except FileNotFoundError:
             raise InvalidRequest(f"{name} is missing from {self.label}") from None
         except OSError as e:
+            if e.errno in _SOURCE_ERRNOS:
+                raise InvalidRequest(f"cannot open {name} in {self.label}: {e.strerror}") from None
             raise BackendError(f"cannot open {name} in {self.label}: {e.strerror}") from None
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             os.close(fd)
             raise InvalidRequest(f"{name} in {self.label} is not a regular file")
+        os.set_blocking(fd, True)
         return os.fdopen(fd, "rb")
 
 

@@ -12,6 +12,7 @@ and nothing is written outside the destination. Data is streamed member by membe
 from __future__ import annotations
 
 import errno
+import math
 import os
 import shutil
 import stat
@@ -19,6 +20,7 @@ import tarfile
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import IO
 
 from ..errors import BackendError, DsecError, InvalidRequest
 from .layer_stream import CHUNK, READ_ERRORS, Reader, read_failure
@@ -36,9 +38,11 @@ MAX_SKIPPED = 1000  # a layer full of unsupported xattrs must not turn the repor
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _ZERO_BLOCK = bytes(BLOCK)
 _MAX_ID = 2**32 - 2  # (uid_t)-1 means "leave unchanged" to chown, so it is not a valid owner
+_MAX_FILE = 2**63 - 1  # off_t
 # errors a member's content causes (a bad name, a link in the way), as opposed to the local disk failing
 _INPUT_ERRNOS: set[int] = {
-    getattr(errno, n) for n in "ELOOP ENOTDIR ENAMETOOLONG EXDEV EISDIR EEXIST ENOENT EINVAL ENOTEMPTY EMLINK".split()
+    getattr(errno, n)
+    for n in "ELOOP ENOTDIR ENAMETOOLONG EXDEV EISDIR EEXIST ENOENT EINVAL ENOTEMPTY EMLINK EFBIG".split()
 }
 
 
@@ -74,19 +78,37 @@ class _ForwardReader:
 
     tarfile only seeks forward when members are read in order. Its random-access mode (unlike stream
     mode) exposes where header parsing stopped, and keeping the last block read lets us tell a clean
-    end-of-archive from a truncated or corrupt header, which tarfile silently treats as the end."""
+    end-of-archive from a truncated or corrupt header, which tarfile silently treats as the end.
+
+    Between :meth:`header` and :meth:`data`, reads are a member's headers, and tarfile keeps all of
+    them in memory: a PAX record, a GNU long name, a GNU 1.0 sparse map (whose length the archive
+    states, and which tarfile reads line by line into a list). Together they may be MAX_READ bytes."""
 
     def __init__(self, src: Reader, label: str) -> None:
         self.src = src
         self.label = label
         self.pos = 0
         self.tail = b""
+        self.header_bytes: int | None = 0  # read for the current member's headers; None: reading data
+
+    def header(self) -> None:
+        self.header_bytes = 0
+
+    def data(self) -> None:
+        self.header_bytes = None
 
     def read(self, size: int = -1, /) -> bytes:
         # Member data is read in CHUNKs; only an extended (PAX, GNU long name) header asks for more, and
         # tarfile would buffer all of it: a hostile one could claim gigabytes.
         if not 0 <= size <= MAX_READ:
             raise InvalidRequest(f"{self.label}: a tar extended header of {size} bytes is over the limit")
+        if self.header_bytes is not None:
+            self.header_bytes += size
+            if self.header_bytes > MAX_READ:
+                raise InvalidRequest(f"{self.label}: a tar member's headers are over {MAX_READ} bytes")
+        return self._pull(size)
+
+    def _pull(self, size: int) -> bytes:
         parts = []
         got = 0
         while got < size and (chunk := self.src.read(min(size - got, CHUNK))):
@@ -101,7 +123,8 @@ class _ForwardReader:
         target = pos if whence == os.SEEK_SET else self.pos + pos if whence == os.SEEK_CUR else -1
         if target < self.pos:
             raise OSError(errno.ESPIPE, "layer streams only seek forward")
-        while self.pos < target and self.read(min(target - self.pos, CHUNK)):
+        # skipped member data: not headers, and not kept
+        while self.pos < target and self._pull(min(target - self.pos, CHUNK)):
             pass
         return self.pos
 
@@ -134,12 +157,14 @@ def extract_tar(stream: Reader, dest: Path, *, label: str) -> ExtractStats:
         # tarfile keeps every member it has parsed; a layer can hold millions of files, so drop them
         parsed: list[tarfile.TarInfo] = vars(tf)["members"]
         while True:
+            fwd.header()  # open() parsed the first member's headers in this mode too
             try:
                 member = tf.next()
             except READ_ERRORS as e:
                 raise read_failure(e, label) from None
             if member is None:
                 break
+            fwd.data()
             ex.member(tf, member)
             parsed.clear()
         stopped = fwd.pos - tf.offset
@@ -188,6 +213,8 @@ class _Extractor:
 
     def member(self, tf: tarfile.TarFile, m: tarfile.TarInfo) -> None:
         parts = member_path(m.name, self.label)
+        if isinstance(m.mtime, float) and not math.isfinite(m.mtime):  # a PAX mtime of "inf" or "nan"
+            raise InvalidRequest(f"{self.label}: member {m.name!r} has an invalid mtime {m.mtime}")
         try:
             self._member(tf, m, parts)
         except DsecError:
@@ -228,6 +255,7 @@ class _Extractor:
             self._skipped_paths.add(tuple(parts))
 
     def _file(self, tf: tarfile.TarFile, m: tarfile.TarInfo, parts: list[str]) -> None:
+        regions = _data_regions(m, self.label)
         pfd = self._parent(parts[:-1], m.name)
         self._clear(pfd, parts)
         fd = os.open(parts[-1], os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=pfd)
@@ -235,22 +263,32 @@ class _Extractor:
             src = tf.extractfile(m)
             if src is None:  # cannot happen for a regular member; guards the type
                 raise InvalidRequest(f"{self.label}: member {m.name!r} has no data")
-            while True:
-                try:
-                    chunk = src.read(CHUNK)
-                except READ_ERRORS as e:
-                    raise read_failure(e, f"{self.label}: member {m.name!r}") from None
-                if not chunk:
-                    break
-                view = memoryview(chunk)
-                while view:
-                    view = view[os.write(fd, view) :]
-                self.stats.bytes += len(chunk)
+            for offset, size in regions:
+                src.seek(offset)
+                self._copy(src, fd, offset, size, m.name)
+            if m.issparse():
+                os.ftruncate(fd, m.size)  # the holes after the last data: a hole, never zeros written out
             self._attrs(fd, m)
             self._utime(m, fd)
         finally:
             os.close(fd)
         self.stats.files += 1
+
+    def _copy(self, src: IO[bytes], fd: int, offset: int, size: int, name: str) -> None:
+        pos, end = offset, offset + size
+        while pos < end:
+            try:
+                chunk = src.read(min(CHUNK, end - pos))
+            except READ_ERRORS as e:
+                raise read_failure(e, f"{self.label}: member {name!r}") from None
+            if not chunk:
+                raise InvalidRequest(f"{self.label}: member {name!r}: the archive ends inside its data")
+            view = memoryview(chunk)
+            while view:
+                written = os.pwrite(fd, view, pos)
+                pos += written
+                view = view[written:]
+            self.stats.bytes += len(chunk)
 
     def _dir(self, m: tarfile.TarInfo, parts: list[str]) -> None:
         pfd = self._parent(parts[:-1], m.name)
@@ -481,6 +519,27 @@ class _Extractor:
         if e.errno in _INPUT_ERRNOS:
             return InvalidRequest(f"{self.label}: member {name!r}: {e.strerror}")
         return BackendError(f"{self.label}: extracting {name!r} failed: {e.strerror}")
+
+
+def _data_regions(m: tarfile.TarInfo, label: str) -> list[tuple[int, int]]:
+    """(offset, length) of the bytes a regular member holds: all of it, or a sparse member's map.
+
+    A sparse member's holes are never written (tarfile would read them as zeros): a few hundred bytes of
+    GNU sparse header can claim an exabyte of them, and the layer becomes a sparse file instead."""
+    if not m.issparse():
+        return [(0, m.size)]
+    if not 0 <= m.size <= _MAX_FILE:
+        raise InvalidRequest(f"{label}: sparse member {m.name!r} claims an invalid size {m.size}")
+    # empty regions carry nothing (GNU headers pad their map with them, and end it with one at the size)
+    sparse: list[tuple[int, int]] = getattr(m, "sparse", None) or []
+    regions = [(offset, size) for offset, size in sparse if size]
+    end = 0
+    for offset, size in regions:
+        # in order and apart, so the stream is read front to back
+        if offset < end or size < 0 or offset + size > m.size:
+            raise InvalidRequest(f"{label}: sparse member {m.name!r} has an invalid map at offset {offset}")
+        end = offset + size
+    return regions
 
 
 def _lstat(dir_fd: int, name: str) -> os.stat_result | None:

@@ -24,6 +24,10 @@ log = logging.getLogger("dsec.container.agent")
 SOURCE = Path(__file__).with_name("agent.c")
 RENDEZVOUS_FD = 4
 _REPLY = struct.Struct("<cIq")
+# The agent's replies are _REPLY.size bytes; longer frames are skipped (a newer agent's), but one that
+# claims more than this is no agent's: the channel is dropped rather than buffering what it claims. The
+# agent runs inside the sandbox, where a process of the sandbox's root could speak in its place.
+MAX_FRAME = 1 << 12
 _SYS_PIDFD_GETFD = 438
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.syscall.restype = ctypes.c_long
@@ -146,6 +150,9 @@ class AgentChannel:
                 buf += data
                 while len(buf) >= 4:
                     (size,) = struct.unpack_from("<I", buf)
+                    if size > MAX_FRAME:
+                        log.warning("the sandbox's agent sent a frame of %d bytes; dropping the channel", size)
+                        return
                     if len(buf) < 4 + size:
                         break
                     self._dispatch(bytes(buf[4 : 4 + size]))
@@ -169,7 +176,9 @@ class AgentChannel:
         elif kind == b"F":
             fut = self._started.get(exec_id)
             if fut and not fut.done():
-                fut.set_exception(BackendError(f"the agent could not start the command: {os.strerror(value)}"))
+                # an errno; os.strerror raises OverflowError on a value past a C int
+                why = os.strerror(value) if 0 < value < 4096 else f"error {value}"
+                fut.set_exception(BackendError(f"the agent could not start the command: {why}"))
         elif kind == b"X":
             fut = self._exited.pop(exec_id, None)
             if fut and not fut.done():
