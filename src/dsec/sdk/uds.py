@@ -18,6 +18,9 @@ import httptools
 import httpx
 
 READ_CHUNK = 1 << 16
+# A response's status line and headers may take this much; past it the connection is dropped (httptools
+# sets no bound, so a server that kept sending headers would grow the client for ever).
+MAX_HEAD = 64 << 10
 
 
 class _Parser:
@@ -29,6 +32,7 @@ class _Parser:
         self.complete = False
         self.keep_alive = False
         self.received = False
+        self.head_bytes = 0
         self.body: list[bytes] = []
         self.parser = httptools.HttpResponseParser(self)
 
@@ -136,6 +140,11 @@ class UnixTransport(httpx.AsyncBaseTransport):
             conn.close()
             raise httpx.RemoteProtocolError("the daemon closed the connection before the response was complete")
         p.received = True
+        if not p.headers_done:
+            p.head_bytes += len(data)
+            if p.head_bytes > MAX_HEAD + READ_CHUNK:  # the last read may hold body bytes too
+                conn.close()
+                raise httpx.RemoteProtocolError(f"the response's headers are over {MAX_HEAD} bytes")
         try:
             p.parser.feed_data(data)
         except httptools.HttpParserError as e:
