@@ -10,7 +10,9 @@ from pathlib import Path
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
+from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match
 
 from .. import __version__
 from ..core.manager import SandboxManager
@@ -45,22 +47,32 @@ def create_e2b_app(manager: SandboxManager, options: E2BOptions, state_dir: Path
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> Response:
-        return plain_error(exc.status_code, str(exc.detail))
+        return plain_error(exc.status_code, str(exc.detail), dict(exc.headers or {}))  # a 405's Allow kept
 
     @app.exception_handler(Exception)
     async def _internal(_: Request, exc: Exception) -> Response:
         log.exception("internal error in the E2B API")
         return plain_error(500, f"internal error: {type(exc).__name__}: {exc}")
 
-    app.include_router(envd.router)  # /health, /process.Process/*, /filesystem.Filesystem/*
-    app.include_router(files.router)  # /files
-    app.include_router(control.router)
-    app.add_api_route(
-        "/{rest:path}",
-        control.unsupported,
-        methods=["GET", "POST", "PUT", "PATCH", "DELETE"],
-        include_in_schema=False,
-    )
+    routers = (envd.router, files.router, control.router)  # /health, /process.Process/*, ...; /files; control
+    for router in routers:
+        app.include_router(router)
+
+    async def other(request: Request) -> Response:
+        """A method a path of ours does not have: a 405 that says which it has; any other path: E2B's
+        endpoints dsec does not serve (control.unsupported)."""
+        allowed = {
+            method
+            for router in routers
+            for route in router.routes
+            if isinstance(route, APIRoute) and route.matches(request.scope)[0] == Match.PARTIAL
+            for method in route.methods or ()
+        }
+        if allowed:
+            return plain_error(405, "Method Not Allowed", {"Allow": ", ".join(sorted(allowed))})
+        return control.unsupported(request)
+
+    app.add_api_route("/{rest:path}", other, methods=["GET", "POST", "PUT", "PATCH", "DELETE"], include_in_schema=False)
     app.add_middleware(BodyLimit)
     app.add_middleware(AuditMiddleware, prefix="", unaudited=("/health",), label="e2b ")
     return app
