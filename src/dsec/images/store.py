@@ -349,7 +349,11 @@ class ImageStore:
         src = Path(path)
         if not src.is_absolute():
             raise InvalidRequest(f"import path {path!r} must be absolute (it is read on the daemon's node)")
-        if not await asyncio.to_thread(src.exists):
+        try:
+            found = await asyncio.to_thread(src.exists)
+        except OSError as e:  # a name too long, a file where a directory should be, ...
+            raise oci.unreadable(src, e) from None
+        if not found:
             raise InvalidRequest(f"nothing to import at {path} on the daemon's node")
         image = await asyncio.to_thread(oci.read_image, src, reference=reference)
         work = self.layers.tmp / f"import-{secrets.token_hex(4)}"
