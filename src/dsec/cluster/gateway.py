@@ -31,6 +31,7 @@ from ..errors import validation_message
 from ..models import CreateSandbox, ForkResult, Health, SandboxInfo, SandboxList
 from ..node_models import MAX_TOP, NodeStatus
 from ..run_models import PoolList, RunRequest
+from ..server.allow import allowed_methods, routed
 from ..server.disconnect import CLIENT_GONE, GONE, unless_gone
 from ..trajectory_models import TrajectoryList
 from . import aggregate
@@ -55,7 +56,6 @@ from .proxy import (
     read_body,
     request_headers,
 )
-from .routes import allowed_methods
 from .wire import Broken, NodeClient, Reply
 
 log = logging.getLogger("dsec.cluster")
@@ -131,9 +131,9 @@ class Gateway:
     async def _dispatch(self, scope: Scope, receive: Receive, send: Send) -> None:
         path: str = scope["path"]
         method: str = scope["method"]
-        allowed = allowed_methods(path)
-        if allowed is not None and method not in allowed:  # routed before authenticated, as on a node
-            raise Failure(405, "method_not_allowed", f"{method} {path}", allow=", ".join(sorted(allowed)))
+        if routed(path, method) is False:  # routed before authenticated, as on a node
+            allow = ", ".join(sorted(allowed_methods(path) or ()))
+            raise Failure(405, "method_not_allowed", f"{method} {path}", allow=allow)
         if path == "/v1/health":
             await self._health(send)
             return

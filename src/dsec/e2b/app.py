@@ -46,8 +46,11 @@ def create_e2b_app(manager: SandboxManager, options: E2BOptions, state_dir: Path
         return plain_error(400, validation_message(exc))
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, exc: StarletteHTTPException) -> Response:
-        return plain_error(exc.status_code, str(exc.detail), dict(exc.headers or {}))  # a 405's Allow kept
+    async def _http(request: Request, exc: StarletteHTTPException) -> Response:
+        headers = dict(exc.headers or {})
+        if exc.status_code == 405:  # every method the path has, not only those of the route matched first
+            headers["Allow"] = ", ".join(allowed(request)) or headers.get("Allow", "")
+        return plain_error(exc.status_code, str(exc.detail), headers)
 
     @app.exception_handler(Exception)
     async def _internal(_: Request, exc: Exception) -> Response:
@@ -58,18 +61,24 @@ def create_e2b_app(manager: SandboxManager, options: E2BOptions, state_dir: Path
     for router in routers:
         app.include_router(router)
 
+    def allowed(request: Request) -> list[str]:
+        """The methods of our routes at the request's path (none: it is none of ours)."""
+        return sorted(
+            {
+                method
+                for router in routers
+                for route in router.routes
+                if isinstance(route, APIRoute) and route.matches(request.scope)[0] != Match.NONE
+                for method in route.methods or ()
+            }
+        )
+
     async def other(request: Request) -> Response:
         """A method a path of ours does not have: a 405 that says which it has; any other path: E2B's
         endpoints dsec does not serve (control.unsupported)."""
-        allowed = {
-            method
-            for router in routers
-            for route in router.routes
-            if isinstance(route, APIRoute) and route.matches(request.scope)[0] == Match.PARTIAL
-            for method in route.methods or ()
-        }
-        if allowed:
-            return plain_error(405, "Method Not Allowed", {"Allow": ", ".join(sorted(allowed))})
+        methods = allowed(request)
+        if methods:
+            return plain_error(405, "Method Not Allowed", {"Allow": ", ".join(methods)})
         return control.unsupported(request)
 
     app.add_api_route("/{rest:path}", other, methods=["GET", "POST", "PUT", "PATCH", "DELETE"], include_in_schema=False)

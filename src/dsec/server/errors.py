@@ -13,6 +13,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..errors import DsecError, validation_message
 from ..models import ErrorBody, ErrorResponse
+from .allow import allowed_methods
 
 log = logging.getLogger("dsec.server")
 
@@ -45,10 +46,14 @@ def install(app: FastAPI) -> None:
         return error_response(400, "invalid_request", validation_message(exc))
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         code = {401: "unauthorized", 404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
-        # the router's own headers kept: a 405 says which methods the path has (Allow, RFC 9110)
-        return error_response(exc.status_code, code, str(exc.detail), headers=exc.headers)
+        headers = dict(exc.headers or {})
+        if exc.status_code == 405:  # every method the path has, not only those of the route matched first
+            allowed = allowed_methods(request.url.path)
+            if allowed:
+                headers["Allow"] = ", ".join(sorted(allowed))
+        return error_response(exc.status_code, code, str(exc.detail), headers=headers)
 
     @app.exception_handler(Exception)
     async def _internal(_: Request, exc: Exception) -> JSONResponse:
