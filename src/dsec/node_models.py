@@ -17,7 +17,7 @@ from .wire_types import int_range, on_type
 
 MAX_BATCH = 10_000
 MAX_TOP = 10_000  # GET /v1/node?top=N: at most this many of the caller's sandboxes
-MAX_QUOTA_MEMORY = 1 << 60
+MAX_QUOTA_MEMORY = 1 << 50  # 1Pi: within 2**53, where a JSON number is still exact for every client
 
 
 class Resources(BaseModel):
@@ -124,5 +124,5 @@ class TenantQuota(BaseModel):
     @classmethod
     def _memory(cls, v: int | None) -> int | None:
         if v is not None and v > MAX_QUOTA_MEMORY:
-            raise ValueError("memory must be at most 1Ei")
+            raise ValueError("memory must be at most 1Pi")
         return v

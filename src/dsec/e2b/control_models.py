@@ -35,7 +35,11 @@ Destinations = Annotated[
     WithJsonSchema(
         {
             "anyOf": [
-                {"type": "array", "maxItems": 256, "items": {"type": "string", "pattern": ALLOW_DESTINATION}},
+                {
+                    "type": "array",
+                    "maxItems": 256,
+                    "items": {"type": "string", "maxLength": 253, "pattern": ALLOW_DESTINATION},
+                },
                 {"type": "null"},
             ]
         }

@@ -166,7 +166,10 @@ def _bytes(media_type: str, description: str) -> dict[str, Any]:
 
 
 def _upload(media_type: str, description: str) -> dict[str, Any]:
-    return {"requestBody": {"required": False, **_bytes(media_type, description)}}
+    """A raw request body: any content type is read as bytes, so octet-stream is one too."""
+    body = _bytes(media_type, description)
+    body["content"]["application/octet-stream"] = body["content"][media_type]
+    return {"requestBody": {"required": False, **body}}
 
 
 @api.post(

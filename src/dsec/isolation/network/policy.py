@@ -106,8 +106,9 @@ _PORT = (
 )
 ALLOW_ENTRY = rf"^(?:{_NETWORK}|{_NAME}):{_PORT}$"
 ALLOW_DESTINATION = rf"^(?:{_NETWORK}|{_NAME})$"  # an entry without its port (E2B's allowOut)
+# 255: no entry that long names a name over 253 characters (':*' is the shortest port)
 AllowEntryText = Annotated[
-    str, WithJsonSchema({"type": "string", "minLength": 3, "maxLength": MAX_NAME + 10, "pattern": ALLOW_ENTRY})
+    str, WithJsonSchema({"type": "string", "minLength": 3, "maxLength": MAX_NAME + 2, "pattern": ALLOW_ENTRY})
 ]
 
 
