@@ -169,3 +169,8 @@ COMMAND_SCHEMA = {
     ]
 }
 Command = Annotated[str | list[str], AfterValidator(check_command), WithJsonSchema(COMMAND_SCHEMA)]
+
+
+# A time as a query parameter: ISO 8601, or epoch seconds (up to 2e10, the year 2603: pydantic reads a
+# larger number as milliseconds)
+TIME_SCHEMA = {"anyOf": [{"type": "string", "format": "date-time"}, {"type": "number", "minimum": 0, "maximum": 2e10}]}

@@ -410,7 +410,7 @@ class Gateway:
         await answer_json(send, 200, Health(ok=bool(live), version=__version__, kinds=kinds))
 
     async def _node(self, scope: Scope, send: Send) -> None:
-        text = parse_qs(query(scope)).get("top", ["0"])[-1]
+        text = parse_qs(query(scope), keep_blank_values=True).get("top", ["0"])[-1]
         if not (text.isascii() and text.isdigit() and int(text) <= MAX_TOP):  # the node's own bound
             raise Failure(400, "invalid_request", f"top must be a whole number from 0 to {MAX_TOP}, not {text[:40]!r}")
         top = int(text)

@@ -27,6 +27,7 @@ from ..models import TERMINAL_STATES, CreateSandbox, ForkRequest, Limits, Sandbo
 from ..server.audit import note
 from ..server.disconnect import GONE, gone_response, unless_gone
 from ..tenancy import Caller
+from ..wire_types import TIME_SCHEMA
 from . import control_models as m
 from .auth import api_token, identify
 from .control_doc import add_bodies, doc
@@ -252,7 +253,7 @@ async def list_sandboxes(
     started_after: Annotated[
         datetime | None,
         Query(alias="startedAfter"),
-        WithJsonSchema({"anyOf": [{"type": "string", "format": "date-time"}, {"type": "number"}]}),
+        WithJsonSchema(TIME_SCHEMA),
     ] = None,
     template: str | None = None,
     next_token: Annotated[str | None, Query(alias="nextToken")] = None,

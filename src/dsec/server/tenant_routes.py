@@ -12,6 +12,7 @@ from ..models import AuditList, AuditRecord, TenantCreate, TenantCreated, Tenant
 from ..store.audit import Entry
 from ..store.tenants import Tenant
 from ..tenancy import TenantName
+from ..wire_types import TIME_SCHEMA
 from .auth import CallerDep, OperatorDep
 from .routes import _ERRORS, Mgr
 
@@ -76,7 +77,7 @@ async def audit(
     since: Annotated[
         datetime | None,
         Query(description="Only calls at or after this time (ISO 8601 or epoch seconds)."),
-        WithJsonSchema({"anyOf": [{"type": "string", "format": "date-time"}, {"type": "number"}]}),
+        WithJsonSchema(TIME_SCHEMA),
     ] = None,
     limit: Annotated[int, Query(ge=1, le=10_000, description="The newest this many.")] = 100,
 ) -> AuditList:
