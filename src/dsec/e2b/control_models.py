@@ -25,7 +25,7 @@ MAX_TIMEOUT = int(MAX_TTL_S)
 # a template id: an alias (--e2b-template, named by the same rule), 'base', or an image with an optional
 # '@KIND' (e.g. dsec/debian:12@microvm)
 TEMPLATE_ID = rf"^{NAME_BODY}(@(?:{'|'.join(KINDS)}))?$"
-MAX_TEMPLATE_ID = MAX_REFERENCE + 1 + max(len(k) for k in KINDS)
+MAX_TEMPLATE_ID = MAX_REFERENCE  # an image name's bound: with '@KIND' the name is shorter, without it as long
 # What the schema states of what dsec cannot honour: absent, null or empty (the routes refuse the rest
 # with a 400 that says so); of network egress: allowOut entries are destinations, and denyOut must deny
 # everything (0.0.0.0/0) for allowOut to be an allowlist.
@@ -104,7 +104,10 @@ class Lifecycle(_In):
 class NewSandbox(_In):
     """POST /v2/sandboxes (and the older POST /sandboxes)."""
 
-    template_id: str = Field(..., alias="templateID", min_length=1, max_length=MAX_TEMPLATE_ID, pattern=TEMPLATE_ID)
+    # the schema states the rule; the route checks it (saying which part is wrong: the kind, the image)
+    template_id: Annotated[
+        str, WithJsonSchema({"type": "string", "minLength": 1, "maxLength": MAX_TEMPLATE_ID, "pattern": TEMPLATE_ID})
+    ] = Field(..., alias="templateID", min_length=1, max_length=MAX_TEMPLATE_ID)
     timeout: int = Field(DEFAULT_TIMEOUT, ge=1, le=MAX_TIMEOUT)
     auto_pause: Annotated[bool, WithJsonSchema({"const": False})] = Field(False, alias="autoPause")
     auto_pause_memory: Any = Field(None, alias="autoPauseMemory")
