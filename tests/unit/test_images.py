@@ -13,6 +13,7 @@ from dsec.images import erofs
 from dsec.images.chunks import chunk_key
 from dsec.images.model import ImageVersion, LayerRole, image_key, layer_key, tag_key
 from dsec.images.names import MAX_REFERENCE, MAX_STORED
+from dsec.images.oci import read_image
 from dsec.images.scrub import DEFAULT_RULES, ScrubRules
 from dsec.images.store import BUILTIN, ImageStore, normalize
 
@@ -270,3 +271,14 @@ def test_node_rules_extend_the_defaults_and_calls_extend_the_node() -> None:
     assert call.matches("srv/keys/k") and call.matches("work/answers/a") and call.matches("tmp/x")
     only = node.plus(["work/answers/*"], defaults=False)
     assert only.patterns == ("work/answers/*",) and not only.matches("tmp/x")
+
+
+@pytest.mark.parametrize("where", ["x" * 300, "file/below"])
+async def test_a_path_that_names_no_readable_file_is_the_callers_error(tmp_path: Path, where: str) -> None:
+    """A name longer than a file name, a file where a directory should be: 400s, not OSErrors (500s)."""
+    (tmp_path / "file").write_bytes(b"x")
+    with pytest.raises(InvalidRequest, match="cannot read"):
+        read_image(tmp_path / where)
+    store = store_at(tmp_path / "images")
+    with pytest.raises(InvalidRequest):
+        await store.import_image(str(tmp_path / where), "test/imported:1")

@@ -19,7 +19,6 @@ import pytest
 from dsec.errors import InvalidRequest
 from dsec.images.model import DEFAULT_PATH, ImageConfig
 from dsec.images.oci import LayerSource, OciImage, extract_layer, read_image
-from dsec.images.store import ImageStore
 
 ROOT = os.geteuid() == 0
 needs_root = pytest.mark.skipif(not ROOT, reason="extraction needs root: mknod whiteouts, chown, trusted.* xattrs")
@@ -739,17 +738,6 @@ def test_bad_sources(tmp_path: Path) -> None:
     files = layout([img.descriptor(digest="sha512:" + "0" * 128)], img)
     with pytest.raises(InvalidRequest, match="sha512, which is not supported"):
         read_image(write_dir(tmp_path / "sha512", files))
-
-
-@pytest.mark.parametrize("where", ["x" * 300, "file/below"])
-async def test_a_path_that_names_no_readable_file_is_the_callers_error(tmp_path: Path, where: str) -> None:
-    """A name longer than a file name, a file where a directory should be: 400s, not OSErrors (500s)."""
-    (tmp_path / "file").write_bytes(b"x")
-    with pytest.raises(InvalidRequest, match="cannot read"):
-        read_image(tmp_path / where)
-    store = ImageStore(tmp_path / "images", lazy=False, mount=False)
-    with pytest.raises(InvalidRequest):
-        await store.import_image(str(tmp_path / where), "test/imported:1")
 
 
 def test_layout_blob_symlink_cannot_escape(tmp_path: Path, outside: Path) -> None:
