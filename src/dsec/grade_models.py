@@ -6,17 +6,18 @@ import base64
 import binascii
 from typing import Literal
 
-from pydantic import BaseModel, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from .images.names import ImageName
 from .models import (
     DEFAULT_OUTPUT_CAP,
     MAX_COMMAND,
     MAX_EXEC_TIMEOUT_S,
     MAX_OUTPUT_CAP,
-    ExecRequest,
     ExecResult,
     _Strict,
 )
+from .wire_types import PATH_MAX, CleanAbsPath, Command, clean_abs
 
 GRADE_DIR = "/grade"
 MAX_GRADE_FILES = 1000
@@ -28,17 +29,25 @@ GRADE_REFUSED_DIRS: tuple[str, ...] = ("/bin", "/sbin", "/lib", "/lib32", "/lib6
 GRADE_REFUSED_DIRS += ("/proc", "/sys", "/dev", "/run", "/boot", "/.dsec", GRADE_DIR)
 
 
-def _clean_abs(path: str, what: str) -> str:
-    if not path.startswith("/") or "\0" in path or len(path) > 4096:
-        raise ValueError(f"{what} {path!r} must be an absolute path")
-    parts = [p for p in path.split("/") if p not in ("", ".")]
-    if ".." in parts:
-        raise ValueError(f"{what} {path!r} must not contain '..'")
-    return "/" + "/".join(parts)
+MAX_FILE_CONTENT = (MAX_GRADE_FILE + 2) // 3 * 4  # the longest content of a file within the limit (base64)
+BASE64 = r"^(?:[A-Za-z0-9+/]{4})*(?:[A-Za-z0-9+/]{2}==|[A-Za-z0-9+/]{3}=)?$"
+# a test file's name: a path relative to /grade (or under it), each part a name (not '.' or '..')
+_PART = r"(?:[^/\x00.][^/\x00]*|\.[^/\x00.][^/\x00]*|\.\.[^/\x00]+)"
+TEST_FILE = rf"^(?:{GRADE_DIR}/)?{_PART}(?:/{_PART})*$"
+MAX_TEST_FILE_NAME = PATH_MAX - 1  # '/' + name is a path
 
 
 class GradeFile(_Strict):
-    content: str = Field(description="The file's text, or its bytes in base64.")
+    model_config = ConfigDict(
+        json_schema_extra={
+            "if": {"properties": {"encoding": {"const": "base64"}}, "required": ["encoding"]},
+            "then": {"properties": {"content": {"pattern": BASE64}}},
+        }
+    )
+
+    content: str = Field(
+        max_length=MAX_FILE_CONTENT, description="The file's text, or its bytes in base64 (padded, no white space)."
+    )
     encoding: Literal["text", "base64"] = "text"
 
     def data(self) -> bytes:
@@ -54,22 +63,29 @@ class GradeRequest(_Strict):
     """Run ``cmd`` against a read-only copy of the candidate's ``paths`` in a fresh sibling sandbox of its
     pristine image, with pristine ``tests`` under /grade, as uid 65534, with a fixed environment."""
 
-    cmd: str | list[str] = Field(
-        ..., description="A string is run by the pristine image's /bin/sh -c; a list is the argv."
-    )
+    cmd: Command = Field(..., description="A string is run by the pristine image's /bin/sh -c; a list is the argv.")
     tests: dict[str, str | GradeFile] = Field(
-        default_factory=dict, description="Files placed read-only under /grade: path (relative to /grade) -> content."
+        default_factory=dict,
+        json_schema_extra={
+            "maxProperties": MAX_GRADE_FILES,
+            "propertyNames": {"minLength": 1, "maxLength": MAX_TEST_FILE_NAME, "pattern": TEST_FILE},
+        },
+        description=f"Files placed read-only under /grade: path (relative to /grade) -> content (at most "
+        f"{MAX_GRADE_FILE} bytes each, {MAX_GRADE_TOTAL} in all).",
     )
-    paths: list[str] = Field(
-        ..., min_length=1, max_length=MAX_GRADE_PATHS, description="The candidate's directories or files to copy."
+    paths: list[CleanAbsPath] = Field(
+        ...,
+        min_length=1,
+        max_length=MAX_GRADE_PATHS,
+        description="The candidate's directories or files to copy (not / nor a system or platform directory: "
+        + ", ".join(GRADE_REFUSED_DIRS)
+        + ").",
     )
     timeout: float = Field(600.0, gt=0, le=MAX_EXEC_TIMEOUT_S, description="Seconds the command may run.")
     output_limit: int = Field(DEFAULT_OUTPUT_CAP, ge=1024, le=MAX_OUTPUT_CAP, description="Bytes kept per stream.")
-    cwd: str = Field(GRADE_DIR, max_length=4096, description="Working directory of the command (absolute).")
-    image: str | None = Field(
-        None,
-        max_length=256,
-        description="Image to grade on; default: the exact version the candidate was created from.",
+    cwd: CleanAbsPath = Field(GRADE_DIR, description="Working directory of the command (absolute).")
+    image: ImageName | None = Field(
+        None, description="Image to grade on; default: the exact version the candidate was created from."
     )
 
     @field_validator("cmd")
@@ -77,24 +93,18 @@ class GradeRequest(_Strict):
     def _cmd(cls, v: str | list[str]) -> str | list[str]:
         if sum(len(p.encode()) + 1 for p in ([v] if isinstance(v, str) else v)) > MAX_COMMAND:
             raise ValueError(f"cmd is over the {MAX_COMMAND}-byte limit")
-        return ExecRequest._cmd(v)
+        return v
 
     @field_validator("paths")
     @classmethod
     def _paths(cls, v: list[str]) -> list[str]:
         out = []
-        for raw in v:
-            path = _clean_abs(raw, "path")
+        for path in v:
             if path == "/" or any(path == d or path.startswith(d + "/") for d in GRADE_REFUSED_DIRS):
-                raise ValueError(f"path {raw!r} may not be copied from the candidate (system or platform directory)")
+                raise ValueError(f"path {path!r} may not be copied from the candidate (system or platform directory)")
             if path not in out:
                 out.append(path)
         return out
-
-    @field_validator("cwd")
-    @classmethod
-    def _cwd(cls, v: str) -> str:
-        return _clean_abs(v, "cwd")
 
     @field_validator("tests")
     @classmethod
@@ -104,7 +114,7 @@ class GradeRequest(_Strict):
         total = 0
         for name, content in v.items():
             rel = name[len(GRADE_DIR) + 1 :] if name.startswith(GRADE_DIR + "/") else name
-            if not rel or rel.startswith("/") or _clean_abs("/" + rel, f"test file {name!r}:") != "/" + rel:
+            if len(name) > MAX_TEST_FILE_NAME or not rel or rel.startswith("/") or clean_abs("/" + rel) != "/" + rel:
                 raise ValueError(f"test file {name!r}: expected a clean path relative to {GRADE_DIR}")
             size = len(content.encode()) if isinstance(content, str) else len(content.data())
             if size > MAX_GRADE_FILE:

@@ -9,11 +9,16 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 
 from .images.buildspec import BuildSpec
-from .images.canary import check_canaries
+from .images.canary import MAX_CANARIES, Canaries
+from .images.names import ImageName as ImageName
+from .images.scrub import ScrubRule
 from .isolation.network.policy import NetworkAllow as NetworkAllow
 from .isolation.network.policy import NetworkSpec as NetworkSpec
 from .isolation.users import USER_SPEC
+from .tenancy import TenantName
 from .units import parse_size
+from .wire_types import MAX_COMMAND as MAX_COMMAND
+from .wire_types import AbsPath, Command, Env, Labels, int_range
 
 Kind = Literal["container", "function", "microvm", "vm"]
 KINDS: tuple[str, ...] = ("container", "function", "microvm", "vm")
@@ -24,7 +29,11 @@ DEFAULT_OUTPUT_CAP = 1 << 20
 MAX_OUTPUT_CAP = 64 << 20
 MAX_STDIN = 16 << 20
 DEFAULT_CPU_REQUEST = 0.25  # cores; idle agent sandboxes average a few percent of what they request
-MAX_COMMAND = 1 << 20  # argv + env bytes, like the kernel's ARG_MAX order of magnitude
+MIN_MEMORY, MAX_MEMORY = 8 << 20, 1 << 40
+MIN_DISK, MAX_DISK = 1 << 20, 16 << 40
+# the runtime writes files of its own under the sandbox's RLIMIT_FSIZE before the sandbox starts (crun
+# its seccomp filter, several KiB): below this a sandbox could not start
+MIN_FILE_SIZE = 1 << 20
 
 
 def _size(value: object) -> object:
@@ -33,7 +42,8 @@ def _size(value: object) -> object:
     return value
 
 
-Size = Annotated[int, BeforeValidator(_size), Field(ge=0)]
+# the bound before the parser: after it, pydantic states it as "ge", which JSON Schema does not know
+Size = Annotated[int, Field(ge=0), BeforeValidator(_size)]
 
 
 class State(StrEnum):
@@ -64,25 +74,36 @@ class Limits(_Strict):
         "default) and what sets the cpu weight. Idle agent sandboxes use a few percent of it.",
     )
     cpu_limit: float | None = Field(None, gt=0, le=256, description="Hard CPU ceiling in cores (none: no ceiling).")
-    memory: Size = Field(512 << 20, description="Hard memory limit in bytes (or '512Mi'): past it the OOM killer.")
+    memory: Size = Field(
+        512 << 20,
+        json_schema_extra=int_range(MIN_MEMORY, MAX_MEMORY),
+        description="Hard memory limit in bytes (or '512Mi'; 8Mi to 1Ti): past it the OOM killer.",
+    )
     memory_request: Size | None = Field(
         None,
+        json_schema_extra=int_range(0, MAX_MEMORY),
         description="Memory request in bytes (or '128Mi'): what admission counts against the node, and what "
         "the sandbox is reclaimed down to first under host memory pressure. Default: a quarter of the limit.",
     )
-    disk: Size = Field(1 << 30, description="Size limit of the writable layer in bytes (or '1Gi').")
+    disk: Size = Field(
+        1 << 30,
+        json_schema_extra=int_range(MIN_DISK, MAX_DISK),
+        description="Size limit of the writable layer in bytes (or '1Gi'; 1Mi to 16Ti).",
+    )
     pids: int = Field(1024, ge=8, le=1 << 20, description="Maximum number of processes and threads.")
     nofile: int = Field(65536, ge=64, le=1 << 20, description="RLIMIT_NOFILE (soft and hard) of every process.")
     file_size: Size | None = Field(
-        None, description="RLIMIT_FSIZE of every process in bytes (or '100Mi'); default: the disk limit."
+        None,
+        json_schema_extra=int_range(MIN_FILE_SIZE, MAX_DISK),
+        description="RLIMIT_FSIZE of every process in bytes (or '100Mi'; 1Mi to 16Ti); default: the disk limit.",
     )
 
     @field_validator("memory")
     @classmethod
     def _memory_floor(cls, v: int) -> int:
-        if v < (8 << 20):
+        if v < MIN_MEMORY:
             raise ValueError("memory must be at least 8Mi")
-        if v > (1 << 40):
+        if v > MAX_MEMORY:
             raise ValueError("memory must be at most 1Ti")
         return v
 
@@ -99,17 +120,19 @@ class Limits(_Strict):
     @field_validator("disk")
     @classmethod
     def _disk_floor(cls, v: int) -> int:
-        if v < (1 << 20):
+        if v < MIN_DISK:
             raise ValueError("disk must be at least 1Mi")
-        if v > (16 << 40):
+        if v > MAX_DISK:
             raise ValueError("disk must be at most 16Ti")
         return v
 
     @field_validator("file_size")
     @classmethod
     def _file_size_floor(cls, v: int | None) -> int | None:
-        if v is not None and v < 4096:
-            raise ValueError("file_size must be at least 4Ki")
+        if v is not None and v < MIN_FILE_SIZE:
+            raise ValueError("file_size must be at least 1Mi (the runtime writes files of its own under it)")
+        if v is not None and v > MAX_DISK:
+            raise ValueError("file_size must be at most 16Ti")
         return v
 
     def fsize(self) -> int:
@@ -121,24 +144,20 @@ class Limits(_Strict):
 TRAJECTORY_ID = r"^[A-Za-z0-9][A-Za-z0-9._:/@+-]{0,199}$"
 
 
-class CreateSandbox(_Strict):
-    image: str = Field("dsec/debian:12", min_length=1, max_length=256, description="Image name, repo:tag.")
+class SandboxSpec(_Strict):
+    """What a sandbox is: a single creation's body without its trajectory, and each one of a batch."""
+
+    image: ImageName = Field("dsec/debian:12")
     kind: Kind = Field("container", description="Sandbox kind.")
     limits: Limits = Field(default_factory=lambda: Limits())
     timeout: float = Field(600.0, gt=0, le=MAX_TTL_S, description="Time to live in seconds; reaped after.")
-    env: dict[str, str] = Field(default_factory=dict, description="Environment of every exec.")
-    labels: dict[str, str] = Field(default_factory=dict, description="Free-form labels to filter lists by.")
+    env: Env = Field(default_factory=dict, description="Environment of every exec.")
+    labels: Labels = Field(default_factory=dict, description="Free-form labels to filter lists by.")
     network: NetworkSpec = Field(
         None,
         description="None: loopback only. 'full': anything but the host, the daemon, metadata and other sandboxes. "
         "{'allow': ['CIDR:PORT', 'IP:PORT', 'NAME:PORT', ...]} (PORT a number or '*'): only those, tcp and udp; "
         "names through the platform's resolver. Container kind only for now.",
-    )
-    trajectory: str | None = Field(
-        None,
-        pattern=TRAJECTORY_ID,
-        description="Bind the sandbox to this trajectory (e.g. 'job-17/rollout-3'): its calls are logged, and "
-        "creating with the same id again returns the bound sandbox (rebuilt if it is gone) to fast-forward.",
     )
     queue_timeout: float | None = Field(
         None,
@@ -148,23 +167,14 @@ class CreateSandbox(_Strict):
         "with Retry-After (0: answer at once). Default: the node's --queue-timeout.",
     )
 
-    @field_validator("env")
-    @classmethod
-    def _env_names(cls, v: dict[str, str]) -> dict[str, str]:
-        for name, value in v.items():
-            if not name or "=" in name or "\0" in name or "\0" in value:
-                raise ValueError(f"invalid environment variable name or value: {name!r}")
-        return v
 
-    @field_validator("labels")
-    @classmethod
-    def _labels(cls, v: dict[str, str]) -> dict[str, str]:
-        if len(v) > 64:
-            raise ValueError("at most 64 labels")
-        for k, val in v.items():
-            if not k or len(k) > 128 or len(val) > 512:
-                raise ValueError(f"label {k!r} is empty or too long")
-        return v
+class CreateSandbox(SandboxSpec):
+    trajectory: str | None = Field(
+        None,
+        pattern=TRAJECTORY_ID,
+        description="Bind the sandbox to this trajectory (e.g. 'job-17/rollout-3'): its calls are logged, and "
+        "creating with the same id again returns the bound sandbox (rebuilt if it is gone) to fast-forward.",
+    )
 
 
 class SandboxInfo(BaseModel):
@@ -221,12 +231,7 @@ class ForkRequest(_Strict):
     timeout: float | None = Field(
         None, gt=0, le=MAX_TTL_S, description="Time to live of each copy in seconds; default: the parent's."
     )
-    labels: dict[str, str] | None = Field(None, description="Labels of the copies; default: the parent's.")
-
-    @field_validator("labels")
-    @classmethod
-    def _labels(cls, v: dict[str, str] | None) -> dict[str, str] | None:
-        return None if v is None else CreateSandbox._labels(v)
+    labels: Labels | None = Field(None, description="Labels of the copies; default: the parent's.")
 
 
 class ForkResult(BaseModel):
@@ -239,7 +244,7 @@ class SandboxList(BaseModel):
 
 
 class ExecRequest(_Strict):
-    cmd: str | list[str] = Field(..., description="A string is run by /bin/sh -c; a list is the argv.")
+    cmd: Command = Field(..., description="A string is run by /bin/sh -c; a list is the argv.")
     timeout: float = Field(60.0, gt=0, le=MAX_EXEC_TIMEOUT_S, description="Seconds before the whole tree is killed.")
     idle_timeout: float | None = Field(
         None,
@@ -247,8 +252,8 @@ class ExecRequest(_Strict):
         le=MAX_EXEC_TIMEOUT_S,
         description="Seconds without a byte on stdout or stderr before the whole tree is killed (none: no limit).",
     )
-    cwd: str | None = Field(None, max_length=4096, description="Working directory (absolute).")
-    env: dict[str, str] = Field(default_factory=dict)
+    cwd: AbsPath | None = Field(None, description="Working directory (absolute).")
+    env: Env = Field(default_factory=dict)
     stdin: str | None = Field(None, max_length=MAX_STDIN, description="Text fed to standard input.")
     user: str | None = Field(
         None,
@@ -259,33 +264,6 @@ class ExecRequest(_Strict):
     output_limit: int = Field(
         DEFAULT_OUTPUT_CAP, ge=1024, le=MAX_OUTPUT_CAP, description="Bytes kept per stream (head and tail)."
     )
-
-    @field_validator("cmd")
-    @classmethod
-    def _cmd(cls, v: str | list[str]) -> str | list[str]:
-        if isinstance(v, str):
-            if not v.strip():
-                raise ValueError("cmd is empty")
-            if "\0" in v:
-                raise ValueError("cmd contains a NUL byte")
-        else:
-            if not v or not v[0]:
-                raise ValueError("cmd argv is empty")
-            if any("\0" in a for a in v):
-                raise ValueError("cmd contains a NUL byte")
-        return v
-
-    @field_validator("cwd")
-    @classmethod
-    def _cwd(cls, v: str | None) -> str | None:
-        if v is not None and (not v.startswith("/") or "\0" in v):
-            raise ValueError("cwd must be an absolute path")
-        return v
-
-    @field_validator("env")
-    @classmethod
-    def _env(cls, v: dict[str, str]) -> dict[str, str]:
-        return CreateSandbox._env_names(v)
 
     @model_validator(mode="after")
     def _size(self) -> ExecRequest:
@@ -363,8 +341,7 @@ class ImageInfo(BaseModel):
     )
 
 
-def _check_canaries(v: list[str]) -> list[str]:
-    return check_canaries(v)
+CANARIES_DOC = "Canary strings (8-4096 characters): the publish is refused if any layer of the image holds one."
 
 
 class SnapshotRequest(BaseModel):
@@ -372,38 +349,24 @@ class SnapshotRequest(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    name: str = Field(min_length=1, max_length=256, description="repo:tag of the new image; must not exist yet.")
-    scrub: list[str] = Field(
+    name: ImageName = Field(description="repo:tag of the new image; must not exist yet.")
+    scrub: list[ScrubRule] = Field(
         default_factory=list, max_length=1024, description="Extra residue rules (globs relative to /)."
     )
     scrub_defaults: bool = Field(default=True, description="Apply the node's default residue rules too.")
     description: str = Field(default="", max_length=4096)
-    canaries: list[str] = Field(
-        default_factory=list,
-        max_length=256,
-        description="Canary strings (8-4096 bytes): the publish is refused if any layer of the image holds one.",
-    )
-
-    _canaries = field_validator("canaries")(_check_canaries)
+    canaries: Canaries = Field(default_factory=list, max_length=MAX_CANARIES, description=CANARIES_DOC)
 
 
 class ImportRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    name: str = Field(min_length=1, max_length=256)
-    path: str = Field(
-        min_length=1, max_length=4096, description="OCI layout directory or docker-save tarball on the node."
-    )
+    name: ImageName
+    path: AbsPath = Field(description="OCI layout directory or docker-save tarball on the node (absolute).")
     reference: str | None = Field(
         default=None, max_length=256, description="Which image, when the input holds several."
     )
-    canaries: list[str] = Field(
-        default_factory=list,
-        max_length=256,
-        description="Canary strings (8-4096 bytes): the publish is refused if any layer of the image holds one.",
-    )
-
-    _canaries = field_validator("canaries")(_check_canaries)
+    canaries: Canaries = Field(default_factory=list, max_length=MAX_CANARIES, description=CANARIES_DOC)
 
 
 class LayerStats(BaseModel):
@@ -465,18 +428,12 @@ class BuildRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     spec: BuildSpec
-    args: dict[str, str] = Field(default_factory=dict, description="Build arguments every step sees as env vars.")
-    secrets: dict[str, str] = Field(
+    args: Env = Field(default_factory=dict, description="Build arguments every step sees as env vars.")
+    secrets: Env = Field(
         default_factory=dict,
         description="Secret arguments: seen only by steps that name them; never logged, cached by, or packed.",
     )
-    canaries: list[str] = Field(
-        default_factory=list,
-        max_length=256,
-        description="Canary strings (8-4096 bytes): the publish is refused if any layer of the image holds one.",
-    )
-
-    _canaries = field_validator("canaries")(_check_canaries)
+    canaries: Canaries = Field(default_factory=list, max_length=MAX_CANARIES, description=CANARIES_DOC)
 
 
 class BuildStepResult(BaseModel):
@@ -498,7 +455,7 @@ class BuildResult(BaseModel):
 
 
 class TenantCreate(_Strict):
-    name: str = Field(max_length=256, description="1-63 characters of a-z, 0-9 and '-'; never reused.")
+    name: TenantName = Field(description="1-63 characters of a-z, 0-9 and '-'; never reused ('admin' is the operator).")
 
 
 class TenantInfo(BaseModel):

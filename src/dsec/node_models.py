@@ -8,11 +8,16 @@ same figures (``GET /v1/node``).
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field
+from typing import Annotated
 
-from .models import CreateSandbox, ErrorBody, SandboxInfo, Size
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from .models import TRAJECTORY_ID, ErrorBody, SandboxInfo, SandboxSpec, Size
+from .wire_types import int_range, on_type
 
 MAX_BATCH = 10_000
+MAX_TOP = 10_000  # GET /v1/node?top=N: at most this many of the caller's sandboxes
+MAX_QUOTA_MEMORY = 1 << 50  # 1Pi: within 2**53, where a JSON number is still exact for every client
 
 
 class Resources(BaseModel):
@@ -87,9 +92,12 @@ class BatchCreate(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     count: int = Field(ge=1, le=MAX_BATCH, description="How many sandboxes.")
-    sandbox: CreateSandbox = Field(default_factory=CreateSandbox, description="What each one is.")
-    trajectories: list[str] | None = Field(
-        None, description="One trajectory id per sandbox (count of them), to bind each to its own."
+    sandbox: SandboxSpec = Field(default_factory=SandboxSpec, description="What each one is.")
+    trajectories: list[Annotated[str, Field(pattern=TRAJECTORY_ID)]] | None = Field(
+        None,
+        max_length=MAX_BATCH,
+        json_schema_extra=on_type("array", uniqueItems=True),
+        description="One trajectory id per sandbox (exactly count of them, all different), to bind each to its own.",
     )
 
 
@@ -111,4 +119,15 @@ class TenantQuota(BaseModel):
 
     sandboxes: int | None = Field(None, ge=0, le=1_000_000, description="Live sandboxes.")
     cpu: float | None = Field(None, ge=0, le=1_000_000, description="Sum of CPU requests, in cores.")
-    memory: Size | None = Field(None, description="Sum of memory requests, in bytes (or '64Gi').")
+    memory: Size | None = Field(
+        None,
+        json_schema_extra=int_range(0, MAX_QUOTA_MEMORY),
+        description="Sum of memory requests, in bytes (or '64Gi').",
+    )
+
+    @field_validator("memory")
+    @classmethod
+    def _memory(cls, v: int | None) -> int | None:
+        if v is not None and v > MAX_QUOTA_MEMORY:
+            raise ValueError("memory must be at most 1Pi")
+        return v

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from .grade_models import GradeFile, _clean_abs
+from .grade_models import GradeFile
+from .images.names import ImageName
 from .isolation.network.policy import NetworkSpec
 from .isolation.users import USER_SPEC
 from .models import (
@@ -15,7 +16,6 @@ from .models import (
     MAX_EXEC_TIMEOUT_S,
     MAX_OUTPUT_CAP,
     MAX_STDIN,
-    CreateSandbox,
     ErrorBody,
     ExecRequest,
     ExecResult,
@@ -23,6 +23,7 @@ from .models import (
     Limits,
     _Strict,
 )
+from .wire_types import PATH_MAX, PATH_NO_DOTDOT, CleanAbsPath, Command, Env, clean_abs
 
 RUN_DIR = "/tmp"
 MAX_RUN_FILES = 256
@@ -41,9 +42,18 @@ class RunRequest(_Strict):
     """One command in a sandbox that exists only for this call: by default lent from a warm pool of the
     ``function`` kind and reset after. Give ``command`` or ``code``, not both."""
 
-    image: str = Field("dsec/debian:12", min_length=1, max_length=256, description="Image name, repo:tag.")
+    model_config = ConfigDict(
+        json_schema_extra={
+            "oneOf": [
+                {"required": ["command"], "properties": {"command": {"type": ["string", "array"]}}},
+                {"required": ["code"], "properties": {"code": {"type": "string"}}},
+            ]
+        }
+    )
+
+    image: ImageName = Field("dsec/debian:12")
     kind: Kind = Field("function", description="Sandbox kind ('function': from a warm pool).")
-    command: str | list[str] | None = Field(
+    command: Command | None = Field(
         None, description="A string is run by /bin/sh -c; a list is the argv. Exclusive with code."
     )
     code: str | None = Field(
@@ -53,26 +63,21 @@ class RunRequest(_Strict):
     stdin: str | None = Field(None, max_length=MAX_STDIN, description="Text fed to standard input.")
     files: dict[str, str | GradeFile] = Field(
         default_factory=dict,
-        description="Files written before the command: path (relative paths are under cwd) -> content.",
+        json_schema_extra={
+            "maxProperties": MAX_RUN_FILES,
+            "propertyNames": {"minLength": 1, "maxLength": PATH_MAX, "pattern": PATH_NO_DOTDOT},
+        },
+        description=f"Files written before the command: path (relative paths are under cwd; no '..') -> content "
+        f"({MAX_RUN_TOTAL} bytes in all).",
     )
-    cwd: str = Field(RUN_DIR, max_length=4096, description="Working directory; /tmp is emptied between uses.")
-    env: dict[str, str] = Field(default_factory=dict)
+    cwd: CleanAbsPath = Field(RUN_DIR, description="Working directory; /tmp is emptied between uses.")
+    env: Env = Field(default_factory=dict)
     timeout: float = Field(60.0, gt=0, le=MAX_EXEC_TIMEOUT_S, description="Seconds before the whole tree is killed.")
     idle_timeout: float | None = Field(None, gt=0, le=MAX_EXEC_TIMEOUT_S, description="Seconds without output.")
     output_limit: int = Field(DEFAULT_OUTPUT_CAP, ge=1024, le=MAX_OUTPUT_CAP, description="Bytes kept per stream.")
     user: str | None = Field(None, pattern=USER_SPEC, description="Account of the image to run as.")
     limits: Limits = Field(default_factory=lambda: Limits())
     network: NetworkSpec = Field(None, description="As for a sandbox; None: loopback only.")
-
-    @field_validator("cwd")
-    @classmethod
-    def _cwd(cls, v: str) -> str:
-        return _clean_abs(v, "cwd")
-
-    @field_validator("env")
-    @classmethod
-    def _env(cls, v: dict[str, str]) -> dict[str, str]:
-        return CreateSandbox._env_names(v)
 
     @field_validator("files")
     @classmethod
@@ -81,7 +86,7 @@ class RunRequest(_Strict):
             raise ValueError(f"at most {MAX_RUN_FILES} files")
         total = 0
         for path, content in v.items():
-            if not path or "\0" in path or ".." in path.split("/"):
+            if not path or "\0" in path or ".." in path.split("/") or len(path) > PATH_MAX:
                 raise ValueError(f"file path {path!r} is empty or contains NUL or '..'")
             total += len(content.content if isinstance(content, GradeFile) else content)
         if total > MAX_RUN_TOTAL:
@@ -92,8 +97,7 @@ class RunRequest(_Strict):
     def _one_program(self) -> RunRequest:
         if (self.command is None) == (self.code is None):
             raise ValueError("give exactly one of command and code")
-        if self.command is not None:
-            ExecRequest._cmd(self.command)
+        self.file_bytes()  # every file's path under cwd and its content decode now, not when the run starts
         return self
 
     def file_bytes(self) -> dict[str, bytes]:
@@ -101,7 +105,7 @@ class RunRequest(_Strict):
         out: dict[str, bytes] = {}
         for path, content in self.files.items():
             full = path if path.startswith("/") else f"{self.cwd.rstrip('/')}/{path}"
-            out[_clean_abs(full, "file path")] = content.data() if isinstance(content, GradeFile) else content.encode()
+            out[clean_abs(full, "file path")] = content.data() if isinstance(content, GradeFile) else content.encode()
         if self.code is not None:
             out[f"{self.cwd.rstrip('/')}/{LANGUAGES[self.language][1]}"] = self.code.encode()
         return out

@@ -112,15 +112,26 @@ def free_port() -> int:
         return port
 
 
-def start_daemon(state_dir: Path, *extra: str, module: str = "dsec", e2b: bool = False) -> Daemon:
+def start_daemon(
+    state_dir: Path,
+    *extra: str,
+    module: str = "dsec",
+    e2b: bool = False,
+    repository: Path = IMAGES_DIR / "repository",
+    listen: str | None = None,
+) -> Daemon:
     """``python -m MODULE serve`` (the security suite's negative control passes its weakened entry point);
-    ``e2b``: with the E2B-compatible API on a free loopback port."""
+    ``e2b``: with the E2B-compatible API on a free loopback port; ``listen``: http://HOST:PORT instead of
+    the state directory's socket."""
     state_dir.mkdir(parents=True, exist_ok=True)
     e2b_url = f"http://127.0.0.1:{free_port()}" if e2b else None
     if e2b_url is not None:
         extra = (*extra, "--e2b-listen", e2b_url)
+    if listen is not None:
+        extra = (*extra, "--listen", listen)
     log = state_dir / "daemon.log"
     sock = state_dir / "dsec.sock"
+    url = listen or f"unix://{sock}"
     with open(log, "ab") as f:
         proc = subprocess.Popen(
             [
@@ -131,7 +142,7 @@ def start_daemon(state_dir: Path, *extra: str, module: str = "dsec", e2b: bool =
                 "--state-dir",
                 str(state_dir),
                 "--repository",
-                str(IMAGES_DIR / "repository"),
+                str(repository),
                 "--log-level",
                 "info",
                 *extra,
@@ -145,11 +156,11 @@ def start_daemon(state_dir: Path, *extra: str, module: str = "dsec", e2b: bool =
         if proc.poll() is not None:
             raise RuntimeError(f"daemon exited with {proc.returncode}: {log.read_text()[-3000:]}")
         token_file = state_dir / "token"
-        if sock.exists() and token_file.exists():
+        if (listen is not None or sock.exists()) and token_file.exists():
             token = token_file.read_text().strip()
             try:
-                dsec.Client(url=f"unix://{sock}", token=token).health()
-                return Daemon(state_dir, f"unix://{sock}", token, proc, log, e2b_url)
+                dsec.Client(url=url, token=token).health()
+                return Daemon(state_dir, url, token, proc, log, e2b_url)
             except dsec.DaemonUnreachable:
                 pass
         time.sleep(0.1)

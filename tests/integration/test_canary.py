@@ -129,7 +129,7 @@ def test_daemon_canaries_apply_to_every_publish(make_sandbox: Callable[..., dsec
         )
         print("\n[canary] scans on this node:", scans)
         assert scans
-        with pytest.raises(RuntimeError, match="a canary must be 8 to 4096 bytes"):  # refused at start
+        with pytest.raises(RuntimeError, match="a canary must be 8 to 4096 characters"):  # refused at start
             start_daemon(state / "refusing", "--canary", "short")
     finally:
         shut_down(node)

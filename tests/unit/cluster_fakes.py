@@ -140,9 +140,8 @@ class FakeNode:
                         err = {"code": "overloaded", "message": f"{node.name} is full", "detail": {"retry_after": 1}}
                         yield json.dumps({"index": i, "error": err}) + "\n"
                         continue
-                    spec = body.sandbox
-                    if body.trajectories:
-                        spec = spec.model_copy(update={"trajectory": body.trajectories[i]})
+                    trajectory = body.trajectories[i] if body.trajectories else None
+                    spec = CreateSandbox.model_validate({**body.sandbox.model_dump(), "trajectory": trajectory})
                     made += 1
                     event = BatchEvent(index=i, sandbox=node.make(spec))
                     yield event.model_dump_json(exclude_defaults=True) + "\n"

@@ -47,6 +47,23 @@ def test_health_needs_no_token(api: Api) -> None:
 
 
 @pytest.mark.parametrize(
+    ("method", "path", "allow"),
+    [
+        ("DELETE", "/v1/sandboxes", "GET, HEAD, POST"),  # two routes: the router alone named one
+        ("OPTIONS", "/v1/image", "DELETE, GET, HEAD"),
+        ("TRACE", "/v1/sandboxes/sb-1/exec", "POST"),
+        ("PUT", "/v1/sandboxes/batch", "POST"),  # the literal path, not /v1/sandboxes/{sandbox_id}
+    ],
+)
+def test_a_method_a_path_does_not_have_is_405_with_every_method_it_has(
+    api: Api, method: str, path: str, allow: str
+) -> None:
+    reply = api.client.request(method, path, headers=AUTH)
+    assert reply.status_code == 405 and reply.headers["allow"] == allow
+    assert error_of(reply)["code"] == "method_not_allowed"
+
+
+@pytest.mark.parametrize(
     "headers",
     [
         {},

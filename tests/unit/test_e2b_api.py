@@ -110,6 +110,10 @@ async def test_control_api_errors(served: tuple[str, SandboxManager, FakeBackend
         assert (await http.get("/v2/sandboxes", params={"nextToken": "!!"})).status_code == 400
         assert (await http.get("/volumes")).status_code == 501
         assert (await http.post("/sandboxes/sb-nope/timeout", json={"timeout": 5})).status_code == 404
+        # a method a path of ours does not have: a 405 naming every method it has (not E2B's 501)
+        for method in ("DELETE", "TRACE"):
+            refused = await http.request(method, "/v2/sandboxes")
+            assert refused.status_code == 405 and refused.headers["allow"] == "GET, POST", method
 
 
 async def test_pages_and_metadata_filters(served: tuple[str, SandboxManager, FakeBackend]) -> None:

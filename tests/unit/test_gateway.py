@@ -265,6 +265,13 @@ async def test_auth_and_refused_routes(cluster: Harness) -> None:
         assert gc.status_code == 409 and "gc" in gc.json()["error"]["message"]
         tenants = await http.post("/v1/tenants", headers=AUTH, json={"name": "x"})
         assert tenants.status_code == 400
+        # a method a node API path does not have: a 405 naming those it has, as a node answers
+        for method, path, allow in (("PATCH", "/metrics", "GET, HEAD"), ("DELETE", "/v1/health", "GET, HEAD")):
+            refused = await http.request(method, path, headers=AUTH)
+            assert refused.status_code == 405 and refused.headers["allow"] == allow, (method, path)
+        assert (await http.get("/v1/node", params={"top": "-1"}, headers=AUTH)).status_code == 400
+        # an id no request line can carry is asked for percent-encoded: not found, not a 500
+        assert (await http.get("/v1/sandboxes/\u00e9\U0001f600?x", headers=AUTH)).status_code == 404
 
 
 async def test_no_healthy_node_is_a_clear_error_not_a_hang(cluster: Harness) -> None:

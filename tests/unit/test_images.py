@@ -12,6 +12,8 @@ from dsec.errors import ImageExists, ImageInUse, ImageNotFound, InvalidRequest
 from dsec.images import erofs
 from dsec.images.chunks import chunk_key
 from dsec.images.model import ImageVersion, LayerRole, image_key, layer_key, tag_key
+from dsec.images.names import MAX_REFERENCE, MAX_STORED
+from dsec.images.oci import read_image
 from dsec.images.scrub import DEFAULT_RULES, ScrubRules
 from dsec.images.store import BUILTIN, ImageStore, normalize
 
@@ -53,7 +55,7 @@ def test_normalize(name: str, norm: str) -> None:
         "x:-dash",
         "x:tag:again",
         "x:" + "t" * 129,
-        "a" * 257,
+        "a" * (MAX_STORED + 1),
         "x\0y",
         "host:5000/img",
     ],
@@ -97,6 +99,35 @@ async def test_unknown_images(tmp_path: Path) -> None:
         await store.ensure("nobody/nothing")
     with pytest.raises(InvalidRequest):
         await store.resolve("Bad Name")
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "a" * MAX_REFERENCE,  # no tag: stored as NAME:latest, past the bound by the suffix
+        "r/" + "p" * (MAX_REFERENCE - 2 - 1 - 128) + ":" + "t" * 128,
+        "x" * 125 + ":1",  # just past what one file name holds (250 hex characters)
+        "x" * 122 + ":1",  # just within it: the key of every name allowed before keeps its place
+    ],
+)
+async def test_the_longest_names_are_published_listed_and_removed(tmp_path: Path, name: str) -> None:
+    """Every name the rule allows has a tag in a local repository (whose file names hold 255 bytes)."""
+    make_image(tmp_path, name)
+    store = store_at(tmp_path)
+    norm = normalize(name)
+    assert (await store.resolve(name, build=False)).name == norm
+    assert norm in {i.name for i in await store.list()}
+    assert [i.name for i in await store.history(name)] == [norm]
+    key = tag_key(norm)
+    assert (tmp_path / "repository" / key).is_file() and all(len(p) <= 255 for p in key.split("/"))
+    await store.remove(name, in_use=set())
+    with pytest.raises(ImageNotFound):
+        await store.info(name)
+
+
+def test_tag_keys_of_short_names_are_unchanged() -> None:
+    assert tag_key("dsec/debian:12") == "tags/647365632f64656269616e3a3132.json"
+    assert tag_key("x" * 125).count("/") == 1 and tag_key("x" * 126).count("/") == 2
 
 
 async def test_a_published_name_is_immutable(tmp_path: Path) -> None:
@@ -240,3 +271,14 @@ def test_node_rules_extend_the_defaults_and_calls_extend_the_node() -> None:
     assert call.matches("srv/keys/k") and call.matches("work/answers/a") and call.matches("tmp/x")
     only = node.plus(["work/answers/*"], defaults=False)
     assert only.patterns == ("work/answers/*",) and not only.matches("tmp/x")
+
+
+@pytest.mark.parametrize("where", ["x" * 300, "file/below"])
+async def test_a_path_that_names_no_readable_file_is_the_callers_error(tmp_path: Path, where: str) -> None:
+    """A name longer than a file name, a file where a directory should be: 400s, not OSErrors (500s)."""
+    (tmp_path / "file").write_bytes(b"x")
+    with pytest.raises(InvalidRequest, match="cannot read"):
+        read_image(tmp_path / where)
+    store = store_at(tmp_path / "images")
+    with pytest.raises(InvalidRequest):
+        await store.import_image(str(tmp_path / where), "test/imported:1")

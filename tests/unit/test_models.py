@@ -5,6 +5,7 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
+from dsec.images.names import MAX_REFERENCE
 from dsec.models import (
     MAX_EXEC_TIMEOUT_S,
     MAX_TTL_S,
@@ -124,7 +125,8 @@ def test_create_parses_nested_limits() -> None:
         {"extra": 1},
         {"limits": {"memory": "512Mi", "bogus": 1}},
         {"image": ""},
-        {"image": "x" * 257},
+        {"image": "x" * (MAX_REFERENCE + 1)},
+        {"image": "Upper/case"},
         {"kind": "banana"},
         {"timeout": 0},
         {"timeout": -1},

@@ -144,7 +144,7 @@ async def test_batch_streams_each_sandbox_and_reports_the_ones_refused(node: Nod
     [
         ({"count": 2, "trajectories": ["a"]}, "has 1 ids for a batch of 2"),
         ({"count": 2, "trajectories": ["a", "a"]}, "twice"),
-        ({"count": 1, "sandbox": {"trajectory": "t"}}, "one id per sandbox"),
+        ({"count": 1, "sandbox": {"trajectory": "t"}}, "sandbox.trajectory: Extra inputs"),  # 'trajectories' binds
         ({"count": 0}, "count"),
         ({"count": 10_001}, "count"),
     ],
@@ -192,7 +192,7 @@ async def test_quotas_bound_one_tenant(node: Node) -> None:
     assert (await op.post("/v1/sandboxes", json={"image": IMAGE})).status_code == 201  # the node has room
     # only the operator sets quotas, and the operator has none
     assert (await tenant.put("/v1/tenants/team/quota", json={"sandboxes": 9})).status_code == 403
-    assert (await op.put("/v1/tenants/admin/quota", json={"sandboxes": 9})).status_code == 400
+    assert (await op.put("/v1/tenants/admin/quota", json={"sandboxes": 9})).status_code == 409
     assert (await op.put("/v1/tenants/nobody/quota", json={"sandboxes": 9})).status_code == 404
     assert (await op.put("/v1/tenants/team/quota", json={"cpu": -1})).status_code == 400
     # a tenant sees only its own sandboxes in the node's top list, and cannot read the metrics

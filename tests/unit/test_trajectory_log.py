@@ -559,8 +559,8 @@ async def test_header_rules(daemon: Daemon) -> None:
     ]
     for method, suffix, kwargs in numbered:
         reply = await d.raw(method, f"/v1/sandboxes/{plain.id}{suffix}", seq=1, **kwargs)
-        assert reply.status_code == 400, (method, suffix, reply.text)
-        assert error_of(reply)["code"] == "invalid_request"
+        assert reply.status_code == 409, (method, suffix, reply.text)  # sound, but this sandbox takes none
+        assert error_of(reply)["code"] == "invalid_state"
     assert d.backend.calls == plain_before
     assert (await plain.exec(["echo", "plain"])).stdout == "echo plain\n"  # unbound calls carry no position
 

@@ -85,7 +85,9 @@ class Directory:
         node = self.node_of(sandbox_id)
         if node is not None:
             return node
-        found = await first_ok(self.nodes.routable(), f"/v1/sandboxes/{sandbox_id}")
+        # the id as the client's path had it (percent-encoded): a decoded one may hold '/', '?' or what
+        # a request line cannot carry
+        found = await first_ok(self.nodes.routable(), f"/v1/sandboxes/{quote(sandbox_id, safe='')}")
         if found is None:
             return None
         node, reply = found

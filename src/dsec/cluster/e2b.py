@@ -23,7 +23,7 @@ import logging
 import secrets
 from datetime import datetime
 from typing import Any
-from urllib.parse import parse_qsl, urlencode
+from urllib.parse import parse_qsl, quote, urlencode
 
 from pydantic import ValidationError
 from starlette.types import Receive, Scope, Send
@@ -173,7 +173,7 @@ class E2BGateway:
             # the directory learns where it is from the node's own API (the E2B answer is no SandboxInfo)
             try:
                 sandbox_id = str(json.loads(reply.content)["sandboxID"])
-                info = await node.http.request("GET", f"/v1/sandboxes/{sandbox_id}", timeout=10)
+                info = await node.http.request("GET", f"/v1/sandboxes/{quote(sandbox_id, safe='')}", timeout=10)
                 if info.status == 200:
                     self.gw.directory.record_json(node, info.content)
             except (ValueError, KeyError, TypeError, Broken) as e:

@@ -29,8 +29,9 @@ from pydantic import ValidationError
 from .. import __version__
 from ..errors import validation_message
 from ..models import CreateSandbox, ForkResult, Health, SandboxInfo, SandboxList
-from ..node_models import NodeStatus
+from ..node_models import MAX_TOP, NodeStatus
 from ..run_models import PoolList, RunRequest
+from ..server.allow import allowed_methods, routed
 from ..server.disconnect import CLIENT_GONE, GONE, unless_gone
 from ..trajectory_models import TrajectoryList
 from . import aggregate
@@ -130,6 +131,9 @@ class Gateway:
     async def _dispatch(self, scope: Scope, receive: Receive, send: Send) -> None:
         path: str = scope["path"]
         method: str = scope["method"]
+        if routed(path, method) is False:  # routed before authenticated, as on a node
+            allow = ", ".join(sorted(allowed_methods(path) or ()))
+            raise Failure(405, "method_not_allowed", f"{method} {path}", allow=allow)
         if path == "/v1/health":
             await self._health(send)
             return
@@ -406,9 +410,10 @@ class Gateway:
         await answer_json(send, 200, Health(ok=bool(live), version=__version__, kinds=kinds))
 
     async def _node(self, scope: Scope, send: Send) -> None:
-        top = 0
-        with contextlib.suppress(ValueError):
-            top = int(parse_qs(query(scope)).get("top", ["0"])[-1])
+        text = parse_qs(query(scope), keep_blank_values=True).get("top", ["0"])[-1]
+        if not (text.isascii() and text.isdigit() and int(text) <= MAX_TOP):  # the node's own bound
+            raise Failure(400, "invalid_request", f"top must be a whole number from 0 to {MAX_TOP}, not {text[:40]!r}")
+        top = int(text)
         if top > 0:
             replies = await self.fan_out(self.nodes.healthy(), f"/v1/node?top={top}")
             statuses = [NodeStatus.model_validate_json(r.content) for _, r in replies if r.status == 200]
@@ -475,6 +480,9 @@ class Gateway:
             replies = await self.fan_out(self.nodes.routable(), "/v1/trajectories" + (f"?{qs}" if qs else ""))
             merged: dict[str, Any] = {}
             for _, reply in replies:
+                if reply.status == 400:  # every node judges the query alike: refused by one, by all
+                    code, message, detail = reply.error()
+                    raise Failure(400, code, message, detail)
                 if reply.status == 200:
                     for t in TrajectoryList.model_validate_json(reply.content).trajectories:
                         if t.id not in merged or t.updated_at > merged[t.id].updated_at:

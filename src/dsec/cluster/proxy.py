@@ -30,9 +30,12 @@ NDJSON_TYPE = b"application/x-ndjson"
 class Failure(Exception):
     """A call the gateway answers with an error of its own (code and status as the node would)."""
 
-    def __init__(self, status: int, code: str, message: str, detail: dict[str, object] | None = None) -> None:
+    def __init__(
+        self, status: int, code: str, message: str, detail: dict[str, object] | None = None, allow: str = ""
+    ) -> None:
         super().__init__(message)
         self.status, self.code, self.message, self.detail = status, code, message, detail or {}
+        self.allow = allow  # a 405's Allow header: the methods the path has
 
     def body(self) -> bytes:
         return (
@@ -114,6 +117,8 @@ async def fail(send: Send, f: Failure) -> None:
     retry_after = f.detail.get("retry_after")
     if isinstance(retry_after, int | float):
         headers.append((b"retry-after", str(max(1, math.ceil(retry_after))).encode()))
+    if f.allow:
+        headers.append((b"allow", f.allow.encode()))
     await answer(send, f.status, f.body(), headers)
 
 

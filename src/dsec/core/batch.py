@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
 from ..errors import DsecError, InvalidRequest
-from ..models import ErrorBody
+from ..models import CreateSandbox, ErrorBody
 from ..node_models import BatchCreate, BatchEvent
 from ..tenancy import Caller
 
@@ -24,10 +24,6 @@ if TYPE_CHECKING:
 
 
 def check(req: BatchCreate) -> None:
-    if req.sandbox.trajectory is not None:
-        raise InvalidRequest(
-            "a batch binds trajectories with 'trajectories' (one id per sandbox), not sandbox.trajectory"
-        )
     if req.trajectories is not None:
         if len(req.trajectories) != req.count:
             raise InvalidRequest(f"'trajectories' has {len(req.trajectories)} ids for a batch of {req.count}")
@@ -40,10 +36,8 @@ async def create_many(mgr: SandboxManager, req: BatchCreate, caller: Caller) -> 
     events: asyncio.Queue[BatchEvent] = asyncio.Queue()
 
     async def one(index: int) -> None:
-        spec = req.sandbox
-        if req.trajectories is not None:
-            spec = spec.model_copy(update={"trajectory": req.trajectories[index]})
-            spec = type(spec).model_validate(spec.model_dump())  # the id's pattern is checked like a single create's
+        trajectory = req.trajectories[index] if req.trajectories is not None else None
+        spec = CreateSandbox.model_validate({**req.sandbox.model_dump(), "trajectory": trajectory})
         try:
             info = await mgr.create(spec, caller=caller)
         except DsecError as e:

@@ -10,7 +10,9 @@ from pathlib import Path
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
+from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match
 
 from .. import __version__
 from ..core.manager import SandboxManager
@@ -45,23 +47,42 @@ def create_e2b_app(manager: SandboxManager, options: E2BOptions, state_dir: Path
         return plain_error(400, validation_message(exc))
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, exc: StarletteHTTPException) -> Response:
-        return plain_error(exc.status_code, str(exc.detail))
+    async def _http(request: Request, exc: StarletteHTTPException) -> Response:
+        headers = dict(exc.headers or {})
+        if exc.status_code == 405:  # every method the path has, not only those of the route matched first
+            headers["Allow"] = ", ".join(allowed(request)) or headers.get("Allow", "")
+        return plain_error(exc.status_code, str(exc.detail), headers)
 
     @app.exception_handler(Exception)
     async def _internal(_: Request, exc: Exception) -> Response:
         log.exception("internal error in the E2B API")
         return plain_error(500, f"internal error: {type(exc).__name__}: {exc}")
 
-    app.include_router(envd.router)  # /health, /process.Process/*, /filesystem.Filesystem/*
-    app.include_router(files.router)  # /files
-    app.include_router(control.router)
-    app.add_api_route(
-        "/{rest:path}",
-        control.unsupported,
-        methods=["GET", "POST", "PUT", "PATCH", "DELETE"],
-        include_in_schema=False,
-    )
+    routers = (envd.router, files.router, control.router)  # /health, /process.Process/*, ...; /files; control
+    for router in routers:
+        app.include_router(router)
+
+    def allowed(request: Request) -> list[str]:
+        """The methods of our routes at the request's path (none: it is none of ours)."""
+        return sorted(
+            {
+                method
+                for router in routers
+                for route in router.routes
+                if isinstance(route, APIRoute) and route.matches(request.scope)[0] != Match.NONE
+                for method in route.methods or ()
+            }
+        )
+
+    async def other(request: Request) -> Response:
+        """A method a path of ours does not have: a 405 that says which it has; any other path: E2B's
+        endpoints dsec does not serve (control.unsupported)."""
+        methods = allowed(request)
+        if methods:
+            return plain_error(405, "Method Not Allowed", {"Allow": ", ".join(methods)})
+        return control.unsupported(request)
+
+    app.add_api_route("/{rest:path}", other, methods=["GET", "POST", "PUT", "PATCH", "DELETE"], include_in_schema=False)
     app.add_middleware(BodyLimit)
     app.add_middleware(Idempotency, error=lambda status, _code, message: plain_error(status, message))
     app.add_middleware(AuditMiddleware, prefix="", unaudited=("/health",), label="e2b ")

@@ -14,20 +14,23 @@ import math
 import time
 import urllib.parse
 from datetime import UTC, datetime
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Body, Depends, Header, Query, Request, Response
-from pydantic import ValidationError
+from pydantic import ValidationError, WithJsonSchema
 
 from ..errors import InvalidRequest, InvalidState, NotFound, SandboxNotFound, Unauthorized, validation_message
+from ..images.names import ImageName
 from ..isolation.network import policy
 from ..isolation.network.policy import NetworkAllow, NetworkSpec
 from ..models import TERMINAL_STATES, CreateSandbox, ForkRequest, Limits, SandboxInfo, SnapshotRequest, State
 from ..server.audit import note
 from ..server.disconnect import GONE, gone_response, unless_gone
 from ..tenancy import Caller
+from ..wire_types import TIME_SCHEMA
 from . import control_models as m
 from .auth import api_token, identify
+from .control_doc import add_bodies, doc
 from .errors import plain_error
 from .service import (
     META_CPU,
@@ -39,6 +42,7 @@ from .service import (
 )
 
 MAX_PAGE = 100
+STATES = r"^ *(running|paused)? *(, *(running|paused)? *)*$"  # as E2B's SDK sends them: 'running,paused'
 UNSUPPORTED = "is not supported by dsec's E2B API (see docs/e2b.md)"
 
 
@@ -208,8 +212,8 @@ async def _create(svc: E2BService, caller: Caller, raw: Any, idempotency_key: st
     return _json(_sandbox(svc, info), 201)
 
 
-@router.post("/sandboxes")
-@router.post("/v2/sandboxes")
+@router.post("/sandboxes", **doc(201, m.Sandbox, m.NewSandbox, body_required=True))
+@router.post("/v2/sandboxes", **doc(201, m.Sandbox, m.NewSandbox, body_required=True))
 async def create_sandbox(
     request: Request,
     svc: Svc,
@@ -239,14 +243,18 @@ def _after(token: str) -> tuple[float, str]:
         raise InvalidRequest(f"invalid nextToken {token[:40]!r}") from None
 
 
-@router.get("/v2/sandboxes")
+@router.get("/v2/sandboxes", **doc(200, list[m.ListedSandbox]))
 async def list_sandboxes(
     svc: Svc,
     caller: Who,
     metadata: str | None = None,
-    state: str | None = None,
-    order: str | None = None,
-    started_after: Annotated[datetime | None, Query(alias="startedAfter")] = None,
+    state: Annotated[str | None, Query(pattern=STATES, description="running and/or paused, comma-separated")] = None,
+    order: Literal["asc", "desc"] | None = None,
+    started_after: Annotated[
+        datetime | None,
+        Query(alias="startedAfter"),
+        WithJsonSchema(TIME_SCHEMA),
+    ] = None,
     template: str | None = None,
     next_token: Annotated[str | None, Query(alias="nextToken")] = None,
     limit: Annotated[int, Query(ge=1, le=MAX_PAGE)] = MAX_PAGE,
@@ -254,8 +262,6 @@ async def list_sandboxes(
     states = {s.strip() for s in (state or "running,paused").split(",") if s.strip()}
     if not states <= {"running", "paused"}:
         raise InvalidRequest(f"state must be running and/or paused, not {state!r}")
-    if order not in (None, "asc", "desc"):
-        raise InvalidRequest(f"order must be asc or desc, not {order!r}")
     infos = [i for i in svc.mgr.list(_metadata_filter(metadata), caller=caller) if _state(i) in states]
     if started_after is not None:
         after = started_after if started_after.tzinfo else started_after.replace(tzinfo=UTC)
@@ -275,13 +281,13 @@ async def list_sandboxes(
     return Response(body, media_type="application/json", headers=headers)
 
 
-@router.get("/sandboxes")
+@router.get("/sandboxes", **doc(200, list[m.ListedSandbox]))
 async def list_sandboxes_v1(svc: Svc, caller: Who, metadata: str | None = None) -> Response:
     infos = [i for i in svc.mgr.list(_metadata_filter(metadata), caller=caller) if i.state == State.running]
     return Response("[" + ",".join(_listed(i).wire().decode() for i in infos) + "]", media_type="application/json")
 
 
-@router.get("/sandboxes/{sandbox_id}")
+@router.get("/sandboxes/{sandbox_id}", **doc(200, m.SandboxDetail))
 async def get_sandbox(sandbox_id: str, svc: Svc, caller: Who) -> Response:
     info = _live(svc, sandbox_id, caller)
     network = info.network
@@ -297,7 +303,7 @@ async def get_sandbox(sandbox_id: str, svc: Svc, caller: Who) -> Response:
 # ---- lifecycle ---------------------------------------------------------------------------------------
 
 
-@router.delete("/sandboxes/{sandbox_id}")
+@router.delete("/sandboxes/{sandbox_id}", **doc(204))
 async def kill_sandbox(sandbox_id: str, svc: Svc, caller: Who) -> Response:
     _live(svc, sandbox_id, caller)
     rec = svc.mgr.record(sandbox_id, caller=caller)
@@ -306,7 +312,7 @@ async def kill_sandbox(sandbox_id: str, svc: Svc, caller: Who) -> Response:
     return Response(status_code=204)
 
 
-@router.post("/sandboxes/{sandbox_id}/timeout")
+@router.post("/sandboxes/{sandbox_id}/timeout", **doc(204, None, m.TimeoutRequest, body_required=True))
 async def set_timeout(sandbox_id: str, svc: Svc, caller: Who, body: Annotated[Any, Body()] = None) -> Response:
     req: m.TimeoutRequest = _parse(m.TimeoutRequest, body)
     _live(svc, sandbox_id, caller)
@@ -314,19 +320,18 @@ async def set_timeout(sandbox_id: str, svc: Svc, caller: Who, body: Annotated[An
     return Response(status_code=204)
 
 
-@router.post("/sandboxes/{sandbox_id}/refreshes")
+@router.post("/sandboxes/{sandbox_id}/refreshes", **doc(204, None, m.RefreshRequest))
 async def refresh(sandbox_id: str, svc: Svc, caller: Who, body: Annotated[Any, Body()] = None) -> Response:
-    """Keep-alive: the time to live becomes at least ``duration`` seconds from now."""
-    duration = (body or {}).get("duration", 60) if isinstance(body, dict) else 60
-    if not isinstance(duration, int) or not 0 < duration <= 3600:
-        raise InvalidRequest("duration must be an integer from 1 to 3600 seconds")
+    """Keep-alive: the time to live becomes at least ``duration`` seconds from now (a body that is no
+    object is no duration: the default)."""
+    duration = _parse(m.RefreshRequest, body if isinstance(body, dict) else None).duration
     info = _live(svc, sandbox_id, caller)
     if info.expires_at.timestamp() - time.time() < duration:
         svc.mgr.set_timeout(sandbox_id, float(duration), caller=caller)
     return Response(status_code=204)
 
 
-@router.post("/sandboxes/{sandbox_id}/pause")
+@router.post("/sandboxes/{sandbox_id}/pause", **doc(204, None, m.PauseRequest))
 async def pause_sandbox(sandbox_id: str, svc: Svc, caller: Who, body: Annotated[Any, Body()] = None) -> Response:
     _parse(m.PauseRequest, body)
     info = _live(svc, sandbox_id, caller)
@@ -352,14 +357,17 @@ async def _connect(sandbox_id: str, svc: E2BService, caller: Caller, body: Any) 
     return _json(_sandbox(svc, info), 201 if resumed else 200)
 
 
-@router.post("/sandboxes/{sandbox_id}/connect")
-@router.post("/v2/sandboxes/{sandbox_id}/connect")
-@router.post("/sandboxes/{sandbox_id}/resume")
+_CONNECT = doc(200, m.Sandbox, m.ConnectRequest, also={201: m.Sandbox})  # 201: it was paused and is resumed
+
+
+@router.post("/sandboxes/{sandbox_id}/connect", **_CONNECT)
+@router.post("/v2/sandboxes/{sandbox_id}/connect", **_CONNECT)
+@router.post("/sandboxes/{sandbox_id}/resume", **_CONNECT)
 async def connect_sandbox(sandbox_id: str, svc: Svc, caller: Who, body: Annotated[Any, Body()] = None) -> Response:
     return await _connect(sandbox_id, svc, caller, body)
 
 
-@router.get("/sandboxes/{sandbox_id}/metrics")
+@router.get("/sandboxes/{sandbox_id}/metrics", **doc(200, list[m.SandboxMetric]))
 async def metrics(sandbox_id: str, svc: Svc, caller: Who) -> Response:
     """The latest usage sample the node took of the sandbox (every 2 s), as E2B's one-item series."""
     info = _live(svc, sandbox_id, caller)
@@ -378,7 +386,7 @@ async def metrics(sandbox_id: str, svc: Svc, caller: Who) -> Response:
     return Response(b"[" + sample.wire() + b"]", media_type="application/json")
 
 
-@router.post("/sandboxes/{sandbox_id}/snapshots")
+@router.post("/sandboxes/{sandbox_id}/snapshots", **doc(201, m.SnapshotInfo, m.SnapshotRequest))
 async def snapshot(sandbox_id: str, svc: Svc, caller: Who, body: Annotated[Any, Body()] = None) -> Response:
     """pack_diff: the sandbox's changes become a new image, which a create can name as its template."""
     req: m.SnapshotRequest = _parse(m.SnapshotRequest, body)
@@ -389,8 +397,8 @@ async def snapshot(sandbox_id: str, svc: Svc, caller: Who, body: Annotated[Any, 
     return _json(m.SnapshotInfo(snapshot_id=image.name, names=[image.name]), 201)
 
 
-@router.delete("/templates/{template_id:path}")
-async def delete_snapshot(template_id: str, svc: Svc, caller: Who) -> Response:
+@router.delete("/templates/{template_id:path}", **doc(204))
+async def delete_snapshot(template_id: ImageName, svc: Svc, caller: Who) -> Response:
     """Delete a snapshot (or any image of the caller's): its name is freed."""
     try:
         await svc.mgr.remove_image(template_id, caller=caller)
@@ -399,7 +407,7 @@ async def delete_snapshot(template_id: str, svc: Svc, caller: Who) -> Response:
     return Response(status_code=204)
 
 
-@router.post("/sandboxes/{sandbox_id}/fork")
+@router.post("/sandboxes/{sandbox_id}/fork", **doc(201, list[m.ForkResult], m.ForkRequest))
 async def fork(sandbox_id: str, svc: Svc, caller: Who, body: Annotated[Any, Body()] = None) -> Response:
     """VM kinds: copies restored from one memory snapshot (all or none in dsec)."""
     req: m.ForkRequest = _parse(m.ForkRequest, body)
@@ -411,7 +419,7 @@ async def fork(sandbox_id: str, svc: Svc, caller: Who, body: Annotated[Any, Body
     return Response("[" + ",".join(items) + "]", status_code=201, media_type="application/json")
 
 
-@router.put("/sandboxes/{sandbox_id}/network")
+@router.put("/sandboxes/{sandbox_id}/network", **doc(204, None, m.NetworkUpdate))
 async def update_network(sandbox_id: str, svc: Svc, caller: Who, body: Annotated[Any, Body()] = None) -> Response:
     req: m.NetworkUpdate = _parse(m.NetworkUpdate, body)
     if req.rules:
@@ -427,3 +435,14 @@ async def update_network(sandbox_id: str, svc: Svc, caller: Who, body: Annotated
 def unsupported(request: Request) -> Response:
     """Every other E2B endpoint (templates, volumes, secrets, logs, ...): a 501 that says so."""
     return plain_error(501, f"{request.method} {request.url.path} {UNSUPPORTED}")
+
+
+def openapi_document() -> dict[str, Any]:
+    """The control routes' OpenAPI document, from their models (control_doc.py)."""
+    from fastapi import FastAPI
+
+    from .. import __version__
+
+    app = FastAPI(title="dsec E2B-compatible control API", version=__version__)
+    app.include_router(router)
+    return add_bodies(app.openapi())

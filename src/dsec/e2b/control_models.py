@@ -7,15 +7,69 @@ are refused by the routes with a clear error rather than silently dropped.
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema
+
+from ..images.names import MAX_REFERENCE, NAME_BODY, ImageName
+from ..isolation.network.policy import ALLOW_DESTINATION
+from ..models import KINDS, MAX_TTL_S, TRAJECTORY_ID
+from ..wire_types import MAX_LABEL_KEY, MAX_LABEL_VALUE, MAX_LABELS, Env
 
 # the envd version this layer speaks: the SDK turns features on by it (octet-stream uploads from 0.5.7,
 # file metadata from 0.6.2, watch entries from 0.6.3, network-mount watches from 0.6.4)
 ENVD_VERSION = "0.6.4"
 CLIENT_ID = "dsec"
 DEFAULT_TIMEOUT = 300  # seconds, E2B's default time to live
+MAX_TIMEOUT = int(MAX_TTL_S)
+# a template id: an alias (--e2b-template, named by the same rule), 'base', or an image with an optional
+# '@KIND' (e.g. dsec/debian:12@microvm)
+TEMPLATE_ID = rf"^{NAME_BODY}(@(?:{'|'.join(KINDS)}))?$"
+MAX_TEMPLATE_ID = MAX_REFERENCE  # an image name's bound: with '@KIND' the name is shorter, without it as long
+# What the schema states of what dsec cannot honour: absent, null or empty (the routes refuse the rest
+# with a 400 that says so); of network egress: allowOut entries are destinations, and denyOut must deny
+# everything (0.0.0.0/0) for allowOut to be an allowlist.
+UNSUPPORTED = WithJsonSchema({"type": "null", "description": "Not supported by dsec (docs/e2b.md)."})
+Destinations = Annotated[
+    list[str] | None,
+    WithJsonSchema(
+        {
+            "anyOf": [
+                {
+                    "type": "array",
+                    "maxItems": 256,
+                    "items": {"type": "string", "maxLength": 253, "pattern": ALLOW_DESTINATION},
+                },
+                {"type": "null"},
+            ]
+        }
+    ),
+]
+DenyAll = Annotated[
+    list[str] | None,
+    WithJsonSchema(
+        {
+            "anyOf": [
+                {"type": "array", "maxItems": 256, "items": {"type": "string"}, "contains": {"enum": ["0.0.0.0/0"]}},
+                {"type": "array", "maxItems": 0},
+                {"type": "null"},
+            ]
+        }
+    ),
+]
+# metadata: the sandbox's labels (one is taken by the template id); dsec.* keys choose what E2B has no
+# word for (their values checked as a sandbox's limits are)
+METADATA_SCHEMA = {
+    "type": "object",
+    "maxProperties": MAX_LABELS - 1,
+    "propertyNames": {"type": "string", "minLength": 1, "maxLength": MAX_LABEL_KEY},
+    "additionalProperties": {"type": "string", "maxLength": MAX_LABEL_VALUE},
+    "properties": {
+        "dsec.kind": {"enum": list(KINDS)},
+        "dsec.trajectory": {"type": "string", "pattern": TRAJECTORY_ID},
+    },
+}
+Metadata = Annotated[dict[str, str], WithJsonSchema(METADATA_SCHEMA)]
 
 
 class _In(BaseModel):
@@ -30,42 +84,51 @@ class _Out(BaseModel):
 
 
 class NetworkConfig(_In):
-    allow_out: list[str] | None = Field(None, alias="allowOut")
-    deny_out: list[str] | None = Field(None, alias="denyOut")
+    allow_out: Destinations = Field(None, alias="allowOut")
+    deny_out: DenyAll = Field(None, alias="denyOut")
     allow_public_traffic: bool | None = Field(None, alias="allowPublicTraffic")
-    mask_request_host: str | None = Field(None, alias="maskRequestHost")
-    rules: Any = None
-    egress_proxy: Any = Field(None, alias="egressProxy")
-    dns_servers: Any = Field(None, alias="dnsServers")
-    https_ports: Any = Field(None, alias="httpsPorts")
+    mask_request_host: Annotated[str | None, UNSUPPORTED] = Field(None, alias="maskRequestHost")
+    rules: Annotated[Any, UNSUPPORTED] = None
+    egress_proxy: Annotated[Any, UNSUPPORTED] = Field(None, alias="egressProxy")
+    dns_servers: Annotated[Any, UNSUPPORTED] = Field(None, alias="dnsServers")
+    https_ports: Annotated[Any, UNSUPPORTED] = Field(None, alias="httpsPorts")
 
 
 class Lifecycle(_In):
-    on_timeout: Any = Field(None, alias="onTimeout")
+    on_timeout: Annotated[Any, WithJsonSchema({"enum": [None, "kill", {"action": "kill"}]})] = Field(
+        None, alias="onTimeout"
+    )
     auto_resume: Any = Field(None, alias="autoResume")
 
 
 class NewSandbox(_In):
     """POST /v2/sandboxes (and the older POST /sandboxes)."""
 
-    template_id: str = Field(..., alias="templateID", min_length=1, max_length=300)
-    timeout: int = Field(DEFAULT_TIMEOUT, ge=1)
-    auto_pause: bool = Field(False, alias="autoPause")
+    # the schema states the rule; the route checks it (saying which part is wrong: the kind, the image)
+    template_id: Annotated[
+        str, WithJsonSchema({"type": "string", "minLength": 1, "maxLength": MAX_TEMPLATE_ID, "pattern": TEMPLATE_ID})
+    ] = Field(..., alias="templateID", min_length=1, max_length=MAX_TEMPLATE_ID)
+    timeout: int = Field(DEFAULT_TIMEOUT, ge=1, le=MAX_TIMEOUT)
+    auto_pause: Annotated[bool, WithJsonSchema({"const": False})] = Field(False, alias="autoPause")
     auto_pause_memory: Any = Field(None, alias="autoPauseMemory")
     auto_resume: Any = Field(None, alias="autoResume")
     allow_internet_access: bool | None = Field(None, alias="allowInternetAccess")
     network: NetworkConfig | None = None
-    metadata: dict[str, str] = Field(default_factory=dict)
-    env_vars: dict[str, str] = Field(default_factory=dict, alias="envVars")
-    mcp: Any = None
-    iam: Any = None
-    volume_mounts: list[Any] | None = Field(None, alias="volumeMounts")
+    metadata: Metadata = Field(default_factory=dict)
+    env_vars: Env = Field(default_factory=dict, alias="envVars")
+    mcp: Annotated[Any, UNSUPPORTED] = None
+    iam: Annotated[Any, UNSUPPORTED] = None
+    volume_mounts: Annotated[list[Any] | None, UNSUPPORTED] = Field(None, alias="volumeMounts")
     lifecycle: Lifecycle | None = None
     secure: bool | None = None
 
 
 class TimeoutRequest(_In):
-    timeout: int = Field(..., ge=0)
+    timeout: int = Field(..., ge=1, le=MAX_TIMEOUT)
+
+
+class RefreshRequest(_In):
+    duration: int = Field(60, ge=1, le=3600, description="Seconds the sandbox lives at least from now.")
 
 
 class PauseRequest(_In):
@@ -76,26 +139,26 @@ class PauseRequest(_In):
 class ConnectRequest(_In):
     """POST /v2/sandboxes/{id}/connect, and the older /sandboxes/{id}/connect and /resume."""
 
-    timeout: int = Field(DEFAULT_TIMEOUT, ge=1)
+    timeout: int = Field(DEFAULT_TIMEOUT, ge=1, le=MAX_TIMEOUT)
     memory: bool | None = None
     auto_pause: bool | None = Field(None, alias="autoPause")
 
 
 class SnapshotRequest(_In):
-    name: str | None = Field(None, max_length=256)
+    name: ImageName | None = None
     memory: bool | None = None
 
 
 class ForkRequest(_In):
-    timeout: int | None = Field(None, ge=1)
+    timeout: int | None = Field(None, ge=1, le=MAX_TIMEOUT)
     count: int = Field(1, ge=1, le=20)
 
 
 class NetworkUpdate(_In):
-    allow_out: list[str] | None = Field(None, alias="allowOut")
-    deny_out: list[str] | None = Field(None, alias="denyOut")
+    allow_out: Destinations = Field(None, alias="allowOut")
+    deny_out: DenyAll = Field(None, alias="denyOut")
     allow_internet_access: bool | None = Field(None, alias="allowInternetAccess")
-    rules: Any = None
+    rules: Annotated[Any, UNSUPPORTED] = None
 
 
 class Sandbox(_Out):

@@ -25,14 +25,36 @@ from __future__ import annotations
 import json
 import tomllib
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 import blake3
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, WithJsonSchema, model_validator
 
 from ..errors import InvalidRequest, validation_message
 from ..isolation.users import USER_SPEC
+from ..wire_types import BLANK, NO_NUL, PATH_MAX, AbsPath, Env, EnvName
 from .model import LayerRole
+from .names import ImageName
+from .scrub import ScrubRule
+
+MAX_PACKAGES = 1024  # per apt or pip step
+MAX_PACKAGE = 512  # characters of one package name or requirement
+# a package name (with a version), no option and no white space; not '-' first
+PACKAGE = rf"^[^\-\x00{BLANK}][^\x00{BLANK}]*$"
+
+
+def _check_package(package: str) -> str:
+    bad = package.startswith("-") or "\0" in package or any(c.isspace() for c in package)
+    if not package or bad or len(package) > MAX_PACKAGE:
+        raise ValueError(f"invalid package {package[:80]!r}: a name (with a version), no options or spaces")
+    return package
+
+
+Package = Annotated[
+    str,
+    AfterValidator(_check_package),
+    WithJsonSchema({"type": "string", "minLength": 1, "maxLength": MAX_PACKAGE, "pattern": PACKAGE}),
+]
 
 HOST_CA_BUNDLE = "/etc/ssl/certs/ca-certificates.crt"
 BUILDER_CA = "/etc/dsec-build/ca-certificates.crt"  # where a builder finds the host's CAs (scrubbed from layers)
@@ -41,26 +63,43 @@ BUILDER_CA = "/etc/dsec-build/ca-certificates.crt"  # where a builder finds the 
 class CopyStep(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    src: str = Field(description="A file or directory on the client; the SDK uploads it as a build context.")
-    dest: str = Field(pattern=r"^/", description="Absolute destination directory in the image.")
+    src: str = Field(
+        max_length=PATH_MAX,
+        pattern=NO_NUL,
+        description="A file or directory on the client; the SDK uploads it as a build context.",
+    )
+    dest: AbsPath = Field(description="Absolute destination directory in the image.")
     context: str | None = Field(
         default=None, pattern=r"^[0-9a-f]{64}$", description="blake3 of the uploaded tar (set by the SDK)."
     )
 
 
+# a step's action and its JSON type: the schema's oneOf says a step has exactly one (a null is none)
+ACTIONS = {"apt": "array", "pip": "array", "copy": "object", "run": "string", "env": "object", "workdir": "string"}
+
+
 class Step(BaseModel):
     """Exactly one action per step: apt, pip, copy, run, env or workdir."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(
+        extra="forbid",
+        json_schema_extra={
+            "oneOf": [{"required": [a], "properties": {a: {"type": t}}} for a, t in ACTIONS.items()],
+        },
+    )
 
-    apt: list[str] | None = Field(default=None, description="Debian packages to install.")
-    pip: list[str] | None = Field(default=None, description="Python requirements to install.")
+    apt: list[Package] | None = Field(default=None, max_length=MAX_PACKAGES, description="Debian packages to install.")
+    pip: list[Package] | None = Field(
+        default=None, max_length=MAX_PACKAGES, description="Python requirements to install."
+    )
     copy_: CopyStep | None = Field(default=None, alias="copy")
-    run: str | None = Field(default=None, max_length=1 << 16, description="A shell command.")
-    env: dict[str, str] | None = Field(default=None, description="Set in the image config (no layer).")
-    workdir: str | None = Field(default=None, pattern=r"^/", description="Set in the image config (no layer).")
+    run: str | None = Field(default=None, max_length=1 << 16, pattern=NO_NUL, description="A shell command.")
+    env: Env | None = Field(default=None, description="Set in the image config (no layer).")
+    workdir: AbsPath | None = Field(default=None, description="Set in the image config (no layer).")
     role: LayerRole | None = Field(default=None, description="Default: toolkit for apt/pip, workspace otherwise.")
-    secrets: list[str] = Field(default_factory=list, description="Secret arguments this step sees as env vars.")
+    secrets: list[EnvName] = Field(
+        default_factory=list, max_length=MAX_PACKAGES, description="Secret arguments this step sees as env vars."
+    )
     timeout: float = Field(default=3600.0, gt=0, le=24 * 3600)
 
     @model_validator(mode="after")
@@ -68,9 +107,6 @@ class Step(BaseModel):
         actions = [a for a in ("apt", "pip", "copy_", "run", "env", "workdir") if getattr(self, a) is not None]
         if len(actions) != 1:
             raise ValueError(f"a step needs exactly one of apt, pip, copy, run, env, workdir (got {actions or 'none'})")
-        for package in [*(self.apt or []), *(self.pip or [])]:
-            if not package or package.startswith("-") or any(c.isspace() for c in package):
-                raise ValueError(f"invalid package {package!r}: a name (with a version), no options or spaces")
         return self
 
     @property
@@ -117,21 +153,25 @@ class Step(BaseModel):
 class BuildSpec(BaseModel):
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
 
-    name: str = Field(min_length=1, max_length=256, description="repo:tag of the image to publish.")
-    base: str = Field(alias="from", min_length=1, max_length=256, description="The image to build on.")
-    env: dict[str, str] = Field(default_factory=dict)
-    workdir: str | None = Field(default=None, pattern=r"^/")
+    name: ImageName = Field(description="repo:tag of the image to publish.")
+    base: ImageName = Field(alias="from", description="The image to build on.")
+    env: Env = Field(default_factory=dict)
+    workdir: AbsPath | None = None
     user: str | None = Field(
         default=None,
         pattern=USER_SPEC,
         description="The runtime account sandboxes of the image run as (steps always run as the builder, root).",
     )
-    entrypoint: list[str] | None = None
+    entrypoint: list[Annotated[str, Field(max_length=PATH_MAX, pattern=NO_NUL)]] | None = Field(
+        default=None, max_length=1024
+    )
     steps: list[Step] = Field(default_factory=list, max_length=256)
-    scrub: list[str] = Field(default_factory=list, description="Residue rules on top of the node's defaults.")
+    scrub: list[ScrubRule] = Field(
+        default_factory=list, max_length=1024, description="Residue rules on top of the node's defaults."
+    )
     scrub_defaults: bool = True
     scrub_git: bool = Field(default=False, description="Drop git objects unreachable from HEAD before packing.")
-    description: str = ""
+    description: str = Field(default="", max_length=4096)
 
     def step_key(self, parent_key: str, step: Step, args: dict[str, str]) -> str:
         """The cache key of a step's layer: what it was built on, what it does, what it could see."""

@@ -12,7 +12,7 @@ files, directories, whiteouts), symlink targets, and extended attribute names an
 Known partial: contents are searched as stored, not decoded. A canary inside a compressed file (gzip,
 zip, a wheel, an xz'd tarball) or an encoded one (base64, UTF-16, hex) is not found; neither is one
 split across files, or across path components (names are searched one component at a time).
-Canaries shorter than ``MIN_CANARY`` bytes are refused: they would match by chance.
+Canaries shorter than ``MIN_CANARY`` characters are refused: they would match by chance.
 
 Verdicts are cached per (layer digest, canary set): layers are immutable, so a base layer shared by
 many images is scanned once per canary set. The cache key is a keyed hash, so the cache on disk does
@@ -36,9 +36,10 @@ from contextvars import ContextVar
 from dataclasses import dataclass, field
 from hashlib import sha256
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Annotated
 
 import blake3
+from pydantic import AfterValidator, WithJsonSchema
 
 from ..errors import BackendError, InvalidRequest, ResidueFound
 
@@ -48,7 +49,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("dsec.images")
 
-MIN_CANARY = 8
+MIN_CANARY = 8  # characters (as JSON Schema counts them): at least as many bytes
 MAX_CANARY = 4096
 MAX_CANARIES = 256
 BLOCK = 1 << 20
@@ -76,14 +77,30 @@ def check_canaries(values: Iterable[str]) -> list[str]:
     for v in values:
         if not isinstance(v, str) or "\0" in v:
             raise InvalidRequest("a canary must be a string without NUL bytes")
-        n = len(v.encode())
+        n = len(v)
         if not MIN_CANARY <= n <= MAX_CANARY:
-            raise InvalidRequest(f"a canary must be {MIN_CANARY} to {MAX_CANARY} bytes long (got one of {n})")
+            raise InvalidRequest(f"a canary must be {MIN_CANARY} to {MAX_CANARY} characters long (got one of {n})")
         if v not in out:
             out.append(v)
     if len(out) > MAX_CANARIES:
         raise InvalidRequest(f"at most {MAX_CANARIES} canaries")
     return out
+
+
+# a call's canaries on the wire: deduplicated, so at most MAX_CANARIES distinct ones (the list may repeat)
+Canaries = Annotated[
+    list[str],
+    AfterValidator(check_canaries),
+    WithJsonSchema(
+        {
+            "type": "array",
+            "items": {"type": "string", "minLength": MIN_CANARY, "maxLength": MAX_CANARY, "pattern": r"^[^\x00]*$"},
+            "maxItems": MAX_CANARIES,
+            "description": f"Canary strings ({MIN_CANARY}-{MAX_CANARY} characters): the publish is refused if "
+            "any layer of the image holds one.",
+        }
+    ),
+]
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,8 @@ named by the blake3 digest of its canonical JSON, so a published version can nev
 - ``chunks/XX/<blake3>``: chunk bytes (see chunks.py), shared by every layer that holds them;
 - ``layers/<digest>.json``: a layer's manifest (its EROFS blob as chunks);
 - ``images/<digest>.json``: an image version;
-- ``tags/<hex of repo:tag>.json``: which version a name points at;
+- ``tags/<hex of repo:tag>.json``: which version a name points at (a long name's hex split in 250-character
+  directory levels);
 - ``traces/<layer digest>.json``: chunk access order recorded on first runs, used to prefetch.
 """
 
@@ -128,9 +129,17 @@ def image_key(digest: str) -> str:
     return f"images/{digest}.json"
 
 
+# hex characters per path component of a tag key: with ".json", within a file name's 255 bytes (NAME_MAX)
+TAG_KEY_PART = 250
+
+
 def tag_key(name: str) -> str:
-    # hex: one to one, one flat directory, and nothing an object store could mis-encode
-    return f"tags/{name.encode().hex()}.json"
+    # hex: one to one, and nothing an object store could mis-encode. A name too long for one file name
+    # (over 125 bytes) continues in subdirectories, so every name the wire accepts has a key, and the
+    # keys of shorter names (all names before long ones were allowed) stay what they were.
+    text = name.encode().hex()
+    parts = [text[i : i + TAG_KEY_PART] for i in range(0, len(text), TAG_KEY_PART)]
+    return f"tags/{'/'.join(parts)}.json"
 
 
 def trace_key(layer_digest: str) -> str:

@@ -220,16 +220,25 @@ def _norm(name: str) -> str:
     return posixpath.normpath("/" + name).lstrip("/")
 
 
+# errors that say the path given is no readable file (the caller's to fix), not that the node failed
+_BAD_PATH = frozenset({errno.ENAMETOOLONG, errno.ENOTDIR, errno.ELOOP, errno.EACCES, errno.EPERM, errno.ENXIO})
+
+
+def unreadable(source: Path, e: OSError) -> DsecError:
+    if isinstance(e, FileNotFoundError):
+        return InvalidRequest(f"nothing to import at {source}")
+    cls = InvalidRequest if e.errno in _BAD_PATH else BackendError
+    return cls(f"cannot read {source}: {e.strerror}")
+
+
 def _open_source(source: Path) -> _Store:
-    if source.is_dir():
-        return _DirStore(source)
     try:
+        if source.is_dir():
+            return _DirStore(source)
         with open(source, "rb") as f:
             magic = f.read(2)
-    except FileNotFoundError:
-        raise InvalidRequest(f"nothing to import at {source}") from None
     except OSError as e:
-        raise BackendError(f"cannot read {source}: {e.strerror}") from None
+        raise unreadable(source, e) from None
     return _TarStore(source, gz=magic == GZIP_MAGIC)
 
 

@@ -12,6 +12,7 @@ import builtins
 import contextlib
 import os
 import re
+import secrets
 from abc import ABC, abstractmethod
 from collections.abc import Awaitable
 from pathlib import Path
@@ -94,7 +95,8 @@ class LocalRepository(LayerRepository):
     def _write(self, key: str, data: bytes) -> None:
         path = self._path(key)
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.{id(data)}.tmp")
+        # not named after the object: a name of 255 bytes (a long tag key's part) leaves no room for a suffix
+        tmp = path.with_name(f".{secrets.token_hex(8)}.tmp")
         try:
             with open(tmp, "wb") as f:
                 f.write(data)

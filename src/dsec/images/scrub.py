@@ -10,8 +10,13 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Annotated
+
+from pydantic import AfterValidator, WithJsonSchema
 
 from ..errors import InvalidRequest
+
+MAX_RULE = 1024
 
 DEFAULT_RULES: tuple[str, ...] = (
     # temporary files
@@ -51,9 +56,21 @@ DEFAULT_RULES: tuple[str, ...] = (
 )
 
 
+def check_rule(pattern: str) -> str:
+    if not pattern or pattern.startswith("/") or len(pattern) > MAX_RULE or "\0" in pattern:
+        raise InvalidRequest(f"invalid scrub rule {pattern[:80]!r}: a relative glob such as 'tmp/*' or '**/.netrc'")
+    return pattern
+
+
+ScrubRule = Annotated[
+    str,
+    AfterValidator(check_rule),
+    WithJsonSchema({"type": "string", "minLength": 1, "maxLength": MAX_RULE, "pattern": r"^[^/\x00][^\x00]*$"}),
+]
+
+
 def _compile(pattern: str) -> re.Pattern[str]:
-    if not pattern or pattern.startswith("/") or len(pattern) > 1024 or "\0" in pattern:
-        raise InvalidRequest(f"invalid scrub rule {pattern!r}: a relative glob such as 'tmp/*' or '**/.netrc'")
+    check_rule(pattern)
     parts = []
     i = 0
     while i < len(pattern):

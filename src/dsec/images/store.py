@@ -12,7 +12,6 @@ import asyncio
 import builtins
 import contextlib
 import logging
-import re
 import secrets
 import shutil
 import time
@@ -30,6 +29,7 @@ from .catalog import Catalog
 from .layers import NodeLayers
 from .lazy import Fetcher
 from .model import DEFAULT_PATH, ImageConfig, ImageVersion, LayerRef, LayerRole, Tag
+from .names import normalize
 from .repository import open_repository
 from .scrub import ScrubRules
 
@@ -37,7 +37,6 @@ log = logging.getLogger("dsec.images")
 
 __all__ = ["BUILTIN", "DEFAULT_PATH", "ImageRef", "ImageStore", "StagedLayer", "normalize"]
 
-_NAME_RE = re.compile(r"^[a-z0-9][a-z0-9._-]*(/[a-z0-9][a-z0-9._-]*)*(:[A-Za-z0-9_][A-Za-z0-9._-]{0,127})?$")
 DEFAULT_CACHE = 20 << 30
 
 
@@ -61,12 +60,6 @@ class StagedLayer:
     blob: Path
     scan: erofs.TreeScan
     seconds: float
-
-
-def normalize(name: str) -> str:
-    if not isinstance(name, str) or len(name) > 256 or not _NAME_RE.match(name):
-        raise InvalidRequest(f"invalid image name {name!r}: expected repo[:tag], e.g. dsec/debian:12")
-    return name if ":" in name.rsplit("/", 1)[-1] else f"{name}:latest"
 
 
 def _not_found(name: str) -> ImageNotFound:
@@ -374,7 +367,11 @@ class ImageStore:
         src = Path(path)
         if not src.is_absolute():
             raise InvalidRequest(f"import path {path!r} must be absolute (it is read on the daemon's node)")
-        if not await asyncio.to_thread(src.exists):
+        try:
+            found = await asyncio.to_thread(src.exists)
+        except OSError as e:  # a name too long, a file where a directory should be, ...
+            raise oci.unreadable(src, e) from None
+        if not found:
             raise InvalidRequest(f"nothing to import at {path} on the daemon's node")
         image = await asyncio.to_thread(oci.read_image, src, reference=reference)
         work = self.layers.tmp / f"import-{secrets.token_hex(4)}"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Mapping
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -12,17 +13,24 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..errors import DsecError, validation_message
 from ..models import ErrorBody, ErrorResponse
+from .allow import allowed_methods
 
 log = logging.getLogger("dsec.server")
 
 
-def error_response(status: int, code: str, message: str, detail: dict[str, object] | None = None) -> JSONResponse:
+def error_response(
+    status: int,
+    code: str,
+    message: str,
+    detail: dict[str, object] | None = None,
+    headers: Mapping[str, str] | None = None,
+) -> JSONResponse:
     body = ErrorResponse(error=ErrorBody(code=code, message=message, detail=detail or {}))
-    headers = None
+    out = dict(headers or {})
     retry_after = (detail or {}).get("retry_after")
     if isinstance(retry_after, int | float):
-        headers = {"Retry-After": str(max(1, math.ceil(retry_after)))}  # whole seconds, as HTTP says
-    return JSONResponse(status_code=status, content=body.model_dump(mode="json"), headers=headers)
+        out["Retry-After"] = str(max(1, math.ceil(retry_after)))  # whole seconds, as HTTP says
+    return JSONResponse(status_code=status, content=body.model_dump(mode="json"), headers=out or None)
 
 
 def install(app: FastAPI) -> None:
@@ -38,9 +46,14 @@ def install(app: FastAPI) -> None:
         return error_response(400, "invalid_request", validation_message(exc))
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         code = {401: "unauthorized", 404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
-        return error_response(exc.status_code, code, str(exc.detail))
+        headers = dict(exc.headers or {})
+        if exc.status_code == 405:  # every method the path has, not only those of the route matched first
+            allowed = allowed_methods(request.url.path)
+            if allowed:
+                headers["Allow"] = ", ".join(sorted(allowed))
+        return error_response(exc.status_code, code, str(exc.detail), headers=headers)
 
     @app.exception_handler(Exception)
     async def _internal(_: Request, exc: Exception) -> JSONResponse:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from typing import Annotated
+from typing import Annotated, Any
 
 from fastapi import APIRouter, Query, Request, Response
 from fastapi.responses import StreamingResponse
@@ -11,7 +11,8 @@ from fastapi.responses import StreamingResponse
 from ..core import batch
 from ..core.metrics import CONTENT_TYPE
 from ..core.node import node_status
-from ..node_models import BatchCreate, NodeStatus, TenantQuota
+from ..node_models import MAX_TOP, BatchCreate, NodeStatus, TenantQuota
+from ..tenancy import TenantName
 from .auth import CallerDep, OperatorDep
 from .routes import _ERRORS, Mgr
 
@@ -23,7 +24,7 @@ metrics_router = APIRouter()
 async def node(
     mgr: Mgr,
     caller: CallerDep,
-    top: Annotated[int, Query(ge=0, le=10_000, description="Also list this many of the caller's sandboxes.")] = 0,
+    top: Annotated[int, Query(ge=0, le=MAX_TOP, description="Also list this many of the caller's sandboxes.")] = 0,
 ) -> NodeStatus:
     """Capacity, oversubscription, what is admitted and queued, measured use; with ``top``, the caller's
     sandboxes using the most CPU."""
@@ -50,21 +51,26 @@ async def create_batch(body: BatchCreate, mgr: Mgr, caller: CallerDep, request: 
 
 
 @router.get("/tenants/{name}/quota", response_model=TenantQuota)
-async def get_quota(name: str, mgr: Mgr, _: OperatorDep) -> TenantQuota:
+async def get_quota(name: TenantName, mgr: Mgr, _: OperatorDep) -> TenantQuota:
     """What the tenant may hold on this node at once. Operator only."""
     mgr.tenants.get(name)
     return mgr.tenants.quota(name) or TenantQuota()
 
 
 @router.put("/tenants/{name}/quota", response_model=TenantQuota)
-async def set_quota(name: str, body: TenantQuota, mgr: Mgr, _: OperatorDep) -> TenantQuota:
+async def set_quota(name: TenantName, body: TenantQuota, mgr: Mgr, _: OperatorDep) -> TenantQuota:
     """Bound what the tenant may hold at once (fields left out: no bound of its own). Creations past
     it wait in the tenant's queue like creations past the node's capacity. Operator only."""
     return mgr.tenants.set_quota(name, body)
 
 
-@metrics_router.get("/metrics", response_class=Response)
-@router.get("/metrics", response_class=Response)
+_PROMETHEUS: dict[int | str, dict[str, Any]] = {
+    200: {"description": "Prometheus text format.", "content": {"text/plain": {"schema": {"type": "string"}}}}
+}
+
+
+@metrics_router.get("/metrics", response_class=Response, responses=_PROMETHEUS)
+@router.get("/metrics", response_class=Response, responses=_PROMETHEUS)
 async def metrics(mgr: Mgr, caller: CallerDep) -> Response:
     """Prometheus text format. The operator gets the node's: creations and failures by reason, create
     phases, the queue, capacity and requests, every sandbox's CPU and memory used against its request,

@@ -10,7 +10,7 @@ from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Body, Depends, Header, Query, Request, Response
 from fastapi.responses import StreamingResponse
-from pydantic import BaseModel
+from pydantic import BaseModel, WithJsonSchema
 
 from .. import __version__
 from ..core.manager import SandboxManager
@@ -18,6 +18,7 @@ from ..core.output import StreamForwarder
 from ..errors import DsecError, InvalidRequest
 from ..grade_models import GradeRequest, GradeResult
 from ..images.canary import call_canaries
+from ..images.names import ImageName
 from ..isolation.network import policy
 from ..models import (
     BuildRequest,
@@ -44,6 +45,7 @@ from ..models import (
     SnapshotRequest,
 )
 from ..trajectory_models import REPLAYED_HEADER, SEQ_HEADER
+from ..wire_types import MAX_LABELS, AbsPath
 from .audit import note
 from .auth import CallerDep, OperatorDep, authorize
 from .disconnect import GONE, gone_response, unless_gone
@@ -68,12 +70,19 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
         (410, "the sandbox is stopped, failed or lost"),
         (413, "a size limit was exceeded"),
         (422, "a build step failed, or a canary was found in an image being published"),
+        (429, "no room now on the node or in the tenant's quota (Retry-After says when to try again)"),
         (500, "the runtime failed"),
+        (504, "a sandbox's agent did not answer in time"),
     )
 }
 router = APIRouter(prefix="/v1", responses=_ERRORS)
-# a trajectory call's position (the SDK sends it on every call of a sandbox bound to a trajectory)
-Seq = Annotated[int | None, Header(alias=SEQ_HEADER, ge=0, description="Position of a trajectory call.")]
+# a trajectory call's position (the SDK sends it on every call of a sandbox bound to a trajectory); a
+# header is there or not, so the schema says an integer, not "or null"
+Seq = Annotated[
+    int | None,
+    Header(alias=SEQ_HEADER, ge=1, description="Position of a trajectory call (0 is the create)."),
+    WithJsonSchema({"type": "integer", "minimum": 1}),
+]
 api = APIRouter(dependencies=[Depends(authorize)])
 
 
@@ -98,13 +107,23 @@ async def create_sandbox(body: CreateSandbox, mgr: Mgr, caller: CallerDep, reque
 async def list_sandboxes(
     mgr: Mgr,
     caller: CallerDep,
-    label: Annotated[list[str], Query(description="key=value; repeat to require several")] = [],  # noqa: B006
+    label: Annotated[
+        list[str],
+        Query(max_length=MAX_LABELS, description="key=value; repeat to require several"),
+        WithJsonSchema(
+            {
+                "type": "array",
+                "maxItems": MAX_LABELS,
+                "items": {"type": "string", "pattern": "^[^=]+=", "maxLength": 1024},
+            }
+        ),
+    ] = [],  # noqa: B006
     all: bool = False,
 ) -> SandboxList:
     labels: dict[str, str] = {}
     for item in label:
         key, sep, value = item.partition("=")
-        if not sep or not key:
+        if not sep or not key or len(item) > 1024:
             raise InvalidRequest(f"label filter {item!r} must look like key=value")
         labels[key] = value
     return SandboxList(sandboxes=mgr.list(labels, include_finished=all, caller=caller))
@@ -141,7 +160,23 @@ def _mark(resp: Response, replayed: bool) -> Response:
     return resp
 
 
-@api.post("/sandboxes/{sandbox_id}/exec/stream", response_class=StreamingResponse)
+def _bytes(media_type: str, description: str) -> dict[str, Any]:
+    """An answer (or a request body) of raw bytes, as OpenAPI states one."""
+    return {"description": description, "content": {media_type: {"schema": {"type": "string", "format": "binary"}}}}
+
+
+def _upload(media_type: str, description: str) -> dict[str, Any]:
+    """A raw request body: any content type is read as bytes, so octet-stream is one too."""
+    body = _bytes(media_type, description)
+    body["content"]["application/octet-stream"] = body["content"][media_type]
+    return {"requestBody": {"required": False, **body}}
+
+
+@api.post(
+    "/sandboxes/{sandbox_id}/exec/stream",
+    response_class=StreamingResponse,
+    responses={200: _bytes("application/x-ndjson", "ExecEvent lines: output as it comes, then a result or an error.")},
+)
 async def exec_stream(
     sandbox_id: str, body: ExecRequest, mgr: Mgr, caller: CallerDep, request: Request, seq: Seq = None
 ) -> StreamingResponse:
@@ -188,16 +223,24 @@ async def exec_stream(
     return StreamingResponse(events(), media_type="application/x-ndjson")
 
 
-PathQ = Annotated[str, Query(min_length=1, max_length=4096, description="Absolute path inside the sandbox")]
+PathQ = Annotated[AbsPath, Query(description="Absolute path inside the sandbox")]
 
 
-@api.get("/sandboxes/{sandbox_id}/files")
+@api.get(
+    "/sandboxes/{sandbox_id}/files",
+    response_class=Response,
+    responses={200: _bytes("application/octet-stream", "The file's bytes.")},
+)
 async def read_file(sandbox_id: str, path: PathQ, mgr: Mgr, caller: CallerDep, seq: Seq = None) -> Response:
     data, replayed = await mgr.trajectories.call(sandbox_id, "read", {"path": path}, seq=seq, caller=caller)
     return _mark(Response(content=data, media_type="application/octet-stream"), replayed)
 
 
-@api.put("/sandboxes/{sandbox_id}/files", status_code=204)
+@api.put(
+    "/sandboxes/{sandbox_id}/files",
+    status_code=204,
+    openapi_extra=_upload("application/octet-stream", "The file's new content."),
+)
 async def write_file(
     sandbox_id: str,
     path: PathQ,
@@ -236,7 +279,11 @@ async def remove_file(
     return _mark(Response(status_code=204), replayed)
 
 
-@api.put("/sandboxes/{sandbox_id}/archive", status_code=204)
+@api.put(
+    "/sandboxes/{sandbox_id}/archive",
+    status_code=204,
+    openapi_extra=_upload("application/x-tar", "A tar archive, unpacked under path."),
+)
 async def upload_archive(
     sandbox_id: str, path: PathQ, request: Request, mgr: Mgr, caller: CallerDep, seq: Seq = None
 ) -> Response:
@@ -246,7 +293,11 @@ async def upload_archive(
     return _mark(Response(status_code=204), replayed)
 
 
-@api.get("/sandboxes/{sandbox_id}/archive")
+@api.get(
+    "/sandboxes/{sandbox_id}/archive",
+    response_class=Response,
+    responses={200: _bytes("application/x-tar", "A tar archive of path.")},
+)
 async def download_archive(sandbox_id: str, path: PathQ, mgr: Mgr, caller: CallerDep, seq: Seq = None) -> Response:
     data, replayed = await mgr.trajectories.call(sandbox_id, "download", {"path": path}, seq=seq, caller=caller)
     return _mark(Response(content=data, media_type="application/x-tar"), replayed)
@@ -304,7 +355,7 @@ async def set_network(
     return _mark(_json(status), replayed)
 
 
-ImageName = Annotated[str, Query(min_length=1, max_length=256, description="repo:tag")]
+ImageNameQ = Annotated[ImageName, Query()]
 
 
 @api.get("/images", response_model=ImageList)
@@ -313,23 +364,23 @@ async def list_images(mgr: Mgr, caller: CallerDep) -> ImageList:
 
 
 @api.get("/image", response_model=ImageInfo)
-async def image_info(mgr: Mgr, caller: CallerDep, name: ImageName) -> ImageInfo:
+async def image_info(mgr: Mgr, caller: CallerDep, name: ImageNameQ) -> ImageInfo:
     return await mgr.images.info(name, caller)
 
 
 @api.get("/image/history", response_model=ImageList)
-async def image_history(mgr: Mgr, caller: CallerDep, name: ImageName) -> ImageList:
+async def image_history(mgr: Mgr, caller: CallerDep, name: ImageNameQ) -> ImageList:
     """The version a name points at, then its ancestors (lineage), newest first."""
     return ImageList(images=await mgr.images.history(name, caller))
 
 
 @api.get("/image/stats", response_model=ImageStats)
-async def image_stats(mgr: Mgr, caller: CallerDep, name: ImageName) -> ImageStats:
+async def image_stats(mgr: Mgr, caller: CallerDep, name: ImageNameQ) -> ImageStats:
     return await mgr.images.stats(name, caller)
 
 
 @api.delete("/image", status_code=204)
-async def remove_image(mgr: Mgr, caller: CallerDep, name: ImageName) -> Response:
+async def remove_image(mgr: Mgr, caller: CallerDep, name: ImageNameQ) -> Response:
     """Free the name; its layers go at the next gc unless another image shares them."""
     await mgr.remove_image(name, caller=caller)
     return Response(status_code=204)
@@ -342,7 +393,7 @@ async def gc_images(mgr: Mgr, _: OperatorDep) -> GcResult:
 
 
 @api.post("/images/build", response_model=ImageInfo)
-async def build_image(mgr: Mgr, caller: CallerDep, name: ImageName) -> ImageInfo:
+async def build_image(mgr: Mgr, caller: CallerDep, name: ImageNameQ) -> ImageInfo:
     """Build a built-in image if it is not built yet (minutes for dsec/debian:12 on first use)."""
     return await mgr.images.ensure(name, caller)
 
@@ -357,7 +408,11 @@ class ContextRef(BaseModel):
     context: str
 
 
-@api.put("/build-contexts", response_model=ContextRef)
+@api.put(
+    "/build-contexts",
+    response_model=ContextRef,
+    openapi_extra=_upload("application/x-tar", "A tar archive of the files a copy step copies."),
+)
 async def put_context(request: Request, mgr: Mgr) -> ContextRef:
     """Upload a tar archive for a build's copy step; answered with its content digest."""
     return ContextRef(context=await mgr.builds.put_context(await request.body()))

@@ -6,10 +6,13 @@ from datetime import UTC, datetime
 from typing import Annotated
 
 from fastapi import APIRouter, Query
+from pydantic import WithJsonSchema
 
 from ..models import AuditList, AuditRecord, TenantCreate, TenantCreated, TenantInfo, TenantList, TenantRemoved
 from ..store.audit import Entry
 from ..store.tenants import Tenant
+from ..tenancy import TenantName
+from ..wire_types import TIME_SCHEMA
 from .auth import CallerDep, OperatorDep
 from .routes import _ERRORS, Mgr
 
@@ -44,7 +47,7 @@ async def list_tenants(mgr: Mgr, _: OperatorDep) -> TenantList:
 
 
 @router.delete("/tenants/{name}", response_model=TenantRemoved)
-async def remove_tenant(name: str, mgr: Mgr, _: OperatorDep) -> TenantRemoved:
+async def remove_tenant(name: TenantName, mgr: Mgr, _: OperatorDep) -> TenantRemoved:
     """Revoke the tenant's token at once and kill its live sandboxes; its images stay. Operator only."""
     revoked_at, killed = await mgr.remove_tenant(name)
     return TenantRemoved(name=name, revoked_at=datetime.fromtimestamp(revoked_at, UTC), killed=killed)
@@ -72,7 +75,9 @@ async def audit(
         str | None, Query(max_length=63, description="Operator only: only this tenant's calls (others: their own).")
     ] = None,
     since: Annotated[
-        datetime | None, Query(description="Only calls at or after this time (ISO 8601 or epoch).")
+        datetime | None,
+        Query(description="Only calls at or after this time (ISO 8601 or epoch seconds)."),
+        WithJsonSchema(TIME_SCHEMA),
     ] = None,
     limit: Annotated[int, Query(ge=1, le=10_000, description="The newest this many.")] = 100,
 ) -> AuditList:

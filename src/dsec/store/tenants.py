@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import Forbidden, InvalidRequest, NotFound, TenantExists
+from ..errors import Forbidden, InvalidRequest, InvalidState, NotFound, TenantExists
 from ..node_models import TenantQuota
 from ..tenancy import ADMIN, OPERATOR, Caller, check_tenant_name
 from .db import open_private
@@ -120,10 +120,11 @@ class TenantStore:
 
     def set_quota(self, name: str, quota: TenantQuota) -> TenantQuota:
         tenant = self.get(name)
+        # the request is sound; the tenant's state refuses it
         if tenant.operator:
-            raise InvalidRequest("the operator has no quota: the node's capacity bounds it")
+            raise InvalidState("the operator has no quota: the node's capacity bounds it")
         if tenant.revoked_at is not None:
-            raise InvalidRequest(f"tenant {name!r} was removed")
+            raise InvalidState(f"tenant {name!r} was removed")
         with self._lock:
             if quota == TenantQuota():
                 self._db.execute("DELETE FROM tenant_quotas WHERE name = ?", (name,))

@@ -260,8 +260,8 @@ class Trajectories:
         rec = self.mgr._get(sandbox_id, caller)
         tid = rec.runtime.get("trajectory")
         if tid is None or seq is None:
-            if seq is not None:
-                raise InvalidRequest(f"sandbox {sandbox_id} is not bound to a trajectory: {SEQ_HEADER} does not apply")
+            if seq is not None:  # a sound request the sandbox's state refuses: the same goes to a bound one
+                raise InvalidState(f"sandbox {sandbox_id} is not bound to a trajectory: {SEQ_HEADER} does not apply")
             # a kill from outside the trajectory (an operator, `dsec kill`) is allowed: the sandbox is
             # then lost to the trajectory, which rebuilds it when resumed
             if tid is not None and op.name in MUTATING_OPS and op.name != "kill":

@@ -11,9 +11,9 @@ from __future__ import annotations
 import ipaddress
 import re
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, field_validator
 
 MAX_ENTRIES = 256
 MAX_NAME = 253
@@ -86,15 +86,42 @@ def parse_entry(text: str) -> AllowEntry:
     return AllowEntry(net=None, name=valid_name(where), port=port)
 
 
+# An allow entry as the schema states it: a name, an address, or a network on a whole-octet prefix
+# (/8, /16, /24, /32) with its host octets zero, outside the unreachable ranges. What it leaves out is
+# checked by parse_entry alone: other prefixes (host bits zero, no overlap with those ranges), names of
+# more than 253 characters, white space around an entry.
+_OCTET = r"(?:25[0-5]|2[0-4][0-9]|1[0-9]{2}|[1-9]?[0-9])"
+# a first octet outside 0/8, 127/8, 169.254/16, 224/4 and 240/4 (169 apart: only 169.254 is out)
+_FIRST = r"(?:[1-9]|[1-9][0-9]|1[01][0-9]|12[0-6]|12[89]|1[3-5][0-9]|16[0-8]|1[7-9][0-9]|2[01][0-9]|22[0-3])"
+_FIRST_TWO = rf"(?:{_FIRST}\.{_OCTET}|169\.(?:25[0-35]|2[0-4][0-9]|1[0-9]{{2}}|[1-9]?[0-9]))"
+_NETWORK = (
+    rf"(?:{_FIRST_TWO}\.{_OCTET}\.{_OCTET}(?:/32)?|{_FIRST_TWO}\.{_OCTET}\.0/24|{_FIRST_TWO}\.0\.0/16"
+    rf"|{_FIRST}\.0\.0\.0/8)"
+)
+_LABEL_TEXT = r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
+_NAME = rf"(?:{_LABEL_TEXT}\.)*[A-Za-z](?:[A-Za-z0-9-]{{0,61}}[A-Za-z0-9])?\.?"  # the last label not a number
+_PORT = (
+    r"(?:\*|0{0,4}[1-9]|0{0,3}[1-9][0-9]|0{0,2}[1-9][0-9]{2}|0?[1-9][0-9]{3}|[1-5][0-9]{4}|6[0-4][0-9]{3}"
+    r"|65[0-4][0-9]{2}|655[0-2][0-9]|6553[0-5])"
+)
+ALLOW_ENTRY = rf"^(?:{_NETWORK}|{_NAME}):{_PORT}$"
+ALLOW_DESTINATION = rf"^(?:{_NETWORK}|{_NAME})$"  # an entry without its port (E2B's allowOut)
+# 255: no entry that long names a name over 253 characters (':*' is the shortest port)
+AllowEntryText = Annotated[
+    str, WithJsonSchema({"type": "string", "minLength": 3, "maxLength": MAX_NAME + 2, "pattern": ALLOW_ENTRY})
+]
+
+
 class NetworkAllow(BaseModel):
     """Only these destinations: ``CIDR:PORT``, ``IP:PORT`` or ``NAME:PORT`` (PORT 1-65535 or ``*``), tcp and udp."""
 
     model_config = ConfigDict(extra="forbid")
 
-    allow: list[str] = Field(
+    allow: list[AllowEntryText] = Field(
         default_factory=list,
         max_length=MAX_ENTRIES,
-        description="Destinations, e.g. '10.1.2.0/24:443', '1.2.3.4:53', 'pypi.org:443', 'example.com:*'.",
+        description="Destinations, e.g. '10.1.2.0/24:443', '1.2.3.4:53', 'pypi.org:443', 'example.com:*' (a "
+        "network's host bits zero; not loopback, link-local, multicast or reserved ranges).",
     )
 
     @field_validator("allow")
