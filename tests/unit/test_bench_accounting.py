@@ -14,7 +14,7 @@ import pytest
 from dsec.bench import accounting
 from dsec.bench.accounting import EXACT, Allowance, Known, Node
 from dsec.bench.churn import EXAMPLES, WORKLOADS, Tally
-from dsec.bench.soak import KINDS, Plan, allowances, quiet, steady
+from dsec.bench.soak import KINDS, Plan, allowances, quiet, steady, trend
 from dsec.models import ExecResult
 from dsec.store.sqlite import SCHEMA
 
@@ -96,6 +96,8 @@ def test_the_soaks_allowances_leave_every_object_counter_exact() -> None:
     for name in ("mounts.sandboxes", "cgroups.unified", "qemu.processes", "nft.elements", "uids.next_container_base"):
         assert rules.get(name, EXACT) is EXACT
     assert rules["daemon.threads"].slack == 6  # asyncio's default executor on two CPUs: min(32, 2 + 4)
+    # a template (memory image and its record) per VM kind and shape: plain and hostile limits
+    assert rules["cache.vm_templates"].cap == 8 and allowances(cpus=2, vm_kinds=1)["cache.vm_templates"].cap == 4
 
 
 # ---- counters read from a state dir -------------------------------------------------------------------
@@ -250,3 +252,12 @@ def test_plans_pick_only_the_chosen_kinds_and_scenarios_they_support() -> None:
 def test_hostile_outcomes_are_judged(work: str, res: ExecResult, contained: bool) -> None:
     _cmd, _kwargs, check = WORKLOADS[work]
     assert (check(res) is None) is contained
+
+
+def test_trend_is_the_slope_of_the_second_half_per_hour() -> None:
+    # grows 100 KiB a minute for ten minutes, then stays flat: the second half shows no growth
+    warm = [{"t_s": 60.0 * i, "daemon.rss_kib": 1000.0 + 100 * min(i, 10)} for i in range(40)]
+    assert trend(warm, "daemon.rss_kib") == 0.0
+    leak = [{"t_s": 60.0 * i, "daemon.rss_kib": 1000.0 + 100 * i} for i in range(40)]
+    assert trend(leak, "daemon.rss_kib") == 6000.0
+    assert trend(leak[:4], "daemon.rss_kib") is None

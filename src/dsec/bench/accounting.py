@@ -71,13 +71,15 @@ class Known:
 
     node: Node
     ids: set[str] = field(default_factory=set)
+    rowid: int = 0  # records read up to here (a record rewritten gets a new rowid: read again)
 
     def scan(self) -> None:
         state = self.node.state_dir
         for d in (state / "sandboxes", state / "vms"):
             with contextlib.suppress(OSError):
                 self.ids.update(e.name for e in os.scandir(d) if e.name.startswith(ID_PREFIXES))
-        self.ids.update(_record_ids(state / "state.db"))
+        ids, self.rowid = _record_ids(state / "state.db", self.rowid)
+        self.ids.update(ids)
         templates = state / "vm-templates"
         with contextlib.suppress(OSError):
             for kind in os.scandir(templates):
@@ -105,19 +107,22 @@ def _ro(path: Path) -> sqlite3.Connection:
     return sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=5)
 
 
-def _record_ids(db: Path) -> set[str]:
-    """Every sandbox id in the state database, and the worker each function sandbox was lent."""
+def _record_ids(db: Path, since: int = 0) -> tuple[set[str], int]:
+    """Sandbox ids of the records after rowid ``since``, and the worker each function sandbox was lent;
+    and the last rowid read."""
     ids: set[str] = set()
     if not db.exists():
-        return ids
+        return ids, since
     with contextlib.suppress(sqlite3.Error), contextlib.closing(_ro(db)) as conn:
-        for sid, runtime in conn.execute("SELECT id, runtime FROM sandboxes"):
+        query = "SELECT rowid, id, runtime FROM sandboxes WHERE rowid > ? ORDER BY rowid"
+        for rowid, sid, runtime in conn.execute(query, (since,)):
             ids.add(sid)
+            since = rowid
             with contextlib.suppress(ValueError, TypeError, AttributeError):
                 worker = json.loads(runtime).get("worker")
                 if isinstance(worker, dict) and isinstance(worker.get("id"), str):
                     ids.add(worker["id"])
-    return ids
+    return ids, since
 
 
 # ---- the counters -----------------------------------------------------------------------------------
@@ -136,7 +141,19 @@ def mounts(node: Node) -> Counters:
             rel = point[len(root) :]
             where = "layers" if rel.startswith(("images/", "vm-templates/")) else rel.split("/", 1)[0]
             out[f"mounts.{where if where in ('layers', 'sandboxes', 'vms', 'helpers') else 'other'}"] += 1
+    out["mounts.loop_devices"] = loop_devices(node.state_dir)
     return dict(out)
+
+
+def loop_devices(state_dir: Path) -> int:
+    """Loop devices backed by a file in the state dir (layers mount through one where the kernel's EROFS
+    cannot mount a file)."""
+    root = str(state_dir.resolve()).rstrip("/") + "/"
+    count = 0
+    for backing in Path("/sys/block").glob("loop*/loop/backing_file"):
+        with contextlib.suppress(OSError):
+            count += backing.read_text().strip().startswith(root)
+    return count
 
 
 def _hierarchies() -> list[tuple[str, Path]]:

@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..errors import InvalidState
+from ..errors import DsecError, InvalidState
 from ..models import ExecResult
 from ..sdk.aio import AsyncClient, AsyncSandbox
 
@@ -34,6 +34,14 @@ VM_HOSTILE: dict[str, Any] = {"memory": "256Mi", "pids": 64}
 
 class Unexpected(Exception):
     """A hostile workload's outcome, or an operation's result, was not the safe one."""
+
+
+class Evicted(Exception):
+    """The node evicted the scenario's sandbox under host memory pressure (its policy, not a fault: the
+    host's memory is shared with whatever else runs there)."""
+
+
+EVICTED = "evicted under memory pressure"
 
 
 @dataclass
@@ -113,6 +121,12 @@ class Churn:
         sb = await self.create(kind, image, **kwargs)
         try:
             yield sb
+        except Exception as e:
+            with contextlib.suppress(DsecError):
+                info = await sb.info()
+                if info.reason and EVICTED in info.reason:
+                    raise Evicted(f"{kind} {sb.id}: {info.reason}") from e
+            raise
         finally:
             await self.op(kind, "kill", sb.kill())
 
@@ -200,6 +214,10 @@ class Churn:
                 raise Unexpected(f"{kind} {sb.id}: still {info.state.value} 30 s after its time to live")
             await asyncio.sleep(0.5)
         self.tally.done(kind, "expired", 0.0)
+
+    async def gc(self, kind: str) -> None:
+        """The image gc while sandboxes come and go: removed snapshots' layers go, none in use does."""
+        await self.op(kind, "image.gc", self.client.gc_images())
 
     async def kill_mid_exec(self, kind: str) -> None:
         """A sandbox killed while a command runs in it: the command's call ends (with the sandbox gone)."""

@@ -31,16 +31,18 @@ from rich.console import Console
 from ..errors import DsecError
 from . import accounting
 from .accounting import Allowance, Counters, Known, Node
-from .churn import CONTAINER_KINDS, LABELS, VM_KINDS, VM_WORKLOADS, WORKLOADS, Churn, Tally, Unexpected
+from .churn import CONTAINER_KINDS, LABELS, VM_KINDS, VM_WORKLOADS, WORKLOADS, Churn, Evicted, Tally, Unexpected
 from .common import Json, connect, host_facts, kill_leftovers, private_daemon, unwind_on_sigterm, write_json
 
 KINDS = ("container", "function", "microvm", "vm")
+VM_SHAPES = ("plain", "hostile")  # the limits VMs are created with: each its own memory template
 SCENARIO_TIMEOUT = 300.0  # a scenario still running after this is cut off (and counted unexpected)
 PROGRESS_EVERY = 10.0
 SCAN_EVERY = 5.0
 RSS_EVERY = 30.0
 RSS_SAMPLES = 240  # kept at most; older ones thinned out, so a run of any length keeps a bounded list
 POLL = 2.0
+GC_EVERY = 60.0
 IDLE_TTL = 5.0  # the daemon's --function-idle-ttl: idle workers go this soon after the churn
 IMAGE_CACHE = 1 << 30  # the daemon's --image-cache: the chunk cache may hold up to this
 
@@ -72,7 +74,7 @@ WARMUP: dict[str, list[str]] = {
 }
 
 
-def allowances(cpus: int) -> dict[str, Allowance]:
+def allowances(cpus: int, vm_kinds: int = len(VM_KINDS)) -> dict[str, Allowance]:
     """Where a counter may legitimately end above its baseline (everything else must come back)."""
     executor = min(32, cpus + 4)  # asyncio's default executor: threads made on demand, never retired
     rss = Allowance(
@@ -103,6 +105,12 @@ def allowances(cpus: int) -> dict[str, Allowance]:
         ),
         "cache.layer_bytes": Allowance("the chunk cache is bounded by --image-cache", cap=IMAGE_CACHE),
         "cache.layer_chunks": Allowance("the chunk cache is bounded by --image-cache (bytes)", retained=True),
+        "cache.vm_templates": Allowance(
+            "a memory template (two files) per VM shape: the soak's are its plain and its hostile limits per VM "
+            "kind; one that failed to build in the warm-up is built in the churn",
+            cap=2 * len(VM_SHAPES) * vm_kinds,
+        ),
+        "cache.vm_template_bytes": Allowance("one memory image per template (cache.vm_templates)", retained=True),
     }
 
 
@@ -143,6 +151,8 @@ async def run_scenario(churn: Churn, kind: str, scenario: str, arg: str | None) 
     step = getattr(churn, scenario)
     try:
         await asyncio.wait_for(step(kind, arg) if arg is not None else step(kind), SCENARIO_TIMEOUT)
+    except Evicted as e:
+        tally.error("Evicted", str(e), expected=True)
     except Unexpected as e:
         tally.error("Unexpected", str(e), expected=False)
     except DsecError as e:
@@ -159,7 +169,7 @@ async def lane(churn: Churn, picks: Iterator[tuple[str, str, str | None]], deadl
             return
         await run_scenario(churn, kind, scenario, arg)
         if pause:
-            await asyncio.sleep(pause)
+            await asyncio.sleep(min(pause, max(0.0, deadline - time.monotonic())))
 
 
 def _forever(pick: Callable[[], tuple[str, str, str | None]]) -> Iterator[tuple[str, str, str | None]]:
@@ -206,14 +216,28 @@ class Watch:
                 last["rss"] = now
             if now - last["progress"] >= PROGRESS_EVERY:
                 t = self.tally
-                left = max(0.0, deadline - now)
+                elapsed = now - self.started
                 console.print(
-                    f"  soak {now - self.started:6.0f}s ({left:.0f}s left): {t.total_ops} ops "
-                    f"({t.total_ops / max(1e-9, now - self.started):.1f}/s), errors expected "
-                    f"{sum(t.expected.values())}, unexpected {sum(t.unexpected.values())}"
+                    f"  soak {elapsed:.0f}s, {max(0.0, deadline - now):.0f}s left: {t.total_ops} ops "
+                    f"({t.total_ops / max(1e-9, elapsed):.1f}/s); errors {sum(t.expected.values())} expected, "
+                    f"{sum(t.unexpected.values())} unexpected"
                 )
                 last["progress"] = now
             await asyncio.sleep(1.0)
+
+
+def trend(samples: list[dict[str, float]], key: str) -> float | None:
+    """The least-squares slope of ``key`` over the second half of the samples, per hour (a leak keeps
+    climbing; a warm-up's growth levels off)."""
+    half = samples[len(samples) // 2 :]
+    if len(half) < 3:
+        return None
+    ts, vs = [s["t_s"] for s in half], [s[key] for s in half]
+    mt, mv = sum(ts) / len(ts), sum(vs) / len(vs)
+    var = sum((t - mt) ** 2 for t in ts)
+    if var == 0:
+        return None
+    return round(3600 * sum((t - mt) * (v - mv) for t, v in zip(ts, vs, strict=True)) / var, 1)
 
 
 def uid_probe(state_dir: Path, sandbox_id: str) -> int:
@@ -296,10 +320,18 @@ async def settle(
 
 
 async def warm_up(console: Console, churn: Churn, plan: Plan) -> None:
+    """Each warm-up scenario once, again if it failed (what it makes once must exist before the baseline)."""
     for kind in plan.kinds:
         for scenario in WARMUP[kind]:
-            await run_scenario(churn, kind, scenario, "outlives_timeout" if scenario == "hostile" else None)
+            arg = "outlives_timeout" if scenario == "hostile" else None
+            for _ in range(2):
+                failed = sum(churn.tally.unexpected.values())
+                await run_scenario(churn, kind, scenario, arg)
+                if sum(churn.tally.unexpected.values()) == failed:
+                    break
         console.print(f"  warm-up: {kind} done")
+    if churn.tally.unexpected:
+        console.print(f"[yellow]warm-up errors[/yellow] (not the soak's): {dict(churn.tally.unexpected)}")
 
 
 async def churn_for(console: Console, churn: Churn, plan: Plan, watch: Watch) -> float:
@@ -313,6 +345,8 @@ async def churn_for(console: Console, churn: Churn, plan: Plan, watch: Watch) ->
         lanes += [lane(churn, _forever(pick), deadline, 0.0) for _ in range(plan.workers)]
     if any(k in VM_KINDS for k in plan.kinds):
         lanes.append(lane(churn, plan.vm_picks(), deadline, plan.vm_pause))
+    if "container" in plan.kinds:  # removed snapshots' layers stay mounted until a gc: one now and then
+        lanes.append(lane(churn, itertools.repeat(("node", "gc", None)), deadline, GC_EVERY))
     watcher = asyncio.create_task(watch.run(console, deadline))
     try:
         await asyncio.gather(*lanes)
@@ -324,7 +358,7 @@ async def churn_for(console: Console, churn: Churn, plan: Plan, watch: Watch) ->
 
 
 async def run(console: Console, plan: Plan, state_dir: Path) -> Json:
-    rules = allowances(os.cpu_count() or 1)
+    rules = allowances(os.cpu_count() or 1, sum(k in VM_KINDS for k in plan.kinds))
     flags = ["--repository", str(state_dir / "repository"), "--function-idle-ttl", f"{IDLE_TTL:g}"]
     flags += ["--image-cache", str(IMAGE_CACHE)]
     tally = Tally()
@@ -362,6 +396,9 @@ async def run(console: Console, plan: Plan, state_dir: Path) -> Json:
         **tally.report(),
         "gc": gc.model_dump(),
         "resources_over_time": watch.rss,
+        "trend_per_hour_second_half": {
+            k: trend(watch.rss, k) for k in ("daemon.rss_kib", "fetcher.rss_kib", "daemon.fds")
+        },
         "accounting": {
             "baseline_quiet": was_quiet,
             "settle_s": round(settled, 1),
