@@ -297,3 +297,45 @@ def bench_tiers(
     from ..bench.tiers import main as tiers_main
 
     raise typer.Exit(tiers_main(json_out=json_out, n=n, tenants=tenants))
+
+
+@bench_app.command("soak")
+def bench_soak(
+    minutes: Annotated[float, typer.Option(help="Minutes of churn.", min=0.1, max=24 * 60)] = 10.0,
+    kinds: Annotated[
+        str, typer.Option(help="Kinds to churn, comma-separated (default all: container,function,microvm,vm).")
+    ] = "container,function,microvm,vm",
+    workers: Annotated[int, typer.Option(help="Concurrent container lanes (VMs have one lane).", min=1, max=64)] = 3,
+    vm_pause: Annotated[float, typer.Option(help="Seconds the VM lane rests between VM scenarios.", min=0)] = 5.0,
+    settle: Annotated[
+        float, typer.Option(help="Seconds the node may take to settle, before the baseline and after the churn.", min=5)
+    ] = 180.0,
+    json_out: JsonOut = Path("bench-soak.json"),
+    state_dir: Annotated[
+        Path,
+        typer.Option(help="State dir of the bench's daemon; its layer repository is kept there (the soak gcs it)."),
+    ] = Path("/var/lib/dsec-bench-soak"),
+) -> None:
+    """Churn create / exec / files / snapshot / fork / network / kill across the kinds, hostile workloads
+    mixed in, for --minutes; then account for every host object (mounts, cgroups, uid leases, fds,
+    threads, RSS, SQLite rows, caches, temporary files, QEMUs, namespaces, nftables) against the baseline.
+    Exits non-zero on a leak or an unexpected error."""
+    from ..bench.soak import KINDS
+    from ..bench.soak import main as soak_main
+
+    chosen = [k.strip() for k in kinds.split(",") if k.strip()]
+    bad = [k for k in chosen if k not in KINDS]
+    if bad or not chosen:
+        err.print(f"[red]error[/red]: --kinds takes {', '.join(KINDS)}, not {kinds!r}")
+        raise typer.Exit(2)
+    raise typer.Exit(
+        soak_main(
+            minutes=minutes,
+            kinds=chosen,
+            workers=workers,
+            vm_pause=vm_pause,
+            settle_s=settle,
+            json_out=json_out,
+            state_dir=state_dir,
+        )
+    )

@@ -158,6 +158,13 @@ class NodeLayers:
         self._mounted.clear()
         return detached
 
+    def _forget_lock(self, digest: str) -> None:
+        # one lock per layer ever mounted would grow without end on a node that packs and gcs layers;
+        # one held by a mount under way stays (a second lock would let two mounts of the layer race)
+        lock = self._locks.get(digest)
+        if lock is not None and not lock.locked():
+            del self._locks[digest]
+
     async def unmount_unused(self, keep: set[str]) -> int:
         """Detach layer mounts not in ``keep`` and drop their local copies (gc)."""
         dropped = 0
@@ -168,6 +175,7 @@ class NodeLayers:
             with contextlib.suppress(OSError):
                 d.rmdir()
             self._mounted.discard(d.name)
+            self._forget_lock(d.name)
             dropped += 1
         for blob in list(self.blobs.iterdir()):
             if blob.name not in keep:

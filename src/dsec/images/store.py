@@ -448,6 +448,9 @@ class ImageStore:
         if self.mount:
             await self.layers.unmount_unused(still_there | in_use_layers)
         self._refs.clear()
+        # versions whose traces were saved: those the gc deleted are gone for good (forgetting one that
+        # is kept costs a call the fetcher ignores: it keeps a layer's first trace)
+        self._traced.clear()
         return GcResult(
             images_deleted=report.images_deleted,
             layers_deleted=report.layers_deleted,
