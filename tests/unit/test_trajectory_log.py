@@ -456,6 +456,20 @@ async def test_sdk_raises_diverged_at_the_first_differing_call_and_runs_nothing(
     assert d.backend.calls == before and len(d.calls(tid)) == 5
 
 
+async def test_a_position_is_written_one_way_only(daemon: Daemon) -> None:
+    """Dsec-Seq is a decimal position: "+3", "03" and "3_0" (which pydantic read as 3, 3 and 30) are
+    refused like any malformed header, before anything is logged or run."""
+    d, tid = daemon, "t/seq-text"
+    sb = await recorded_four(d, tid)
+    before = list(d.backend.calls)
+    for text in ("+3", "03", "3_0", "3.0", "0x3", "1" * 19):
+        reply = await d.raw("POST", f"/v1/sandboxes/{sb.id}/exec", seq=text, json={"cmd": ["echo", "3"]})
+        assert reply.status_code == 400 and SEQ_HEADER in error_of(reply)["message"], (text, reply.text)
+    assert d.backend.calls == before and d.row(tid).length == 5
+    reply = await d.raw("POST", f"/v1/sandboxes/{sb.id}/exec", seq="3", json={"cmd": ["echo", "3"]})
+    assert reply.status_code == 200 and reply.headers[REPLAYED_HEADER] == "1"
+
+
 async def test_http_divergence_skip_ahead_and_create_with_other_arguments_are_409(daemon: Daemon) -> None:
     d, tid = daemon, "t/div-http"
     sb = await recorded_four(d, tid)

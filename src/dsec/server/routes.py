@@ -5,12 +5,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
 from collections.abc import AsyncIterator
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Body, Depends, Header, Query, Request, Response
 from fastapi.responses import StreamingResponse
-from pydantic import BaseModel, WithJsonSchema
+from pydantic import BaseModel, BeforeValidator, WithJsonSchema
 
 from .. import __version__
 from ..core.manager import SandboxManager
@@ -78,10 +79,21 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
 router = APIRouter(prefix="/v1", responses=_ERRORS)
 # a trajectory call's position (the SDK sends it on every call of a sandbox bound to a trajectory); a
 # header is there or not, so the schema says an integer, not "or null"
+MAX_SEQ = 10**18 - 1
+
+
+def _decimal_position(value: object) -> object:
+    # pydantic would read "+1", "1_0" (ten) and "01" as numbers: a position is written one way only
+    if isinstance(value, str) and not re.fullmatch(r"[1-9][0-9]{0,17}", value):
+        raise ValueError(f"{SEQ_HEADER} must be a decimal position (1, 2, ...), not {value[:40]!r}")
+    return value
+
+
 Seq = Annotated[
     int | None,
-    Header(alias=SEQ_HEADER, ge=1, description="Position of a trajectory call (0 is the create)."),
-    WithJsonSchema({"type": "integer", "minimum": 1}),
+    BeforeValidator(_decimal_position),
+    Header(alias=SEQ_HEADER, ge=1, le=MAX_SEQ, description="Position of a trajectory call (0 is the create)."),
+    WithJsonSchema({"type": "integer", "minimum": 1, "maximum": MAX_SEQ}),
 ]
 api = APIRouter(dependencies=[Depends(authorize)])
 
