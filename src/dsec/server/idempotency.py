@@ -107,11 +107,15 @@ class Memory:
             self._drop(ident, oldest)
 
     def _shrink(self) -> None:
-        for ident, entry in list(self._entries.items()):
-            if len(self._entries) <= self.max_entries and self._bytes <= self.max_bytes:
-                break
-            if entry.done.is_set():  # one that still runs is never dropped: its repeats wait for it
+        """Drop the oldest answers while over a bound: O(1) a request (no pass over the whole memory)."""
+        turned = 0
+        while (len(self._entries) > self.max_entries or self._bytes > self.max_bytes) and turned < len(self._entries):
+            ident, entry = next(iter(self._entries.items()))
+            if entry.done.is_set():
                 self._drop(ident, entry)
+            else:  # one that still runs is never dropped (its repeats wait for it): passed over
+                self._entries.move_to_end(ident)
+                turned += 1
 
     def _drop(self, ident: bytes, entry: Entry) -> None:
         del self._entries[ident]
