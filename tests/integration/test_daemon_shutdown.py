@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 import dsec
+from dsec.isolation.mounts import is_mountpoint, mount
 
 from .conftest import Daemon, release_node, start_daemon
 
@@ -83,3 +84,17 @@ def test_sandboxes_that_outlive_the_daemon_keep_the_fetcher_until_the_last_is_go
     adopted.kill()
     stop(again)
     assert _settled(state) == [] and mounts_under(state) == []
+
+
+def test_a_state_directory_on_a_file_system_of_its_own_stays_mounted(state: Path) -> None:
+    """What the daemon releases at its stop is what it mounted itself: an operator's mount of the state
+    directory (a disk of its own, say) stays."""
+    mount("dsec-test-state", state, "tmpfs", 0, "size=512m,mode=0711")
+    try:
+        d = start_daemon(state)
+        dsec.Sandbox.create(image="dsec/busybox", client=d.client()).kill()
+        stop(d)
+        assert _settled(state) == []
+        assert is_mountpoint(state) and mounts_under(state) == [str(state)]
+    finally:
+        release_node(state)

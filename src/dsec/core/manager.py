@@ -26,7 +26,6 @@ from ..errors import (
     SandboxNotFound,
 )
 from ..images.store import ImageRef, ImageStore
-from ..isolation.mounts import unmount_under
 from ..isolation.network.host import NetworkHost
 from ..isolation.network.options import NetworkOptions
 from ..kinds import registry
@@ -184,8 +183,9 @@ class SandboxManager(FileActions, ImageActions):
         try:
             for note in await self.images.close(survivors):
                 log.info("%s", note)
-            if not survivors:  # what the kinds mounted for their sandboxes (helpers, say) has no user left
-                await asyncio.to_thread(unmount_under, self.state_dir)
+            if not survivors:  # what the kinds set up for their sandboxes (helpers, say) has no user left
+                for backend in self.backends.values():
+                    await backend.release()
         except (DsecError, OSError) as e:
             log.error("releasing the node's mounts: %s", e)
         await self.trajectories.close()

@@ -83,6 +83,11 @@ class Backend(ABC):
         """The daemon is stopping: end the kind's own background work (sandboxes themselves live on)."""
         return None
 
+    async def release(self) -> None:
+        """The daemon has stopped with no sandbox left on the node: undo what the kind set up on the host
+        for its sandboxes (its own mounts), so nothing of dsec stays behind. Called after ``close``."""
+        return None
+
     @abstractmethod
     async def create(self, rec: SandboxRecord, image: ImageRef) -> None:
         """Make the sandbox run; may fill ``rec.runtime`` with what later calls need (persisted)."""

@@ -96,6 +96,10 @@ class ContainerBackend(ContainerFiles, PolicyNetwork):
 
     # ---- host preparation --------------------------------------------------------------------------
 
+    async def release(self) -> None:
+        if await asyncio.to_thread(is_mountpoint, self.helper_dir):
+            await asyncio.to_thread(umount, self.helper_dir, lazy=True)
+
     async def start(self) -> list[str]:
         if os.geteuid() != 0:
             raise KindUnavailable("the container kind needs root (namespaces, cgroups, overlay mounts)")

@@ -92,6 +92,9 @@ class FunctionBackend(Backend):
         await self.pools.close()
         await self.containers.close()
 
+    async def release(self) -> None:
+        await self.containers.release()
+
     async def _shrink_forever(self) -> None:
         while True:
             await asyncio.sleep(SHRINK_INTERVAL)
