@@ -49,9 +49,11 @@ def test_fork_bomb_is_contained(
     # every kind bounds the bomb with the sandbox's pids limit (a VM: the guest's cgroup holding every
     # exec's own), so the sandbox, its agent and the neighbour stay up
     with heartbeat(neighbour):
-        # `exec sleep`: the step's own shell needs no new pid to wait out its timeout (a plain `sleep`
-        # must fork, and lost that race to the bomb now and then, so the step ended early with "can't fork")
-        res = sb.exec("bomb() { bomb | bomb & }; bomb; exec sleep 5", timeout=4)
+        # The step's own shell forks once, before any bomb exists, then waits with `exec sleep`, which
+        # needs no new pid: a shell that forks while the bomb runs loses that race now and then, and busybox
+        # sh exits at once on "can't fork", ending the step early (a plain `sleep`, or the pipeline's second
+        # fork when the bomb was started from the step's shell itself, both did)
+        res = sb.exec("(bomb() { bomb | bomb & }; bomb) & exec sleep 5", timeout=4)
     assert res.timed_out
     _recovered(sb)
     deadline = time.monotonic() + 10
