@@ -7,6 +7,8 @@ the core raised. Subclasses also inherit the builtin that fits, so ``except Time
 
 from __future__ import annotations
 
+import errno
+import sqlite3
 from typing import ClassVar
 
 
@@ -140,6 +142,14 @@ class LimitExceeded(DsecError, OSError):
     http_status = 413
 
 
+class StorageFull(DsecError, OSError):
+    """The node's own storage (its state directory, layer cache or database) has no space left: the
+    request could not be recorded or carried out. Not a sandbox's limit (that is ``LimitExceeded``)."""
+
+    code = "storage_full"
+    http_status = 507
+
+
 class SandboxTimeout(DsecError, TimeoutError):
     """An operation did not finish within its deadline."""
 
@@ -220,6 +230,7 @@ ERRORS_BY_CODE: dict[str, type[DsecError]] = {
         QuotaExceeded,
         Overloaded,
         LimitExceeded,
+        StorageFull,
         SandboxTimeout,
         DaemonUnreachable,
         BackendError,
@@ -230,6 +241,18 @@ ERRORS_BY_CODE: dict[str, type[DsecError]] = {
         CallInterrupted,
     )
 }
+
+
+def environment_error(exc: BaseException) -> DsecError | None:
+    """The clear error for a failure of the node's environment that reached a handler untranslated (a
+    full disk under SQLite or a file write), or None: the one place this mapping is made, for every API."""
+    cause = getattr(exc, "orig", None) or exc  # SQLAlchemy wraps the driver's error
+    if isinstance(cause, sqlite3.Error) and getattr(cause, "sqlite_errorcode", None) == sqlite3.SQLITE_FULL:
+        return StorageFull(f"the node's storage is full: its database cannot be written ({cause})")
+    if isinstance(cause, OSError) and not isinstance(cause, DsecError) and cause.errno in (errno.ENOSPC, errno.EDQUOT):
+        where = f" ({cause.filename})" if cause.filename else ""
+        return StorageFull(f"the node's storage is full{where}: {cause.strerror}")
+    return None
 
 
 def validation_message(exc: Exception) -> str:

@@ -24,6 +24,7 @@ from ..errors import (
     KindUnavailable,
     SandboxGone,
     SandboxNotFound,
+    environment_error,
 )
 from ..images.store import ImageRef, ImageStore
 from ..isolation.network.host import NetworkHost
@@ -58,6 +59,7 @@ from .imageops import ImageActions
 from .metrics import NodeMetrics
 from .oneshot import Runner
 from .processes import ProcessTable
+from .record_writes import RecordWrites
 from .trajectory.recorder import Trajectories, TrajectoryOptions
 from .usage import DEFAULT_EVICT_AT, UsageMonitor
 
@@ -90,6 +92,7 @@ class SandboxManager(FileActions, ImageActions):
         self.state_dir = state_dir
         state_dir.mkdir(parents=True, exist_ok=True)
         self.store = SandboxStore(state_dir / "state.db")
+        self.records = RecordWrites(self.store)
         self.tenants = TenantStore(state_dir / "state.db")
         self.audit = audit or AuditLog(state_dir / "audit.db")
         self.images = images or ImageStore(state_dir / "images")
@@ -168,6 +171,8 @@ class SandboxManager(FileActions, ImageActions):
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
+        if self._background:  # dead sandboxes' releases, traces being saved: bounded, then left
+            await asyncio.wait(set(self._background), timeout=30)
         await self.processes.close()
         for backend in self.backends.values():
             try:
@@ -191,6 +196,7 @@ class SandboxManager(FileActions, ImageActions):
         await self.trajectories.close()
         await self.audit.close()
         self.tenants.close()
+        self.records.flush()
         self.store.close()
 
     async def readopt(self) -> None:
@@ -230,6 +236,7 @@ class SandboxManager(FileActions, ImageActions):
 
     async def reap_once(self) -> None:
         now = time.time()
+        self.records.flush()
         for rec in list(self._live.values()):
             if rec.state in (State.running, State.paused) and rec.expires_at <= now:
                 log.info("sandbox %s reached its time to live", rec.id)
@@ -243,10 +250,15 @@ class SandboxManager(FileActions, ImageActions):
         return self._locks.setdefault(sandbox_id, asyncio.Lock())
 
     def _set_state(self, rec: SandboxRecord, state: State, reason: str | None = None) -> None:
+        before = rec.state, rec.reason
         rec.state = state
         rec.reason = reason
         if rec.id not in self._ephemeral:
-            self.store.put(rec)
+            try:
+                self.records.write(rec)  # a state that starts something is refused if it cannot be recorded
+            except BaseException:
+                rec.state, rec.reason = before
+                raise
         if state in TERMINAL_STATES:
             self._ephemeral.discard(rec.id)
             self._live.pop(rec.id, None)
@@ -259,7 +271,7 @@ class SandboxManager(FileActions, ImageActions):
         tenant's sandbox is answered exactly like one that does not exist, so ids cannot be probed."""
         if not isinstance(sandbox_id, str) or not sandbox_id or len(sandbox_id) > 64:
             raise SandboxNotFound(f"no sandbox {sandbox_id!r}")
-        rec = self._live.get(sandbox_id) or self.store.get(sandbox_id)
+        rec = self._live.get(sandbox_id) or self.records.unsaved.get(sandbox_id) or self.store.get(sandbox_id)
         if rec is None or not caller.owns(rec.owner):
             raise SandboxNotFound(f"no sandbox {sandbox_id!r}")
         return rec
@@ -329,7 +341,11 @@ class SandboxManager(FileActions, ImageActions):
         if req.trajectory:
             rec.runtime["trajectory"] = req.trajectory
         if persist:
-            self.store.put(rec)
+            try:
+                self.records.write(rec)
+            except BaseException:
+                self.admission.release(rec.id)
+                raise
         else:
             self._ephemeral.add(rec.id)
         self._live[rec.id] = rec
@@ -342,17 +358,17 @@ class SandboxManager(FileActions, ImageActions):
                 timings = rec.runtime["timings"] = {"queue": round(time.monotonic() - started, 6)}
                 try:
                     await backend.create(rec, image)
+                    total = time.monotonic() - started
+                    timings["runtime"] = round(total - timings["queue"] - timings.get("rootfs", 0.0), 6)
+                    timings["total"] = round(total, 6)
+                    self._set_state(rec, State.running)  # not recorded (a full disk): the creation failed
                 except BaseException as e:
                     self._set_state(rec, State.failed, f"creation failed: {_failure(e)}")
                     with contextlib.suppress(Exception):
                         await backend.destroy(rec)
                     if isinstance(e, DsecError) or not isinstance(e, Exception):
                         raise
-                    raise BackendError(f"creating sandbox failed: {_failure(e)}") from e
-                total = time.monotonic() - started
-                timings["runtime"] = round(total - timings["queue"] - timings.get("rootfs", 0.0), 6)
-                timings["total"] = round(total, 6)
-                self._set_state(rec, State.running)
+                    raise environment_error(e) or BackendError(f"creating sandbox failed: {_failure(e)}") from e
         except BaseException as e:
             if rec.state == State.creating:  # cancelled before its backend was asked (waiting for a slot)
                 self._set_state(rec, State.failed, f"creation failed: {_failure(e)}")
@@ -481,7 +497,7 @@ class SandboxManager(FileActions, ImageActions):
             try:
                 await backend.pause(rec)
             except SandboxGone as e:
-                self._set_state(rec, State.failed, str(e))
+                self._died(rec, str(e))
                 raise
             except BaseException:
                 self._set_state(rec, State.running)
@@ -500,7 +516,7 @@ class SandboxManager(FileActions, ImageActions):
             try:
                 await self.backends[rec.kind].resume(rec)
             except SandboxGone as e:
-                self._set_state(rec, State.failed, str(e))
+                self._died(rec, str(e))
                 raise
             self._set_state(rec, State.running)
         return rec.info()
@@ -516,8 +532,27 @@ class SandboxManager(FileActions, ImageActions):
         except SandboxGone as e:
             current = self._live.get(rec.id)
             if current is not None and current.state == State.running:
-                self._set_state(current, State.failed, str(e))
+                self._died(current, str(e))
             raise
+
+    def _died(self, rec: SandboxRecord, why: str) -> None:
+        """A sandbox found dead under an operation (its VM or init gone): ``failed`` at once, and what the
+        backend still holds for it (cgroups, bundle, network, leases) released in the background, once
+        the operation that found it has let go of the sandbox's lock."""
+        self._set_state(rec, State.failed, why)
+
+        async def release() -> None:
+            try:
+                async with self._lock(rec.id):
+                    await self.backends[rec.kind].destroy(rec)
+            except Exception:
+                log.exception("releasing what dead sandbox %s held failed", rec.id)
+            finally:
+                self._locks.pop(rec.id, None)
+
+        task = asyncio.create_task(release())
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     async def set_network(self, sandbox_id: str, policy: NetworkSpec, *, caller: Caller = OPERATOR) -> NetworkStatus:
         """Change the network policy of a running sandbox; new and open connections follow it at once."""

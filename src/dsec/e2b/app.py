@@ -16,7 +16,7 @@ from starlette.routing import Match
 
 from .. import __version__
 from ..core.manager import SandboxManager
-from ..errors import DsecError, validation_message
+from ..errors import DsecError, environment_error, validation_message
 from ..server.audit import AuditMiddleware
 from ..server.idempotency import Idempotency
 from ..server.limits import BodyLimit
@@ -54,7 +54,9 @@ def create_e2b_app(manager: SandboxManager, options: E2BOptions, state_dir: Path
         return plain_error(exc.status_code, str(exc.detail), headers)
 
     @app.exception_handler(Exception)
-    async def _internal(_: Request, exc: Exception) -> Response:
+    async def _internal(request: Request, exc: Exception) -> Response:
+        if (known := environment_error(exc)) is not None:
+            return await _dsec(request, known)
         log.exception("internal error in the E2B API")
         return plain_error(500, f"internal error: {type(exc).__name__}: {exc}")
 

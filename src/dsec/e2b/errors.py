@@ -21,6 +21,7 @@ from ..errors import (
     QuotaExceeded,
     SandboxGone,
     SandboxTimeout,
+    StorageFull,
     Unauthorized,
 )
 from .connect import RpcError
@@ -46,6 +47,8 @@ def control_status(e: DsecError) -> int:
         return 400
     if isinstance(e, SandboxTimeout):
         return 504
+    if isinstance(e, StorageFull):
+        return 507
     return 500
 
 
@@ -80,7 +83,7 @@ def rpc_error(e: DsecError) -> RpcError:
         return RpcError("unauthenticated", e.message)
     if isinstance(e, Forbidden):
         return RpcError("permission_denied", e.message)
-    if isinstance(e, QuotaExceeded | LimitExceeded):
+    if isinstance(e, QuotaExceeded | LimitExceeded | StorageFull):
         return RpcError("resource_exhausted", e.message)
     if isinstance(e, InvalidState):
         return RpcError("failed_precondition", e.message)

@@ -15,7 +15,7 @@ import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..errors import BackendError, InvalidRequest
+from ..errors import BackendError, InvalidRequest, StorageFull
 from ..proc import run
 from .scrub import ScrubRules
 
@@ -106,5 +106,5 @@ async def mkfs(src: Path, out: Path, scanned: TreeScan) -> None:
         await asyncio.to_thread(out.unlink, missing_ok=True)
         text = output.decode(errors="replace").strip()[-2000:]
         if "No space left" in text:
-            raise BackendError(f"no space left on the node to pack {src}: {text}")
+            raise StorageFull(f"no space left on the node to pack {src}: {text}")
         raise BackendError(f"mkfs.erofs failed with status {status}: {text}")

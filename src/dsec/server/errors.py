@@ -11,7 +11,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..errors import DsecError, validation_message
+from ..errors import DsecError, environment_error, validation_message
 from ..models import ErrorBody, ErrorResponse
 from .allow import allowed_methods
 
@@ -56,6 +56,8 @@ def install(app: FastAPI) -> None:
         return error_response(exc.status_code, code, str(exc.detail), headers=headers)
 
     @app.exception_handler(Exception)
-    async def _internal(_: Request, exc: Exception) -> JSONResponse:
+    async def _internal(request: Request, exc: Exception) -> JSONResponse:
+        if (known := environment_error(exc)) is not None:
+            return await _dsec(request, known)
         log.exception("internal error")
         return error_response(500, "internal", f"internal error: {type(exc).__name__}: {exc}")

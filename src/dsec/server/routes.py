@@ -16,7 +16,7 @@ from pydantic import BaseModel, BeforeValidator, WithJsonSchema
 from .. import __version__
 from ..core.manager import SandboxManager
 from ..core.output import StreamForwarder
-from ..errors import DsecError, InvalidRequest
+from ..errors import DsecError, InvalidRequest, environment_error
 from ..grade_models import GradeRequest, GradeResult
 from ..images.canary import call_canaries
 from ..images.names import ImageName
@@ -216,6 +216,9 @@ async def exec_stream(
         except DsecError as e:
             queue.put_nowait(ExecEvent(type="error", error=ErrorBody(code=e.code, message=e.message, detail=e.detail)))
         except Exception as e:  # the stream must always end with a result or an error
+            if (known := environment_error(e)) is not None:
+                queue.put_nowait(ExecEvent(type="error", error=ErrorBody(code=known.code, message=known.message)))
+                return
             log.exception("streamed exec failed")
             queue.put_nowait(ExecEvent(type="error", error=ErrorBody(code="internal", message=f"internal error: {e}")))
         finally:

@@ -27,7 +27,7 @@ import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
-from ...errors import BackendError, DsecError, KindUnavailable, SandboxGone
+from ...errors import BackendError, DsecError, KindUnavailable, SandboxGone, StorageFull
 from ...images.store import ImageRef
 from ...isolation import cgroups, seccomp, users
 from ...isolation.idmap import idmapped_bind, make_userns
@@ -275,6 +275,10 @@ class ContainerBackend(ContainerFiles, PolicyNetwork):
         if status != 0:
             if ours is not None:
                 ours.close()
+            if status < 0:  # `run` gives a signal's death as its negative number
+                raise BackendError(f"{self.runtime_name} was killed by signal {-status} while it created the sandbox")
+            if _no_space(bundle):  # its log is on that file system too: often all it could say is nothing
+                raise StorageFull(f"{self.runtime_name} could not create the sandbox: no space left in {bundle.parent}")
             raise BackendError(f"{self.runtime_name} run failed ({status}): {out.decode(errors='replace')[-800:]}")
         if ours is not None:
             chan = AgentChannel(ours)
@@ -544,3 +548,11 @@ class ContainerBackend(ContainerFiles, PolicyNetwork):
                 os.close(fd)
         finally:
             self.uid_slots.release(base)
+
+
+def _no_space(path: Path) -> bool:
+    try:
+        st = os.statvfs(path)
+    except OSError:
+        return False
+    return st.f_bavail * st.f_frsize < 1 << 20
