@@ -15,12 +15,10 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import requests
@@ -41,9 +39,6 @@ from schemathesis.specs.openapi.checks import (
     status_code_conformance,
     unsupported_method,
 )
-
-from dsec.images.chunks import chunk_key
-from dsec.images.model import image_key, layer_key, tag_key, trace_key
 
 EXAMPLES = int(os.environ.get("DSEC_FUZZ_EXAMPLES", "10"))
 WITH_VMS = os.environ.get("DSEC_FUZZ_VM", "") == "1"
@@ -309,35 +304,3 @@ def _coverage_cases(op: Any, modes: tuple[GenerationMode, ...]) -> Iterator[Case
     for case in generator:
         _prepare(case, None)
         yield case
-
-
-def seed_repository(source: Path, dest: Path, names: Iterable[str]) -> None:
-    """Make ``names`` (their tags, versions, lineage, layers, chunks, traces) available in the repository
-    ``dest`` by hard links into ``source``: objects are immutable, so the two repositories can share
-    them, and nothing done to ``dest`` (a gc, a removal) reaches ``source``."""
-
-    def link(key: str) -> bool:
-        src, dst = source / key, dest / key
-        if not src.exists():
-            return False
-        dst.parent.mkdir(parents=True, exist_ok=True)
-        if not dst.exists():
-            try:
-                os.link(src, dst)
-            except OSError:  # another file system
-                shutil.copy2(src, dst)
-        return True
-
-    for name in names:
-        key = tag_key(name)
-        if not link(key):
-            raise FileNotFoundError(f"{name} is not in {source}")
-        digest: str | None = json.loads((source / key).read_text())["digest"]
-        while digest is not None and link(image_key(digest)):
-            version = json.loads((source / image_key(digest)).read_text())
-            for layer in version["layers"]:
-                link(layer_key(layer["digest"]))
-                link(trace_key(layer["digest"]))
-                for chunk in json.loads((source / layer_key(layer["digest"])).read_text())["chunks"]:
-                    link(chunk_key(chunk))
-            digest = version.get("parent")

@@ -25,6 +25,7 @@ import pytest
 import requests
 from schemathesis import Case, Response
 
+from dsec.bench.seed import seed_repository
 from dsec.e2b.control import openapi_document
 
 from . import apifuzz
@@ -89,7 +90,7 @@ def node(daemon: Daemon) -> Iterator[FuzzNode]:
         client.build_image(name)
     root = Path(tempfile.mkdtemp(prefix="dsec-fuzz-api-"))
     root.chmod(0o711)
-    apifuzz.seed_repository(IMAGES_DIR / "repository", root / "repository", BUILTINS)
+    seed_repository(IMAGES_DIR / "repository", root / "repository", BUILTINS)
     capacity = ("--memory-capacity", "4G", "--cpu-capacity", "2", "--queue-timeout", "1", "--max-queue", "8")
     fuzzed = start_daemon(
         root / "state",
