@@ -37,8 +37,11 @@ unit: install
 integration: install
 	$(VENV)/bin/pytest -q tests/integration
 
+# the unit and parser-fuzz tests on every core; the suites that start daemons, VMs and clusters one
+# test at a time (they measure and account for the node they run on)
 test: lint
-	$(VENV)/bin/pytest -q -ra --durations=25 tests
+	$(VENV)/bin/pytest -q -ra -n auto --durations=10 tests/unit tests/fuzz
+	$(VENV)/bin/pytest -q -ra --durations=25 tests/contract tests/integration tests/security
 
 bench: install
 	$(VENV)/bin/dsec bench lifecycle --n 100 --json bench-lifecycle.json
