@@ -11,7 +11,7 @@ from collections.abc import Iterator
 import pytest
 
 from dsec.core.manager import SandboxManager
-from dsec.errors import SandboxGone, StorageFull, environment_error
+from dsec.errors import DsecError, SandboxGone, StorageFull, environment_error
 from dsec.models import CreateSandbox, ExecRequest, State
 from dsec.store.records import SandboxRecord
 
@@ -113,3 +113,12 @@ async def test_a_sandbox_found_dead_is_released(core: Core) -> None:
         await asyncio.sleep(0.01)
     assert backend.destroyed == [info.id]
     assert mgr.info(info.id).state == State.failed
+
+
+async def test_a_failed_creation_keeps_no_lock(core: Core) -> None:
+    mgr, backend = core
+    backend.create_error = RuntimeError("crun failed")
+    for _ in range(3):
+        with pytest.raises(DsecError):
+            await mgr.create(CreateSandbox(image=IMAGE))
+    assert mgr._locks == {}

@@ -372,6 +372,7 @@ class SandboxManager(FileActions, ImageActions):
         except BaseException as e:
             if rec.state == State.creating:  # cancelled before its backend was asked (waiting for a slot)
                 self._set_state(rec, State.failed, f"creation failed: {_failure(e)}")
+            self._locks.pop(rec.id, None)  # a failed sandbox takes no more actions that need it
             raise
         self.metrics.created(rec.kind, timings)
         return rec
