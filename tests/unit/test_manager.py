@@ -418,20 +418,26 @@ async def test_create_a_kind_this_manager_did_not_start(core: Core) -> None:
     assert mgr.store.all() == []
 
 
-async def test_an_optional_kind_that_cannot_start_is_reported_not_fatal(
-    fresh: tuple[SandboxManager, FakeBackend], monkeypatch: pytest.MonkeyPatch
-) -> None:
-    mgr, _ = fresh
-    mgr.kinds = ["container", "microvm"]
+def _kinds_fail_to_start(monkeypatch: pytest.MonkeyPatch, failure: Exception) -> None:
+    """Every kind the manager loads raises ``failure`` from its start()."""
 
     class Broken:
         def __init__(self, ctx: object) -> None:
             pass
 
         async def start(self) -> list[str]:
-            raise KindUnavailable("qemu-system-x86_64 is not installed")
+            raise failure
 
     monkeypatch.setattr(manager_module.registry, "load", lambda kind, ctx: Broken(ctx))
+
+
+async def test_an_optional_kind_that_cannot_start_is_reported_not_fatal(
+    fresh: tuple[SandboxManager, FakeBackend], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    mgr, _ = fresh
+    mgr.kinds = ["container", "microvm"]
+
+    _kinds_fail_to_start(monkeypatch, KindUnavailable("qemu-system-x86_64 is not installed"))
     await mgr.start()
     try:
         assert "microvm" in mgr.unavailable and "microvm" not in mgr.backends
@@ -451,14 +457,7 @@ async def test_a_kind_that_fails_to_start_for_no_named_reason_stops_the_daemon(
     mgr, _ = fresh
     mgr.kinds = ["container", "microvm"]
 
-    class Broken:
-        def __init__(self, ctx: object) -> None:
-            pass
-
-        async def start(self) -> list[str]:
-            raise failure
-
-    monkeypatch.setattr(manager_module.registry, "load", lambda kind, ctx: Broken(ctx))
+    _kinds_fail_to_start(monkeypatch, failure)
     with pytest.raises(type(failure)):
         await mgr.start()
     await mgr.close()

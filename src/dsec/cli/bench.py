@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, NoReturn
 
 import typer
 
@@ -324,13 +325,9 @@ def bench_soak(
     from ..bench.soak import KINDS
     from ..bench.soak import main as soak_main
 
-    chosen = [k.strip() for k in kinds.split(",") if k.strip()]
-    bad = [k for k in chosen if k not in KINDS]
-    if bad or not chosen:
-        err.print(f"[red]error[/red]: --kinds takes {', '.join(KINDS)}, not {kinds!r}")
-        raise typer.Exit(2)
-    try:
-        status = soak_main(
+    chosen = _choose(kinds, KINDS, "--kinds")
+    _exit_with(
+        lambda: soak_main(
             minutes=minutes,
             kinds=chosen,
             workers=workers,
@@ -339,9 +336,7 @@ def bench_soak(
             json_out=json_out,
             state_dir=state_dir,
         )
-    except DsecError as e:
-        fail(e)
-    raise typer.Exit(status)
+    )
 
 
 @bench_app.command("chaos")
@@ -369,13 +364,24 @@ def bench_chaos(
     from ..bench.chaos import main as chaos_main
     from ..bench.faults import FAULTS
 
-    chosen = [f.strip() for f in faults.split(",") if f.strip()]
-    bad = [f for f in chosen if f not in FAULTS]
-    if bad or not chosen:
-        err.print(f"[red]error[/red]: --faults takes {', '.join(FAULTS)}, not {faults!r}")
+    chosen = _choose(faults, FAULTS, "--faults")
+    _exit_with(lambda: chaos_main(chosen, state_dir, repository, json_out))
+
+
+def _choose(text: str, allowed: Iterable[str], flag: str) -> list[str]:
+    """A comma-separated option's items, each one of ``allowed`` (else exit 2 saying which are)."""
+    names = list(allowed)
+    chosen = [item.strip() for item in text.split(",") if item.strip()]
+    if not chosen or any(item not in names for item in chosen):
+        err.print(f"[red]error[/red]: {flag} takes {', '.join(names)}, not {text!r}")
         raise typer.Exit(2)
+    return chosen
+
+
+def _exit_with(run: Callable[[], int]) -> NoReturn:
+    """Exit with a bench's status; a DsecError it raises is one error line, not a traceback."""
     try:
-        status = chaos_main(chosen, state_dir, repository, json_out)
+        status = run()
     except DsecError as e:
         fail(e)
     raise typer.Exit(status)

@@ -12,7 +12,7 @@ import contextlib
 import logging
 import os
 import time
-from collections.abc import Awaitable, Sequence
+from collections.abc import Awaitable, Coroutine, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -436,9 +436,7 @@ class SandboxManager(FileActions, ImageActions):
                 raise BackendError(f"stopping sandbox {rec.id} failed: {e}") from e
             self._set_state(rec, final, reason)
         self._locks.pop(sandbox_id, None)
-        task = asyncio.create_task(self.images.save_traces(rec.image_digest))
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
+        self._in_background(self.images.save_traces(rec.image_digest))
         return rec.info()
 
     async def exec(
@@ -537,9 +535,8 @@ class SandboxManager(FileActions, ImageActions):
             raise
 
     def _died(self, rec: SandboxRecord, why: str) -> None:
-        """A sandbox found dead under an operation (its VM or init gone): ``failed`` at once, and what the
-        backend still holds for it (cgroups, bundle, network, leases) released in the background, once
-        the operation that found it has let go of the sandbox's lock."""
+        """A sandbox found dead under an operation: ``failed`` at once; what the backend still holds for it
+        (cgroups, bundle, network, leases) released once that operation has let go of the lock."""
         self._set_state(rec, State.failed, why)
 
         async def release() -> None:
@@ -551,7 +548,10 @@ class SandboxManager(FileActions, ImageActions):
             finally:
                 self._locks.pop(rec.id, None)
 
-        task = asyncio.create_task(release())
+        self._in_background(release())
+
+    def _in_background(self, work: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.create_task(work)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
