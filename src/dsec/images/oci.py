@@ -16,25 +16,18 @@ from __future__ import annotations
 
 import errno
 import functools
-import gzip
 import hashlib
-import io
-import os
 import posixpath
 import re
-import stat
-import tarfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, BinaryIO, TypeVar
+from typing import BinaryIO, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
 from ..errors import BackendError, DsecError, InvalidRequest, validation_message
-from ..isolation.rootpath import RESOLVE_IN_ROOT, RESOLVE_NO_MAGICLINKS, openat2
 from .layer_stream import (
-    CHUNK,
     GZIP_MAGIC,
     READ_ERRORS,
     Compression,
@@ -45,6 +38,7 @@ from .layer_stream import (
     sniff,
 )
 from .model import DEFAULT_PATH, ImageConfig
+from .oci_source import DirStore, Store, TarStore, norm
 from .tar_extract import ExtractStats, extract_tar
 
 __all__ = ["ExtractStats", "LayerSource", "OciImage", "extract_layer", "read_image"]
@@ -68,9 +62,6 @@ LAYER_TYPES: dict[str, Compression] = {
     "application/vnd.docker.image.rootfs.foreign.diff.tar.gzip": "gzip",
 }
 _DIGEST = re.compile(r"sha256:([0-9a-f]{64})")
-# what the source's own shape causes when a name is opened in it: a symlink loop, a file where its path
-# needs a directory, a name too long: the source's fault, not the host's
-_SOURCE_ERRNOS = {errno.ELOOP, errno.ENOTDIR, errno.ENAMETOOLONG}
 # where a docker save archive names a blob by its digest: "blobs/sha256/<hex>" (Docker 25+) or "<hex>.json"
 _PATH_DIGEST = re.compile(r"(?:.*/)?(?:blobs/sha256/([0-9a-f]{64})|([0-9a-f]{64})\.json)")
 
@@ -99,127 +90,6 @@ class OciImage:
 # ---- reading the source ---------------------------------------------------------------------------
 
 
-class _Slice(io.RawIOBase):
-    """``length`` bytes of ``f`` from ``offset``: one member of an uncompressed-in-place outer tar."""
-
-    def __init__(self, f: io.BufferedIOBase, offset: int, length: int) -> None:
-        super().__init__()
-        f.seek(offset)
-        self._f = f
-        self._left = length
-
-    def readable(self) -> bool:
-        return True
-
-    def readinto(self, buf: Any) -> int:
-        view = memoryview(buf).cast("B")
-        data = self._f.read(min(len(view), self._left))
-        view[: len(data)] = data
-        self._left -= len(data)
-        return len(data)
-
-    def close(self) -> None:
-        self._f.close()
-        super().close()
-
-
-class _Store:
-    label: str
-
-    def open(self, name: str) -> BinaryIO:
-        raise NotImplementedError
-
-    def has(self, name: str) -> bool:
-        try:
-            self.open(name).close()
-        except InvalidRequest:
-            return False
-        return True
-
-
-class _DirStore(_Store):
-    def __init__(self, root: Path) -> None:
-        self.root = root
-        self.label = str(root)
-
-    def open(self, name: str) -> BinaryIO:
-        try:
-            rootfd = os.open(self.root, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
-            try:
-                # confined to the source directory: a symlinked blob cannot make us read a host file;
-                # O_NONBLOCK: opening a FIFO put in the layout's place of a file would wait for a writer
-                flags = os.O_RDONLY | os.O_NONBLOCK
-                fd = openat2(rootfd, name, flags, resolve=RESOLVE_IN_ROOT | RESOLVE_NO_MAGICLINKS)
-            finally:
-                os.close(rootfd)
-        except FileNotFoundError:
-            raise InvalidRequest(f"{name} is missing from {self.label}") from None
-        except OSError as e:
-            if e.errno in _SOURCE_ERRNOS:
-                raise InvalidRequest(f"cannot open {name} in {self.label}: {e.strerror}") from None
-            raise BackendError(f"cannot open {name} in {self.label}: {e.strerror}") from None
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            os.close(fd)
-            raise InvalidRequest(f"{name} in {self.label} is not a regular file")
-        os.set_blocking(fd, True)
-        return os.fdopen(fd, "rb")
-
-
-class _TarStore(_Store):
-    """The files of an outer archive, found by one scan; each is reopened by offset, so nothing is copied."""
-
-    def __init__(self, path: Path, gz: bool) -> None:
-        self.path = path
-        self.gz = gz
-        self.label = str(path)
-        self.files: dict[str, tuple[int, int]] = {}
-        self.links: dict[str, str] = {}
-        try:
-            with self._raw() as f, tarfile.open(fileobj=f, mode="r:", encoding="utf-8", errors="surrogateescape") as tf:
-                for m in tf:
-                    name = _norm(m.name)
-                    if m.isreg() and not m.issparse():
-                        self.files[name] = (m.offset_data, m.size)
-                    elif m.issym():  # legacy docker save links a repeated layer.tar to its first copy
-                        self.links[name] = _norm(posixpath.join(posixpath.dirname(name), m.linkname))
-                    elif m.islnk():
-                        self.links[name] = _norm(m.linkname)
-        except READ_ERRORS as e:
-            err = read_failure(e, str(path))
-            if isinstance(err, InvalidRequest):
-                raise InvalidRequest(f"{path} is neither a directory nor a readable tar archive ({e})") from None
-            raise err from None
-
-    def _raw(self) -> io.BufferedIOBase:
-        return gzip.open(self.path, "rb") if self.gz else open(self.path, "rb")
-
-    def _find(self, name: str) -> str | None:
-        name = _norm(name)
-        for _ in range(16):
-            if name not in self.links:
-                break
-            name = self.links[name]
-        return name if name in self.files else None
-
-    def has(self, name: str) -> bool:
-        return self._find(name) is not None
-
-    def open(self, name: str) -> BinaryIO:
-        found = self._find(name)
-        if found is None:
-            raise InvalidRequest(f"{name} is missing from {self.label}")
-        offset, size = self.files[found]
-        try:
-            # seeking a gzip stream decompresses up to the offset: slow, but still streaming
-            return io.BufferedReader(_Slice(self._raw(), offset, size), CHUNK)
-        except READ_ERRORS as e:
-            raise read_failure(e, self.label) from None
-
-
-def _norm(name: str) -> str:
-    return posixpath.normpath("/" + name).lstrip("/")
-
-
 # errors that say the path given is no readable file (the caller's to fix), not that the node failed
 _BAD_PATH = frozenset({errno.ENAMETOOLONG, errno.ENOTDIR, errno.ELOOP, errno.EACCES, errno.EPERM, errno.ENXIO})
 
@@ -231,18 +101,18 @@ def unreadable(source: Path, e: OSError) -> DsecError:
     return cls(f"cannot read {source}: {e.strerror}")
 
 
-def _open_source(source: Path) -> _Store:
+def _open_source(source: Path) -> Store:
     try:
         if source.is_dir():
-            return _DirStore(source)
+            return DirStore(source)
         with open(source, "rb") as f:
             magic = f.read(2)
     except OSError as e:
         raise unreadable(source, e) from None
-    return _TarStore(source, gz=magic == GZIP_MAGIC)
+    return TarStore(source, gz=magic == GZIP_MAGIC)
 
 
-def _read_small(store: _Store, name: str, what: str) -> bytes:
+def _read_small(store: Store, name: str, what: str) -> bytes:
     try:
         with store.open(name) as f:
             data = f.read(MAX_JSON + 1)
@@ -253,7 +123,7 @@ def _read_small(store: _Store, name: str, what: str) -> bytes:
     return data
 
 
-def _hash_blob(store: _Store, name: str, compression: Compression | None = None) -> HashingReader:
+def _hash_blob(store: Store, name: str, compression: Compression | None = None) -> HashingReader:
     """Read a blob to its end through sha256; with ``compression``, hash its decompressed content instead."""
     what = f"{name} in {store.label}"
     try:
@@ -351,7 +221,7 @@ def _blob_name(digest: str, what: str) -> str:
     return f"blobs/sha256/{m[1]}"
 
 
-def _read_blob(store: _Store, desc: _Descriptor, what: str) -> bytes:
+def _read_blob(store: Store, desc: _Descriptor, what: str) -> bytes:
     name = _blob_name(desc.digest, what)
     if desc.size > MAX_JSON:
         raise InvalidRequest(f"{what} {desc.digest} claims {desc.size} bytes, over the {MAX_JSON}-byte limit")
@@ -360,7 +230,7 @@ def _read_blob(store: _Store, desc: _Descriptor, what: str) -> bytes:
     return data
 
 
-def _check_digest(got_hex: str, got_size: int, digest: str, size: int | None, what: str, store: _Store) -> None:
+def _check_digest(got_hex: str, got_size: int, digest: str, size: int | None, what: str, store: Store) -> None:
     if size is not None and got_size != size:
         raise InvalidRequest(f"{what} in {store.label} is {got_size} bytes, but its descriptor says {size}")
     if "sha256:" + got_hex != digest:
@@ -427,7 +297,7 @@ def _pick_platform(descs: list[_Descriptor], label: str) -> _Descriptor:
     return min(hits, key=lambda d: d.platform.variant if d.platform else "")
 
 
-def _resolve(store: _Store, desc: _Descriptor) -> tuple[_Descriptor, _Descriptor, list[_Descriptor]]:
+def _resolve(store: Store, desc: _Descriptor) -> tuple[_Descriptor, _Descriptor, list[_Descriptor]]:
     """Follow nested indexes (multi-platform images) down to one image manifest: (it, config, layers)."""
     for _ in range(4):
         doc = _parse(_Document, _read_blob(store, desc, "manifest"), f"manifest {desc.digest}")
@@ -475,7 +345,7 @@ def _diff_ids(cfg: _ConfigFile, count: int, what: str) -> list[str | None]:
     return list(ids)
 
 
-def _layer(store: _Store, blob: str, i: int, media_type: str, diff_id: str | None, digest: str | None) -> LayerSource:
+def _layer(store: Store, blob: str, i: int, media_type: str, diff_id: str | None, digest: str | None) -> LayerSource:
     where = f"{i + 1} ({blob} in {store.label})"
     if LAYER_TYPES.get(media_type) == "zstd":
         check_compression("zstd", where)  # before reading gigabytes we could not use
@@ -494,7 +364,7 @@ def _layer(store: _Store, blob: str, i: int, media_type: str, diff_id: str | Non
     return LayerSource(digest, diff_id, media_type, size, compression, where, functools.partial(store.open, blob))
 
 
-def _read_layout(store: _Store, reference: str | None) -> OciImage:
+def _read_layout(store: Store, reference: str | None) -> OciImage:
     layout = _parse(_Layout, _read_small(store, "oci-layout", "oci-layout"), f"oci-layout in {store.label}")
     if not layout.version.startswith("1."):
         raise InvalidRequest(f"{store.label}: unsupported OCI layout version {layout.version}")
@@ -519,7 +389,7 @@ def _read_layout(store: _Store, reference: str | None) -> OciImage:
     return OciImage(config, layers, names[0] if names else None, desc.digest)
 
 
-def _read_docker(store: _Store, reference: str | None) -> OciImage:
+def _read_docker(store: Store, reference: str | None) -> OciImage:
     data = _read_small(store, "manifest.json", "manifest.json")
     try:
         entries = TypeAdapter(list[_DockerEntry]).validate_json(data)
@@ -527,7 +397,7 @@ def _read_docker(store: _Store, reference: str | None) -> OciImage:
         raise InvalidRequest(f"manifest.json in {store.label} is not valid: {validation_message(e)}") from None
 
     def names(e: _DockerEntry) -> list[str]:
-        m = _PATH_DIGEST.fullmatch(_norm(e.config))
+        m = _PATH_DIGEST.fullmatch(norm(e.config))
         return [*(e.repo_tags or []), *([f"sha256:{m[1] or m[2]}"] if m else [])]
 
     choices = ", ".join(sorted(n for e in entries for n in names(e)[:1])) or "nothing"
@@ -543,7 +413,7 @@ def _read_docker(store: _Store, reference: str | None) -> OciImage:
         (t for t in tags if reference is not None and _matches(reference, [t])), tags[0] if tags else None
     )
 
-    m = _PATH_DIGEST.fullmatch(_norm(entry.config))
+    m = _PATH_DIGEST.fullmatch(norm(entry.config))
     if m is None:
         raise InvalidRequest(f"config {entry.config} in {store.label} is not named by its digest; cannot verify it")
     digest = f"sha256:{m[1] or m[2]}"
@@ -555,7 +425,7 @@ def _read_docker(store: _Store, reference: str | None) -> OciImage:
     diff_ids = _diff_ids(cfg, len(entry.layers), what)
     layers = []
     for i, (path, diff_id) in enumerate(zip(entry.layers, diff_ids, strict=True)):
-        lm = _PATH_DIGEST.fullmatch(_norm(path))
+        lm = _PATH_DIGEST.fullmatch(norm(path))
         blob_digest = f"sha256:{lm[1]}" if lm and lm[1] else None
         if blob_digest is None and diff_id is None:
             raise InvalidRequest(f"layer {i + 1} ({path}) in {store.label} has no digest to verify it by")
