@@ -62,7 +62,7 @@ def test_two_minute_soak_leaks_nothing_and_meets_no_unexpected_error(soak: Soak)
     acc = data["accounting"]
     leaked = [r for r in acc["diff"] if r["verdict"] == "leak"]
     assert leaked == [], leaked
-    assert data["errors"]["unexpected"] == {}, data["errors"]["examples"]
+    assert data["errors"]["unexpected"] == {}, data["errors"]["examples"]["unexpected"]
     assert acc["baseline_quiet"], "the node still held sandboxes when the baseline was taken"
     assert proc.returncode == 0, out
 

@@ -91,10 +91,21 @@ def test_following_another_counter_allows_only_its_growth() -> None:
     assert verdicts(before, {"daemon.fds": 31, "daemon.fd.ns_user": 0}, rule)["daemon.fds"] == "leak"
 
 
+def test_plus_another_counter_adds_its_growth_to_the_slack() -> None:
+    rule = {"daemon.rss_kib": Allowance("rss", slack=100, plus="daemon.idempotency_kib")}
+    before = {"daemon.rss_kib": 1000, "daemon.idempotency_kib": 10}
+    assert verdicts(before, {"daemon.rss_kib": 1150, "daemon.idempotency_kib": 60}, rule)["daemon.rss_kib"] == "ok"
+    assert verdicts(before, {"daemon.rss_kib": 1151, "daemon.idempotency_kib": 60}, rule)["daemon.rss_kib"] == "leak"
+    # what it reports holding went down: no room beyond the slack
+    assert verdicts(before, {"daemon.rss_kib": 1101, "daemon.idempotency_kib": 0}, rule)["daemon.rss_kib"] == "leak"
+
+
 def test_the_soaks_allowances_leave_every_object_counter_exact() -> None:
     rules = allowances(cpus=2)
     for name in ("mounts.sandboxes", "cgroups.unified", "qemu.processes", "nft.elements", "uids.next_container_base"):
         assert rules.get(name, EXACT) is EXACT
+    assert rules["daemon.rss_kib"].plus == "daemon.idempotency_kib" and rules["fetcher.rss_kib"].plus is None
+    assert rules["daemon.idempotency_kib"].bound == "daemon.idempotency_limit_kib"  # as the daemon reports it
     assert rules["daemon.threads"].slack == 6  # asyncio's default executor on two CPUs: min(32, 2 + 4)
     # a template (memory image and its record) per VM kind and shape: plain and hostile limits
     assert rules["cache.vm_templates"].cap == 8 and allowances(cpus=2, vm_kinds=1)["cache.vm_templates"].cap == 4
@@ -208,8 +219,13 @@ def test_the_tally_keeps_a_few_examples_per_class_whatever_the_count() -> None:
     report = t.report()
     assert report["errors"]["expected"] == {"SandboxGone": 1000}
     assert report["errors"]["unexpected"] == {"BackendError": 1}
-    assert len(report["errors"]["examples"]["SandboxGone"]) == EXAMPLES
-    assert len(report["errors"]["examples"]["BackendError"][0]) == 400
+    assert len(report["errors"]["examples"]["expected"]["SandboxGone"]) == EXAMPLES
+    assert len(report["errors"]["examples"]["unexpected"]["BackendError"][0]) == 400
+    # a class met both ways keeps its unexpected examples apart, so the one that matters can be found
+    t.error("SandboxGone", "basic: gone mid-exec", expected=False)
+    examples = t.report()["errors"]["examples"]
+    assert examples["unexpected"]["SandboxGone"] == ["basic: gone mid-exec"]
+    assert "basic: gone mid-exec" not in examples["expected"]["SandboxGone"]
     assert report["operations"]["container"]["exec"] == {"n": 2, "mean_ms": 1000.0, "max_ms": 1500.0}
 
 

@@ -11,6 +11,8 @@ import pytest
 from dsec.server.errors import error_response
 from dsec.server.idempotency import MAX_REPLAY_BODY, Idempotency, Memory
 
+from .conftest import AUTH, Api
+
 Message = dict[str, Any]
 
 
@@ -203,3 +205,81 @@ async def test_memory_is_bounded_by_count_and_by_age() -> None:
     await asyncio.sleep(0.1)
     await call(mw, "/run", key="k9")  # forgotten after the window: runs again
     assert inner.runs == 11 and len(memory) == 1
+
+
+async def test_the_memory_counts_at_least_what_its_answers_really_cost() -> None:
+    """``Memory.bytes`` is what /metrics reports and what bounds the memory: measured with tracemalloc
+    over a thousand kept answers shaped like the API's (a JSON body of about a kilobyte, four headers),
+    it must not understate what they hold, nor overstate it wildly."""
+    import tracemalloc
+
+    body = json.dumps({"id": "sb-0123456789ab", "labels": {"task": "x" * 40}, "pad": "y" * 900}).encode()
+    headers = [
+        (b"content-length", str(len(body)).encode()),
+        (b"content-type", b"application/json"),
+        (b"x-request-id", b"0123456789abcdef0123456789abcdef"),
+        (b"date", b"Sat, 05 Dec 2026 13:00:00 GMT"),
+    ]
+
+    async def api(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        await receive()
+        await send({"type": "http.response.start", "status": 201, "headers": list(headers)})
+        await send({"type": "http.response.body", "body": body})
+
+    memory = Memory()
+    mw = Idempotency(api, error=error_response, memory=memory)
+    await call(mw, "/warm", key="warm")  # first-call allocations (caches, interned names) are not the entries'
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        counted = memory.held
+        for i in range(1000):
+            await call(mw, f"/sandboxes/sb-{i:012d}/exec", key=f"key-{i:032d}")
+        held = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    counted = memory.held - counted
+    assert len(memory) == 1001
+    assert held <= counted <= 2 * held, (held, counted)
+
+
+async def test_a_kept_answer_holds_no_event_and_its_bytes_go_when_forgotten() -> None:
+    inner = Counter()
+    memory = Memory(window=0.05)
+    mw = Idempotency(inner, error=error_response, memory=memory)
+    inner.release.clear()
+    first = asyncio.create_task(call(mw, "/slow"))
+    await asyncio.sleep(0.01)
+    repeat = asyncio.create_task(call(mw, "/slow"))  # waits for the first: the only entry given an event
+    await asyncio.sleep(0.01)
+    inner.release.set()
+    (s1, _, b1), (s2, h2, b2) = await asyncio.gather(first, repeat)
+    assert (s1, b1) == (s2, b2) and h2.get("idempotent-replayed") == "true" and inner.runs == 1
+    for i in range(5):
+        await call(mw, "/run", key=f"n{i}")
+    entries = list(memory._entries.values())
+    assert len(entries) == 6 and all(e.settled and e.waiters is None and isinstance(e.body, bytes) for e in entries)
+    assert memory.held == sum(e.size for e in entries)
+    await asyncio.sleep(0.1)
+    await call(mw, "/run", key="last")  # the window passed: the others are forgotten
+    assert len(memory) == 1 and memory.held == next(iter(memory._entries.values())).size
+
+
+def _gauge(text: str, name: str) -> float:
+    return float(next(line.split()[-1] for line in text.splitlines() if line.startswith(f'{name}{{api="node"}}')))
+
+
+def test_metrics_show_what_the_node_api_remembers(api: Api) -> None:
+    """The operator can see the memory grow with each kept answer (the soak counts it as memory the daemon
+    legitimately holds)."""
+    text = api.client.get("/metrics", headers=AUTH).text
+    keys, held = _gauge(text, "dsec_idempotency_keys"), _gauge(text, "dsec_idempotency_bytes")
+    for i in range(3):
+        reply = api.client.post(
+            "/v1/sandboxes", json={"image": "dsec/none:1"}, headers=AUTH | {"idempotency-key": f"m{i}"}
+        )
+        assert reply.status_code == 404, reply.text  # an answer all the same: kept for a repeat
+    text = api.client.get("/metrics", headers=AUTH).text
+    assert _gauge(text, "dsec_idempotency_keys") == keys + 3
+    assert _gauge(text, "dsec_idempotency_bytes") >= held + 3 * 400
+    assert _gauge(text, "dsec_idempotency_bytes_limit") == 64 << 20

@@ -484,6 +484,7 @@ class Allowance:
     bound: str | None = None  # instead: up to ``per`` times another counter's value after
     per: int = 1
     follows: str | None = None  # instead: may grow as much as another counter grew within its allowance
+    plus: str | None = None  # and further, by as much as another counter grew (memory it reports holding)
 
     def limit(self, name: str, before: Mapping[str, int], after: Mapping[str, int]) -> int | None:
         b = before.get(name, 0)
@@ -495,7 +496,8 @@ class Allowance:
             return max(self.per * after.get(self.bound, 0), b)
         if self.follows is not None:
             return b + max(0, after.get(self.follows, 0) - before.get(self.follows, 0))
-        return b + max(self.slack, int(b * self.ratio))
+        grown = max(0, after.get(self.plus, 0) - before.get(self.plus, 0)) if self.plus is not None else 0
+        return b + max(self.slack, int(b * self.ratio)) + grown
 
 
 EXACT = Allowance("must return to its baseline")

@@ -51,7 +51,7 @@ class Tally:
     slowest: dict[tuple[str, str], float] = field(default_factory=dict)
     expected: Counter[str] = field(default_factory=Counter)
     unexpected: Counter[str] = field(default_factory=Counter)
-    examples: dict[str, list[str]] = field(default_factory=dict)
+    examples: dict[str, dict[str, list[str]]] = field(default_factory=lambda: {"expected": {}, "unexpected": {}})
     hostile: Counter[tuple[str, str, str]] = field(default_factory=Counter)
     scenarios: Counter[tuple[str, str]] = field(default_factory=Counter)
     created: list[str] = field(default_factory=list)  # ids since the last drain (the caller empties it)
@@ -63,7 +63,7 @@ class Tally:
 
     def error(self, cls: str, message: str, expected: bool) -> None:
         (self.expected if expected else self.unexpected)[cls] += 1
-        kept = self.examples.setdefault(cls, [])
+        kept = self.examples["expected" if expected else "unexpected"].setdefault(cls, [])
         if len(kept) < EXAMPLES:
             kept.append(message[:400])
 
@@ -91,7 +91,7 @@ class Tally:
             "errors": {
                 "expected": dict(sorted(self.expected.items())),
                 "unexpected": dict(sorted(self.unexpected.items())),
-                "examples": {k: v for k, v in sorted(self.examples.items())},
+                "examples": {side: dict(sorted(kept.items())) for side, kept in self.examples.items()},
             },
         }
 

@@ -29,6 +29,7 @@ from typing import Any
 from rich.console import Console
 
 from ..errors import DsecError
+from ..sdk.aio import AsyncClient
 from . import accounting
 from .accounting import Allowance, Counters, Known, Node
 from .churn import CONTAINER_KINDS, LABELS, VM_KINDS, VM_WORKLOADS, WORKLOADS, Churn, Evicted, Tally, Unexpected
@@ -40,6 +41,8 @@ SCENARIO_TIMEOUT = 300.0  # a scenario still running after this is cut off (and 
 PROGRESS_EVERY = 10.0
 SCAN_EVERY = 5.0
 RSS_EVERY = 30.0
+REMEMBERED = "daemon.idempotency_kib"
+REMEMBERED_LIMIT = "daemon.idempotency_limit_kib"
 RSS_SAMPLES = 240  # kept at most; older ones thinned out, so a run of any length keeps a bounded list
 POLL = 2.0
 GC_EVERY = 60.0
@@ -77,15 +80,23 @@ WARMUP: dict[str, list[str]] = {
 def allowances(cpus: int, vm_kinds: int = len(VM_KINDS)) -> dict[str, Allowance]:
     """Where a counter may legitimately end above its baseline (everything else must come back)."""
     executor = min(32, cpus + 4)  # asyncio's default executor: threads made on demand, never retired
-    rss = Allowance(
+    why = (
         "resident memory: CPython keeps freed arenas and the allocator's fragmentation after bursts; a leak "
-        "grows with the churn's length, past this bound on a long run",
-        slack=32 << 10,
-        ratio=0.2,
+        "grows with the churn's length, past this bound on a long run"
     )
     return {
-        "daemon.rss_kib": rss,
-        "fetcher.rss_kib": rss,
+        "daemon.rss_kib": Allowance(
+            f"{why}; and as much more as the daemon reports holding for Idempotency-Keys (daemon.idempotency_kib)",
+            slack=32 << 10,
+            ratio=0.2,
+            plus=REMEMBERED,
+        ),
+        "fetcher.rss_kib": Allowance(why, slack=32 << 10, ratio=0.2),
+        REMEMBERED: Allowance(
+            "the answers of the last minutes' requests, kept for repeats of their Idempotency-Keys, up to the "
+            f"bound the daemon reports ({REMEMBERED_LIMIT})",
+            bound=REMEMBERED_LIMIT,
+        ),
         "daemon.fds": Allowance(
             "as many more as user namespaces kept (daemon.fd.ns_user)", follows="daemon.fd.ns_user"
         ),
@@ -185,16 +196,19 @@ class Watch:
     node: Node
     known: Known
     tally: Tally
+    client: AsyncClient
     started: float = field(default_factory=time.monotonic)
     rss: list[dict[str, float]] = field(default_factory=list)
 
-    def sample(self) -> None:
-        figures = accounting.process("daemon", self.node.daemon_pid) | accounting.process(
-            "fetcher", self.node.fetcher_pid
-        )
+    def _processes(self) -> Counters:
+        return accounting.process("daemon", self.node.daemon_pid) | accounting.process("fetcher", self.node.fetcher_pid)
+
+    async def sample(self) -> None:
+        figures = await asyncio.to_thread(self._processes)
+        figures |= await remembered(self.client)
         self.rss.append(
             {"t_s": round(time.monotonic() - self.started, 1)}
-            | {k: v for k, v in figures.items() if k.endswith(("rss_kib", "fds", "threads"))}
+            | {k: v for k, v in figures.items() if k.endswith(("rss_kib", "fds", "threads", "idempotency_kib"))}
         )
         if len(self.rss) > RSS_SAMPLES:
             self.rss = self.rss[::2]
@@ -212,7 +226,7 @@ class Watch:
                 await asyncio.to_thread(self.scan)
                 last["scan"] = now
             if now - last["rss"] >= RSS_EVERY:
-                await asyncio.to_thread(self.sample)
+                await self.sample()
                 last["rss"] = now
             if now - last["progress"] >= PROGRESS_EVERY:
                 t = self.tally
@@ -250,13 +264,25 @@ def uid_probe(state_dir: Path, sandbox_id: str) -> int:
     return base if isinstance(base, int) else -1
 
 
-async def probe(proc: subprocess.Popen[bytes], state_dir: Path) -> int:
+async def remembered(client: AsyncClient) -> Counters:
+    """What the daemon reports holding for Idempotency-Keys, and its bound, its APIs together (KiB)."""
+    lines = (await client.metrics()).splitlines()
+
+    def kib(family: str) -> int:
+        return int(sum(float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith(family + "{"))) >> 10
+
+    return {REMEMBERED: kib("dsec_idempotency_bytes"), REMEMBERED_LIMIT: kib("dsec_idempotency_bytes_limit")}
+
+
+async def probe(proc: subprocess.Popen[bytes], state_dir: Path) -> Counters:
+    """The uid range a new container gets, and the memory the daemon reports for Idempotency-Keys."""
     async with await connect(proc, state_dir) as client:
         sb = await client.create(image="dsec/busybox", kind="container", labels=LABELS, timeout=60)
         try:
-            return await asyncio.to_thread(uid_probe, state_dir, sb.id)
+            base = await asyncio.to_thread(uid_probe, state_dir, sb.id)
         finally:
             await sb.kill()
+        return {"uids.next_container_base": base} | await remembered(client)
 
 
 def quiet(c: Counters) -> bool:
@@ -270,7 +296,7 @@ def steady(a: Counters, b: Counters, rules: dict[str, Allowance]) -> bool:
     return all(a.get(k) == b.get(k) for k in judged)
 
 
-Probe = Callable[[], Awaitable[int]]
+Probe = Callable[[], Awaitable[Counters]]
 NEVER_QUIET = -2
 
 
@@ -279,7 +305,7 @@ async def quiet_probe(node: Node, known: Known, probe: Probe, deadline: float) -
     never got quiet before ``deadline``)."""
     while True:
         if quiet(await asyncio.to_thread(accounting.snapshot, node, known)):
-            return {"uids.next_container_base": await probe()}
+            return await probe()
         if time.monotonic() > deadline:
             return {"uids.next_container_base": NEVER_QUIET}
         await asyncio.sleep(POLL)
@@ -365,7 +391,7 @@ async def run(console: Console, plan: Plan, state_dir: Path) -> Json:
     async with private_daemon(console, state_dir, flags, LABELS) as (proc, client):
         node = Node(state_dir, proc.pid)
         known = Known(node)
-        watch = Watch(node, known, tally)
+        watch = Watch(node, known, tally, client)
         await client.build_image("dsec/busybox")
         async with await connect(proc, state_dir) as warm:
             await warm_up(console, Churn(warm, tally), plan)
@@ -377,10 +403,10 @@ async def run(console: Console, plan: Plan, state_dir: Path) -> Json:
         tally = Tally()
         watch.tally = tally
         watch.started = time.monotonic()
-        watch.sample()
+        await watch.sample()
         async with await connect(proc, state_dir) as churn_client:
             seconds = await churn_for(console, Churn(churn_client, tally), plan, watch)
-        watch.sample()
+        await watch.sample()
         watch.scan()
         console.print(f"churn done in {seconds:.0f}s: {tally.total_ops} operations; settling")
         leftovers = len(await client.list(labels=LABELS))
@@ -397,7 +423,7 @@ async def run(console: Console, plan: Plan, state_dir: Path) -> Json:
         "gc": gc.model_dump(),
         "resources_over_time": watch.rss,
         "trend_per_hour_second_half": {
-            k: trend(watch.rss, k) for k in ("daemon.rss_kib", "fetcher.rss_kib", "daemon.fds")
+            k: trend(watch.rss, k) for k in ("daemon.rss_kib", REMEMBERED, "fetcher.rss_kib", "daemon.fds")
         },
         "accounting": {
             "baseline_quiet": was_quiet,

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client import Counter as PromCounter
@@ -27,6 +27,18 @@ PHASES = ("queue", "rootfs", "runtime", "total", "first_exec")
 PHASE_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 # cpu used / cpu requested over a sampling interval: the "90% use <= 5%" question is bucket 0.05
 USE_BUCKETS = (0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 4.0, 8.0)
+
+
+class Remembered(Protocol):
+    """What an API remembers to answer repeated requests (the server's Idempotency-Key memory)."""
+
+    def __len__(self) -> int: ...
+
+    @property
+    def held(self) -> int: ...
+
+    @property
+    def max_bytes(self) -> int: ...
 
 
 class NodeMetrics:
@@ -64,6 +76,8 @@ class NodeMetrics:
         self.evictions = PromCounter("dsec_evictions", "Sandboxes evicted under memory pressure.", registry=r)
         r.register(_Live(mgr))
         self.mgr = mgr
+        # by API (node, e2b): set by the server that serves it, so a scrape shows what it holds
+        self.remembered: dict[str, Remembered] = {}
 
     def created(self, kind: str, timings: dict[str, float]) -> None:
         self.creations.labels(kind).inc()
@@ -108,6 +122,21 @@ def _pools(mgr: SandboxManager, caller: Caller) -> Iterator[Metric]:
         yield family
 
 
+def _remembered(memories: dict[str, Remembered]) -> Iterator[Metric]:
+    keys = GaugeMetricFamily(
+        "dsec_idempotency_keys", "Idempotency-Keys remembered (their answers kept for repeats).", labels=["api"]
+    )
+    size = GaugeMetricFamily(
+        "dsec_idempotency_bytes", "What the remembered answers hold in the daemon's memory.", labels=["api"]
+    )
+    limit = GaugeMetricFamily("dsec_idempotency_bytes_limit", "What the remembered answers may hold.", labels=["api"])
+    for api, memory in sorted(memories.items()):
+        keys.add_metric([api], len(memory))
+        size.add_metric([api], memory.held)
+        limit.add_metric([api], memory.max_bytes)
+    yield from (keys, size, limit)
+
+
 class _TenantSlice(Collector):
     def __init__(self, mgr: SandboxManager, caller: Caller) -> None:
         self.mgr, self.caller = mgr, caller
@@ -138,6 +167,7 @@ class _Live(Collector):
             g.add_metric(["cpu"], res.cpu)
             g.add_metric(["memory"], float(res.memory))
             yield g
+        yield from _remembered(mgr.metrics.remembered)
         pressure = GaugeMetricFamily("dsec_node_memory_pressure", "Share of the node's memory in use (0-1).")
         pressure.add_metric([], mgr.usage.pressure)
         yield pressure

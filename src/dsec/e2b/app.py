@@ -18,7 +18,7 @@ from .. import __version__
 from ..core.manager import SandboxManager
 from ..errors import DsecError, environment_error, validation_message
 from ..server.audit import AuditMiddleware
-from ..server.idempotency import Idempotency
+from ..server.idempotency import Idempotency, Memory
 from ..server.limits import BodyLimit
 
 # the services register their routes on envd.router as they are imported
@@ -86,6 +86,9 @@ def create_e2b_app(manager: SandboxManager, options: E2BOptions, state_dir: Path
 
     app.add_api_route("/{rest:path}", other, methods=["GET", "POST", "PUT", "PATCH", "DELETE"], include_in_schema=False)
     app.add_middleware(BodyLimit)
-    app.add_middleware(Idempotency, error=lambda status, _code, message: plain_error(status, message))
+    remembered = manager.metrics.remembered["e2b"] = Memory()
+    app.add_middleware(
+        Idempotency, error=lambda status, _code, message: plain_error(status, message), memory=remembered
+    )
     app.add_middleware(AuditMiddleware, prefix="", unaudited=("/health",), label="e2b ")
     return app

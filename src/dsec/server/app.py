@@ -28,7 +28,7 @@ from ..store.audit import DEFAULT_KEEP_DAYS, DEFAULT_MAX_RECORDS, AuditLog
 from . import errors, node_routes, routes, run_routes, tenant_routes, trajectory_routes
 from .audit import AuditMiddleware
 from .errors import error_response
-from .idempotency import Idempotency
+from .idempotency import Idempotency, Memory
 from .limits import BodyLimit
 
 if TYPE_CHECKING:
@@ -59,9 +59,12 @@ def ensure_token(state_dir: Path) -> str:
 
 
 def create_app(manager: SandboxManager, token: str) -> FastAPI:
+    remembered = Memory()
+
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         await manager.start()
+        manager.metrics.remembered["node"] = remembered
         manager.tenants.set_operator_token(token)
         for note in manager.notes:
             log.info("%s", note)
@@ -81,7 +84,8 @@ def create_app(manager: SandboxManager, token: str) -> FastAPI:
     app.include_router(run_routes.router)
     app.include_router(trajectory_routes.router)
     app.add_middleware(BodyLimit)
-    app.add_middleware(Idempotency, error=error_response)  # outside the body limit: its 413s are answers too
+    # outside the body limit: its 413s are answers too
+    app.add_middleware(Idempotency, error=error_response, memory=remembered)
     app.add_middleware(AuditMiddleware)  # added last: outside the others, so their answers are audited too
     return app
 

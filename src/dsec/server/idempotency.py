@@ -39,7 +39,7 @@ NOT_KEPT = frozenset({429, 499, 503})
 MAX_KEY = 255
 WINDOW_S = 300.0
 MAX_ENTRIES = 100_000
-MAX_BYTES = 64 << 20  # bodies kept in all
+MAX_BYTES = 64 << 20  # what the kept answers cost in all (Entry.size)
 MAX_REPLAY_BODY = 8 << 20  # one answer larger than this is remembered as done but not replayed
 MAX_DIGESTED = 256 << 20  # a repeat's body is hashed up to the largest upload the API takes
 # the headers that say who is calling, on the node API (bearer), the E2B control API and envd
@@ -48,20 +48,44 @@ CREDENTIALS = (b"authorization", b"x-api-key", b"x-access-token", b"e2b-sandbox-
 ErrorReply = Callable[[int, str, str], Callable[[Scope, Receive, Send], Awaitable[None]]]
 
 
-@dataclass(eq=False)
+# what a kept answer costs beyond its bytes (measured with tracemalloc, tests/unit/test_idempotency.py):
+# the entry's slots, its place in the ordered dict, its key; and each header pair's two bytes objects
+ENTRY_COST = 400
+HEADER_COST = 120
+
+
+@dataclass(eq=False, slots=True)
 class Entry:
     request: bytes  # method, path and query of the first request
     expires: float
-    done: asyncio.Event = field(default_factory=asyncio.Event)
+    settled: bool = False
+    # made only when a repeat arrives while the first still runs (most keys are never repeated)
+    waiters: asyncio.Event | None = None
     body_digest: bytes | None = None  # of the first request's body, when the app read all of it
     status: int | None = None
-    headers: list[tuple[bytes, bytes]] = field(default_factory=list)
-    body: bytearray | None = field(default_factory=bytearray)  # None: too large to replay
+    headers: tuple[tuple[bytes, bytes], ...] = ()
+    body: bytes | bytearray | None = field(default_factory=bytearray)  # None: not replayable
     complete: bool = False  # the whole answer was sent (not cut off)
+    counted: int = 0  # the bytes the memory counts for it
 
     @property
     def size(self) -> int:
-        return len(self.body or b"") + 256
+        headers = sum(len(k) + len(v) + HEADER_COST for k, v in self.headers)
+        return ENTRY_COST + len(self.request) + len(self.body or b"") + headers
+
+    async def wait(self) -> None:
+        if not self.settled:
+            if self.waiters is None:
+                self.waiters = asyncio.Event()
+            await self.waiters.wait()
+
+    def settle(self) -> None:
+        """Finished: kept in its smallest form (a cut-off answer is never replayed, so its body goes)."""
+        self.settled = True
+        self.body = bytes(self.body) if self.body is not None and self.complete else None
+        if self.waiters is not None:
+            self.waiters.set()
+            self.waiters = None
 
 
 class Memory:
@@ -77,6 +101,11 @@ class Memory:
     def __len__(self) -> int:
         return len(self._entries)
 
+    @property
+    def held(self) -> int:
+        """What the kept answers cost (an estimate that errs high: see ENTRY_COST)."""
+        return self._bytes
+
     def get(self, ident: bytes) -> Entry | None:
         self._expire()
         return self._entries.get(ident)
@@ -84,25 +113,29 @@ class Memory:
     def claim(self, ident: bytes, request: bytes) -> Entry:
         entry = Entry(request, time.monotonic() + self.window)
         self._entries[ident] = entry
-        self._bytes += entry.size
+        self._count(entry)
         return entry
 
     def settle(self, ident: bytes, entry: Entry, keep: bool) -> None:
         """The owner finished: keep its answer (counting its bytes), or forget the key."""
+        entry.settle()
         if self._entries.get(ident) is entry:
-            self._bytes -= 256
             if keep:
-                self._bytes += entry.size
+                self._count(entry)
             else:
-                del self._entries[ident]
-        entry.done.set()
+                self._drop(ident, entry)
         self._shrink()
+
+    def _count(self, entry: Entry) -> None:
+        size = entry.size
+        self._bytes += size - entry.counted
+        entry.counted = size
 
     def _expire(self) -> None:
         now = time.monotonic()
         while self._entries:
             ident, oldest = next(iter(self._entries.items()))
-            if oldest.expires > now or not oldest.done.is_set():
+            if oldest.expires > now or not oldest.settled:
                 break
             self._drop(ident, oldest)
 
@@ -111,7 +144,7 @@ class Memory:
         turned = 0
         while (len(self._entries) > self.max_entries or self._bytes > self.max_bytes) and turned < len(self._entries):
             ident, entry = next(iter(self._entries.items()))
-            if entry.done.is_set():
+            if entry.settled:
                 self._drop(ident, entry)
             else:  # one that still runs is never dropped (its repeats wait for it): passed over
                 self._entries.move_to_end(ident)
@@ -119,7 +152,7 @@ class Memory:
 
     def _drop(self, ident: bytes, entry: Entry) -> None:
         del self._entries[ident]
-        self._bytes -= entry.size
+        self._bytes -= entry.counted
 
 
 class Idempotency:
@@ -145,7 +178,7 @@ class Idempotency:
         ident = _ident(scope, key)
         request = b"%s %s?%s" % (scope["method"].encode(), scope.get("raw_path") or b"", scope.get("query_string", b""))
         while (entry := self.memory.get(ident)) is not None:
-            await entry.done.wait()  # a repeat of a request that still runs waits for its answer
+            await entry.wait()  # a repeat of a request that still runs waits for its answer
             if self.memory.get(ident) is entry:
                 await self._replay(entry, request, scope, receive, send)
                 return
@@ -167,7 +200,7 @@ class Idempotency:
         async def kept(message: Message) -> None:
             if message["type"] == "http.response.start":
                 entry.status = int(message["status"])
-                entry.headers = list(message.get("headers", []))
+                entry.headers = tuple((bytes(k), bytes(v)) for k, v in message.get("headers", []))
             elif message["type"] == "http.response.body":
                 if entry.body is not None:
                     entry.body += message.get("body", b"")
