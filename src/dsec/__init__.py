@@ -1,8 +1,13 @@
-"""dsec: elastic sandboxes for training and evaluating AI agents."""
+"""dsec: elastic sandboxes for training and evaluating AI agents.
+
+The client (``Sandbox``, ``Client``, ``run``, ...) is loaded on first use: the daemon's modules live in
+this package too, and importing any of them must not load the SDK.
+"""
 
 from __future__ import annotations
 
-__version__ = "0.1.0"
+import importlib
+from typing import TYPE_CHECKING
 
 from .errors import (
     BackendError,
@@ -32,14 +37,27 @@ from .errors import (
     TrajectoryDiverged,
     Unauthorized,
 )
-from .grade_models import GradeResult
-from .images.buildspec import BuildSpec, ImageSpec
-from .models import ExecResult, FileEntry, ImageInfo, NetworkAllow, NetworkStatus, SandboxInfo, State
-from .run_models import PoolInfo, RunResult
-from .sdk.aio import AsyncClient, AsyncSandbox
-from .sdk.sync import Client, Sandbox, run
-from .sdk.trajectory import Trajectory
-from .trajectory_models import RecordedCall, TrajectoryInfo
+from .protocol.build import BuildSpec, ImageSpec
+from .protocol.grade import GradeResult
+from .protocol.network import NetworkAllow
+from .protocol.run import PoolInfo, RunResult
+from .protocol.sandbox import ExecResult, FileEntry, ImageInfo, NetworkStatus, SandboxInfo, State
+from .protocol.trajectory import RecordedCall, TrajectoryInfo
+from .protocol.version import __version__
+
+if TYPE_CHECKING:
+    from .sdk.aio import AsyncClient, AsyncSandbox
+    from .sdk.sync import Client, Sandbox, run
+    from .sdk.trajectory import Trajectory
+
+_CLIENT = {
+    "AsyncClient": ".sdk.aio",
+    "AsyncSandbox": ".sdk.aio",
+    "Client": ".sdk.sync",
+    "Sandbox": ".sdk.sync",
+    "run": ".sdk.sync",
+    "Trajectory": ".sdk.trajectory",
+}
 
 __all__ = [
     "AsyncClient",
@@ -90,3 +108,12 @@ __all__ = [
     "__version__",
     "run",
 ]
+
+
+def __getattr__(name: str) -> object:
+    module = _CLIENT.get(name)
+    if module is None:
+        raise AttributeError(f"module 'dsec' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module, __name__), name)
+    globals()[name] = value  # found directly from now on
+    return value

@@ -7,17 +7,9 @@ The daemon's own work (builder sandboxes, the reaper, re-adoption) runs as the o
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
-from typing import Annotated
-
-from pydantic import AfterValidator, WithJsonSchema
-
-from .errors import InvalidRequest
 
 ADMIN = "admin"
-TENANT_NAME = r"^[a-z0-9][a-z0-9-]{0,62}$"
-_NAME_RE = re.compile(TENANT_NAME)
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,19 +32,3 @@ class Caller:
 
 
 OPERATOR = Caller(ADMIN, operator=True)
-
-
-def check_tenant_name(name: object) -> str:
-    if not isinstance(name, str) or not _NAME_RE.fullmatch(name):
-        raise InvalidRequest(
-            f"invalid tenant name {str(name)[:80]!r}: 1-63 characters of a-z, 0-9 and '-', starting with a letter "
-            "or digit"
-        )
-    return name
-
-
-TenantName = Annotated[
-    str,
-    AfterValidator(check_tenant_name),
-    WithJsonSchema({"type": "string", "minLength": 1, "maxLength": 63, "pattern": TENANT_NAME}),
-]

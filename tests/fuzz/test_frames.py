@@ -20,7 +20,7 @@ from dsec.kinds.container import agent
 from dsec.kinds.container.agent import AgentChannel
 from dsec.kinds.microvm import channel
 from dsec.kinds.microvm.channel import GuestChannel
-from dsec.models import ExecResult
+from dsec.protocol.sandbox import ExecResult
 
 from .budget import fuzz, outcome
 

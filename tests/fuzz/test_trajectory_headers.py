@@ -18,8 +18,8 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 
 from dsec.core.manager import SandboxManager
+from dsec.protocol.trajectory import SEQ_HEADER
 from dsec.server.app import create_app
-from dsec.trajectory_models import SEQ_HEADER
 
 from ..unit.conftest import IMAGE, TOKEN, new_manager
 from .budget import fuzz, outcome

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 import dsec
-from dsec.images.buildspec import ImageSpec
+from dsec.protocol.build import ImageSpec
 
 from .conftest import Daemon, layer_bytes
 

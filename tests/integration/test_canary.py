@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 import dsec
-from dsec.images.buildspec import ImageSpec
+from dsec.protocol.build import ImageSpec
 
 from .conftest import Daemon, shut_down, start_daemon
 

@@ -15,7 +15,7 @@ from collections.abc import Callable
 import pytest
 
 import dsec
-from dsec.grade_models import MAX_GRADE_TOTAL
+from dsec.protocol.grade import MAX_GRADE_TOTAL
 
 from .conftest import Daemon, require_kind
 

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 import pytest
 
 import dsec
-from dsec.images.buildspec import ImageSpec
+from dsec.protocol.build import ImageSpec
 
 from .conftest import Daemon, require_kind
 

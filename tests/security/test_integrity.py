@@ -8,7 +8,7 @@ from collections.abc import Callable
 import pytest
 
 import dsec
-from dsec.images.buildspec import ImageSpec
+from dsec.protocol.build import ImageSpec
 
 from ..integration.conftest import layer_bytes
 from .conftest import CANARY, Daemon, create, heartbeat

@@ -22,8 +22,8 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from dsec.cluster.gateway import Gateway
 from dsec.cluster.nodes import NodeSet
 from dsec.cluster.runner import node_api, server
-from dsec.models import CreateSandbox, ExecRequest, Limits, SandboxInfo, State
-from dsec.node_models import BatchCreate, BatchEvent, NodeStatus, Ratios, Resources
+from dsec.protocol.node import BatchCreate, BatchEvent, NodeStatus, Ratios, Resources
+from dsec.protocol.sandbox import CreateSandbox, ExecRequest, Limits, SandboxInfo, State
 
 TOKEN = "cluster-token"
 _ids = itertools.count(1)

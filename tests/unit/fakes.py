@@ -11,12 +11,13 @@ import time
 from pathlib import Path
 
 from dsec.errors import FileNotFoundInSandbox, InvalidRequest
-from dsec.images.model import ImageConfig, LayerRole
+from dsec.images.model import ImageConfig
 from dsec.images.scrub import ScrubRules
 from dsec.images.store import ImageRef, ImageStore
 from dsec.kinds.base import Backend, BackendContext, OutputCallback
 from dsec.kinds.execio import ExecIO
-from dsec.models import ExecRequest, ExecResult, FileEntry, ImageInfo
+from dsec.protocol.build import LayerRole
+from dsec.protocol.sandbox import ExecRequest, ExecResult, FileEntry, ImageInfo
 from dsec.store.records import SandboxRecord
 
 

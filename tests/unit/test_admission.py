@@ -10,7 +10,7 @@ import pytest
 
 from dsec.core.admission import Admission, AdmissionOptions, Claim
 from dsec.errors import InvalidRequest, Overloaded, QuotaExceeded
-from dsec.node_models import TenantQuota
+from dsec.protocol.node import TenantQuota
 
 GiB = 1 << 30
 

@@ -12,7 +12,7 @@ from fastapi import FastAPI
 from starlette.testclient import TestClient
 
 from dsec.errors import BackendError
-from dsec.models import Limits, State
+from dsec.protocol.sandbox import Limits, State
 from dsec.store.records import SandboxRecord
 
 from .conftest import AUTH, IMAGE, TOKEN, Api, ManagerSwitch, new_manager

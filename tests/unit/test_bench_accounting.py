@@ -15,7 +15,7 @@ from dsec.bench import accounting
 from dsec.bench.accounting import EXACT, Allowance, Known, Node
 from dsec.bench.churn import EXAMPLES, WORKLOADS, Tally
 from dsec.bench.soak import KINDS, Plan, allowances, quiet, steady, trend
-from dsec.models import ExecResult
+from dsec.protocol.sandbox import ExecResult
 from dsec.store.sqlite import SCHEMA
 
 

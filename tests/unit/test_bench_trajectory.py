@@ -14,7 +14,7 @@ from rich.console import Console
 from dsec.bench import common as bench_common
 from dsec.bench import trajectory as tb
 from dsec.bench.common import summarize
-from dsec.models import ExecResult
+from dsec.protocol.sandbox import ExecResult
 
 
 def replayed(i: int, **change: Any) -> ExecResult:

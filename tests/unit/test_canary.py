@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from dsec.errors import InvalidRequest
-from dsec.images.canary import REDACTED, CanarySet, VerdictCache, check_canaries, residue_error, scan_tree, stream_has
+from dsec.images.canary import REDACTED, CanarySet, VerdictCache, residue_error, scan_tree, stream_has
+from dsec.protocol.residue import check_canaries
 
 CANARY = "CANARY-7f3a9c1e"
 

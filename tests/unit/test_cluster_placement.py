@@ -6,7 +6,7 @@ import pytest
 
 from dsec.cluster.aggregate import merge_metrics, node_total
 from dsec.cluster.placement import Demand, NodeView, candidates, chunks, pick, split
-from dsec.models import Limits
+from dsec.protocol.sandbox import Limits
 
 GIB = 1 << 30
 SMALL = Demand(cpu=0.25, memory=128 << 20)

@@ -20,7 +20,7 @@ from dsec.core.manager import SandboxManager
 from dsec.e2b.app import create_e2b_app
 from dsec.e2b.service import E2BOptions
 from dsec.errors import NotFound
-from dsec.models import CreateSandbox
+from dsec.protocol.sandbox import CreateSandbox
 from dsec.server.app import create_app
 from dsec.server.disconnect import GONE, unless_gone
 

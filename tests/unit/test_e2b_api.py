@@ -24,8 +24,8 @@ from dsec.e2b.files import _gunzip
 from dsec.e2b.process_service import end_event
 from dsec.e2b.service import E2BOptions, E2BService
 from dsec.errors import InvalidRequest, LimitExceeded
-from dsec.isolation.network.policy import NetworkAllow
-from dsec.models import ExecResult
+from dsec.protocol.network import NetworkAllow
+from dsec.protocol.sandbox import ExecResult
 
 from .conftest import IMAGE, TOKEN
 from .fakes import FakeBackend

@@ -23,7 +23,7 @@ from dsec.errors import (
     error_from_wire,
     validation_message,
 )
-from dsec.models import CreateSandbox, ExecRequest
+from dsec.protocol.sandbox import CreateSandbox, ExecRequest
 
 
 def _all_subclasses(cls: type) -> set[type]:

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from dsec.core.output import Deadlines
 from dsec.kinds.microvm.channel import GuestChannel
+from dsec.kinds.output import Deadlines
 
 from .test_guest_agent import ENV, agent_bin, start_agent
 

@@ -14,8 +14,8 @@ import httpx
 import pytest
 
 import dsec
-from dsec.models import CreateSandbox, SandboxInfo, State
-from dsec.node_models import BatchEvent
+from dsec.protocol.node import BatchEvent
+from dsec.protocol.sandbox import CreateSandbox, SandboxInfo, State
 
 from .cluster_fakes import TOKEN, Harness, start
 

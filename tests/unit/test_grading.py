@@ -10,7 +10,7 @@ import pytest
 from pydantic import ValidationError
 
 from dsec.core.grading import GRADE_ENV, clean_archive
-from dsec.grade_models import MAX_GRADE_FILE, MAX_GRADE_TOTAL, GradeRequest
+from dsec.protocol.grade import MAX_GRADE_FILE, MAX_GRADE_TOTAL, GradeRequest
 
 
 def test_request_defaults_and_test_files() -> None:

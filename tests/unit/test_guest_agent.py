@@ -22,7 +22,7 @@ from dsec.errors import SandboxGone
 from dsec.kinds.base import OutputCallback
 from dsec.kinds.microvm import agent_build
 from dsec.kinds.microvm.channel import GuestChannel
-from dsec.models import ExecResult
+from dsec.protocol.sandbox import ExecResult
 
 ENV = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"}
 UNIFIED = Path("/sys/fs/cgroup/unified")

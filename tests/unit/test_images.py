@@ -11,11 +11,12 @@ import pytest
 from dsec.errors import ImageExists, ImageInUse, ImageNotFound, InvalidRequest
 from dsec.images import erofs
 from dsec.images.chunks import chunk_key
-from dsec.images.model import ImageVersion, LayerRole, image_key, layer_key, tag_key
-from dsec.images.names import MAX_REFERENCE, MAX_STORED
+from dsec.images.model import ImageVersion, image_key, layer_key, tag_key
 from dsec.images.oci import read_image
 from dsec.images.scrub import DEFAULT_RULES, ScrubRules
 from dsec.images.store import BUILTIN, ImageStore, normalize
+from dsec.protocol.build import LayerRole
+from dsec.protocol.names import MAX_REFERENCE, MAX_STORED
 
 from .fakes import make_image
 

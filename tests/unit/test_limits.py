@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from dsec.models import MAX_COMMAND
+from dsec.protocol.types import MAX_COMMAND
 from dsec.server.limits import MAX_JSON_BODY
 
 from .conftest import AUTH, Api

@@ -22,7 +22,7 @@ from dsec.errors import (
     SandboxGone,
     SandboxNotFound,
 )
-from dsec.models import CreateSandbox, ExecRequest, Limits, State
+from dsec.protocol.sandbox import CreateSandbox, ExecRequest, Limits, State
 from dsec.store.records import SandboxRecord
 from dsec.tenancy import OPERATOR
 

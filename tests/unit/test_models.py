@@ -5,15 +5,8 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
-from dsec.images.names import MAX_REFERENCE
-from dsec.models import (
-    MAX_EXEC_TIMEOUT_S,
-    MAX_TTL_S,
-    CreateSandbox,
-    ExecRequest,
-    ExecResult,
-    Limits,
-)
+from dsec.protocol.names import MAX_REFERENCE
+from dsec.protocol.sandbox import MAX_EXEC_TIMEOUT_S, MAX_TTL_S, CreateSandbox, ExecRequest, ExecResult, Limits
 
 # ---- Limits ------------------------------------------------------------------------------------------
 

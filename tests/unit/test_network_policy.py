@@ -16,10 +16,10 @@ from pydantic import ValidationError
 from dsec.errors import InvalidRequest
 from dsec.isolation.network import addresses, nft
 from dsec.isolation.network.options import DEFAULT_FULL_DENY, NetworkOptions, parse_full_deny
-from dsec.isolation.network.policy import NetworkAllow, from_json, parse_entry, to_json
 from dsec.isolation.network.resolver import ALLOW_TIMEOUT, Client, Resolver, decide
 from dsec.isolation.network.static import parse_resolve
-from dsec.models import CreateSandbox, NetworkStatus
+from dsec.protocol.network import NetworkAllow, from_json, parse_entry, to_json
+from dsec.protocol.sandbox import CreateSandbox, NetworkStatus
 
 from .conftest import AUTH, IMAGE, Api
 

@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from dsec.core.output import CappedBuffer, StreamForwarder
+from dsec.kinds.output import CappedBuffer, StreamForwarder
 
 
 def expected(data: bytes, limit: int) -> bytes:

@@ -11,7 +11,7 @@ import pytest
 
 from dsec.core.manager import SandboxManager
 from dsec.errors import BackendError, InvalidRequest, InvalidState, SandboxGone
-from dsec.models import CreateSandbox, ExecRequest, ForkRequest, State
+from dsec.protocol.sandbox import CreateSandbox, ExecRequest, ForkRequest, State
 from dsec.store.records import SandboxRecord
 
 from .conftest import AUTH, IMAGE, Api

@@ -11,7 +11,7 @@ from dsec.core.manager import SandboxManager
 from dsec.core.processes import MAX_PER_SANDBOX, Ended, Output, Subscription
 from dsec.errors import InvalidRequest, InvalidState, LimitExceeded, NotFound, SandboxNotFound
 from dsec.kinds.execio import ExecIO
-from dsec.models import CreateSandbox, ExecRequest
+from dsec.protocol.sandbox import CreateSandbox, ExecRequest
 from dsec.tenancy import OPERATOR, Caller
 
 from .conftest import IMAGE

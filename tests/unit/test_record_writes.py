@@ -12,7 +12,7 @@ import pytest
 
 from dsec.core.manager import SandboxManager
 from dsec.errors import DsecError, SandboxGone, StorageFull, environment_error
-from dsec.models import CreateSandbox, ExecRequest, State
+from dsec.protocol.sandbox import CreateSandbox, ExecRequest, State
 from dsec.store.records import SandboxRecord
 
 from .conftest import IMAGE

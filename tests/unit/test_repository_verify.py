@@ -9,9 +9,10 @@ import pytest
 
 from dsec.images.catalog import Catalog
 from dsec.images.chunks import chunk_key
-from dsec.images.model import ImageVersion, LayerRef, LayerRole, image_key, layer_key, tag_key
+from dsec.images.model import ImageVersion, LayerRef, image_key, layer_key, tag_key
 from dsec.images.repository import LocalRepository
 from dsec.images.verify import verify
+from dsec.protocol.build import LayerRole
 
 
 @pytest.fixture

@@ -17,7 +17,7 @@ from dsec.core.manager import SandboxManager
 from dsec.core.usage import Usage
 from dsec.errors import DsecError, Overloaded
 from dsec.images.store import ImageStore
-from dsec.models import State
+from dsec.protocol.sandbox import State
 from dsec.sdk.aio import AsyncClient, AsyncSandbox
 
 from .conftest import IMAGE, TOKEN, FakeBackend, ManagerSwitch, make_image

@@ -21,7 +21,7 @@ from dsec.errors import (
     SandboxNotFound,
     Unauthorized,
 )
-from dsec.models import State
+from dsec.protocol.sandbox import State
 from dsec.sdk import sync
 from dsec.sdk.aio import AsyncClient, AsyncFiles, AsyncSandbox
 from dsec.sdk.transport import raise_for_reply

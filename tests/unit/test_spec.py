@@ -9,7 +9,7 @@ import pytest
 from dsec.images.store import ImageRef
 from dsec.isolation.seccomp import oci_profile
 from dsec.kinds.container import spec
-from dsec.models import Limits, State
+from dsec.protocol.sandbox import Limits, State
 from dsec.store.records import SandboxRecord
 
 

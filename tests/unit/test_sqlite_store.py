@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from dsec.models import Limits, State
+from dsec.protocol.sandbox import Limits, State
 from dsec.store.records import SandboxRecord
 from dsec.store.sqlite import SandboxStore
 

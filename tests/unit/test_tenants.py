@@ -434,7 +434,7 @@ async def test_tenants_ownership_and_audit_survive_a_restart(workdir: Path) -> N
     _, token = mgr.tenants.add("alice")
     alice = mgr.tenants.identify(token)
     assert alice == Caller("alice")
-    from dsec.models import CreateSandbox
+    from dsec.protocol.sandbox import CreateSandbox
     from dsec.store.audit import Entry
 
     info = await mgr.create(CreateSandbox(image=IMAGE), caller=alice)

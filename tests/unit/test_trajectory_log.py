@@ -45,14 +45,15 @@ from dsec.errors import (
 )
 from dsec.images.store import ImageRef, ImageStore
 from dsec.kinds.base import BackendContext, OutputCallback
-from dsec.models import TERMINAL_STATES, ExecRequest, ExecResult, FileEntry, NetworkSpec, State
+from dsec.protocol.network import NetworkSpec
+from dsec.protocol.sandbox import TERMINAL_STATES, ExecRequest, ExecResult, FileEntry, State
+from dsec.protocol.trajectory import RECORDED_AT, REPLAYED_HEADER, SEQ_HEADER, RecordedCall, call_digest
 from dsec.sdk.aio import AsyncClient, AsyncSandbox
 from dsec.sdk.trajectory import PAGE as SDK_PAGE
 from dsec.sdk.trajectory import canonical_params
 from dsec.sdk.transport import RETRIES
 from dsec.store.records import SandboxRecord
 from dsec.store.trajectories import TRAJECTORIES, CallRow, TrajectoryRow, TrajectoryStore
-from dsec.trajectory_models import RECORDED_AT, REPLAYED_HEADER, SEQ_HEADER, RecordedCall, call_digest
 
 from .conftest import AUTH, IMAGE, ROOMY, TOKEN, ManagerSwitch, new_manager
 from .fakes import FakeBackend, make_image

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import DsecError, InvalidState
-from ..models import ExecResult
+from ..protocol.sandbox import ExecResult
 from ..sdk.aio import AsyncClient, AsyncSandbox
 
 LABELS = {"dsec-bench": "soak"}

@@ -21,7 +21,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from ..errors import DsecError
 from ..isolation.mounts import unmount_under
-from ..node_models import NodeStatus
+from ..protocol.node import NodeStatus
 from ..sdk.aio import AsyncClient, AsyncSandbox
 
 Json = dict[str, Any]

@@ -26,7 +26,7 @@ from rich.console import Console
 from rich.table import Table
 
 from ..errors import DsecError
-from ..run_models import MAX_BATCH, RunRequest
+from ..protocol.run import MAX_BATCH, RunRequest
 from ..sdk.aio import AsyncClient
 from .common import (
     Json,

@@ -21,8 +21,8 @@ from pathlib import Path
 from rich.console import Console
 
 from ..errors import DsecError
-from ..images.buildspec import ImageSpec
 from ..isolation.mounts import mount, umount
+from ..protocol.build import ImageSpec
 from ..sdk.aio import AsyncClient, AsyncSandbox
 from .common import IMAGES_DIR, Json, connect, kill_leftovers, phase, release_node, start_daemon, stop_daemon, summarize
 

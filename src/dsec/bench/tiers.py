@@ -13,7 +13,7 @@ from pathlib import Path
 from rich.console import Console
 
 from ..core.admission import Admission, AdmissionOptions, Claim
-from ..models import Limits, State
+from ..protocol.sandbox import Limits, State
 from ..store.records import new_record
 from ..store.sqlite import SandboxStore
 from .common import Json, host_facts

@@ -28,7 +28,7 @@ from rich.console import Console
 from rich.table import Table
 
 from ..errors import DsecError
-from ..models import ExecResult
+from ..protocol.sandbox import ExecResult
 from ..sdk.aio import AsyncClient, AsyncSandbox
 from ..sdk.trajectory import PAGE
 from .common import (

@@ -10,7 +10,7 @@ import typer
 from rich.table import Table
 
 from ..errors import DsecError, InvalidRequest
-from ..models import ImageInfo
+from ..protocol.sandbox import ImageInfo
 from ..units import format_size
 from .common import TokenOpt, UrlOpt, client, console, fail, ident, show
 

@@ -12,8 +12,8 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from .. import __version__
 from ..errors import DsecError, InvalidRequest
+from ..protocol.version import __version__
 from .bench import bench_app
 from .cluster import cluster_app
 from .common import TokenOpt, UrlOpt, console, err, ident, show
@@ -208,10 +208,10 @@ def serve(
     """Run the node daemon."""
     from ..core.admission import AdmissionOptions
     from ..core.trajectory.recorder import TrajectoryOptions
-    from ..images.canary import check_canaries
     from ..isolation.network.options import NetworkOptions, parse_full_deny
     from ..isolation.network.static import parse_resolve
     from ..kinds.function.options import FunctionOptions
+    from ..protocol.residue import check_canaries
     from ..server.app import AuditOptions, ImageOptions
     from ..server.app import serve as run_server
     from ..units import parse_size

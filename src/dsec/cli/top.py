@@ -12,7 +12,7 @@ from rich.table import Table
 from rich.text import Text
 
 from ..errors import DsecError
-from ..node_models import NodeStatus
+from ..protocol.node import NodeStatus
 from .common import TokenOpt, UrlOpt, console
 from .common import client as _client
 from .common import fail as _fail

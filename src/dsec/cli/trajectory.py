@@ -11,7 +11,7 @@ import typer
 from rich.table import Table
 
 from ..errors import DsecError
-from ..trajectory_models import RecordedCall
+from ..protocol.trajectory import RecordedCall
 from .common import TokenOpt, UrlOpt, ident
 from .common import client as _client
 from .common import fail as _fail

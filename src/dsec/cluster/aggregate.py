@@ -5,9 +5,9 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable, Sequence
 
-from .. import __version__
-from ..models import SandboxInfo
-from ..node_models import NodeStatus, Ratios, Resources, SandboxUsage, TenantQueue
+from ..protocol.node import NodeStatus, Ratios, Resources, SandboxUsage, TenantQueue
+from ..protocol.sandbox import SandboxInfo
+from ..protocol.version import __version__
 
 
 def _sum(parts: Iterable[Resources]) -> Resources:

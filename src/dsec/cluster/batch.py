@@ -16,9 +16,9 @@ from typing import TYPE_CHECKING
 from pydantic import ValidationError
 
 from ..errors import validation_message
-from ..models import ErrorBody
-from ..node_models import BatchCreate, BatchEvent
-from ..run_models import RunBatch, RunBatchResult, RunOutcome
+from ..protocol.node import BatchCreate, BatchEvent
+from ..protocol.run import RunBatch, RunBatchResult, RunOutcome
+from ..protocol.sandbox import ErrorBody
 from .nodes import Node
 from .placement import Demand, chunks, split
 from .proxy import NDJSON_TYPE, Failure, Receive, Scope, Send, answer_json, read_body

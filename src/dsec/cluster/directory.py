@@ -17,8 +17,8 @@ from urllib.parse import quote
 
 from pydantic import ValidationError
 
-from ..models import TERMINAL_STATES, SandboxInfo, State
-from ..trajectory_models import TrajectoryInfo
+from ..protocol.sandbox import TERMINAL_STATES, SandboxInfo, State
+from ..protocol.trajectory import TrajectoryInfo
 from .nodes import Node, NodeSet
 from .wire import Broken, Reply
 

@@ -28,7 +28,7 @@ from urllib.parse import parse_qsl, quote, urlencode
 from pydantic import ValidationError
 from starlette.types import Receive, Scope, Send
 
-from ..models import Limits
+from ..protocol.sandbox import Limits
 from .gateway import Gateway
 from .nodes import Node
 from .placement import Demand

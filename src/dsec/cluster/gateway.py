@@ -26,14 +26,14 @@ from urllib.parse import parse_qs
 
 from pydantic import ValidationError
 
-from .. import __version__
 from ..errors import validation_message
-from ..models import CreateSandbox, ForkResult, Health, SandboxInfo, SandboxList
-from ..node_models import MAX_TOP, NodeStatus
-from ..run_models import PoolList, RunRequest
+from ..protocol.node import MAX_TOP, NodeStatus
+from ..protocol.run import PoolList, RunRequest
+from ..protocol.sandbox import CreateSandbox, ForkResult, Health, SandboxInfo, SandboxList
+from ..protocol.trajectory import TrajectoryList
+from ..protocol.version import __version__
 from ..server.allow import allowed_methods, routed
 from ..server.disconnect import CLIENT_GONE, GONE, unless_gone
-from ..trajectory_models import TrajectoryList
 from . import aggregate
 from .directory import Directory, labels_of
 from .models import ClusterNode, ClusterStatus

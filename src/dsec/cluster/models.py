@@ -6,7 +6,7 @@ from datetime import datetime
 
 from pydantic import BaseModel, Field
 
-from ..node_models import NodeStatus
+from ..protocol.node import NodeStatus
 
 
 class ClusterNode(BaseModel):

@@ -17,7 +17,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from enum import StrEnum
 
-from ..node_models import NodeStatus
+from ..protocol.node import NodeStatus
 from .placement import Demand, NodeView, candidates
 from .wire import NodeClient
 

@@ -14,8 +14,8 @@ import heapq
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 
-from ..models import Limits
-from ..node_models import NodeStatus
+from ..protocol.node import NodeStatus
+from ..protocol.sandbox import Limits
 
 EPSILON = 1e-9  # CPU figures are sums of floats: 0.1 x 3 must fit in 0.3
 

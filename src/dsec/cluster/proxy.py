@@ -12,7 +12,7 @@ import math
 from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
 from typing import Any
 
-from ..models import ErrorBody, ErrorResponse
+from ..protocol.sandbox import ErrorBody, ErrorResponse
 from .wire import RESPONSE_DROP, Broken, NodeClient
 
 Scope = MutableMapping[str, Any]

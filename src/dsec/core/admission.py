@@ -22,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ..errors import InvalidRequest, Overloaded, QuotaExceeded
-from ..node_models import Ratios, Resources, TenantQueue, TenantQuota
+from ..protocol.node import Ratios, Resources, TenantQueue, TenantQuota
 
 DEFAULT_CPU_RATIO = 8.0
 DEFAULT_MEMORY_RATIO = 1.2

@@ -15,8 +15,8 @@ from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
 from ..errors import DsecError, InvalidRequest
-from ..models import CreateSandbox, ErrorBody
-from ..node_models import BatchCreate, BatchEvent
+from ..protocol.node import BatchCreate, BatchEvent
+from ..protocol.sandbox import CreateSandbox, ErrorBody
 from ..tenancy import Caller
 
 if TYPE_CHECKING:

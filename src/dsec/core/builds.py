@@ -24,12 +24,12 @@ import blake3
 
 from ..errors import BuildFailed, InvalidRequest
 from ..images import squash
-from ..images.buildspec import BUILDER_CA, HOST_CA_BUNDLE, BuildSpec, Step
 from ..images.canary import call_canaries
 from ..images.model import CachedStep, ImageConfig, LayerRef
 from ..images.scrub import ScrubRules
 from ..images.store import ImageRef, StagedLayer, normalize
-from ..models import BuildRequest, BuildResult, BuildStepResult, CreateSandbox, ExecRequest, LayerInfo, Limits
+from ..protocol.build import BUILDER_CA, HOST_CA_BUNDLE, BuildSpec, Step
+from ..protocol.sandbox import BuildRequest, BuildResult, BuildStepResult, CreateSandbox, ExecRequest, LayerInfo, Limits
 from ..tenancy import OPERATOR, Caller
 
 if TYPE_CHECKING:

@@ -8,7 +8,7 @@ from collections.abc import Awaitable
 from typing import TYPE_CHECKING, TypeVar
 
 from ..isolation import tarcheck
-from ..models import FileEntry
+from ..protocol.sandbox import FileEntry
 from ..tenancy import OPERATOR, Caller
 
 if TYPE_CHECKING:

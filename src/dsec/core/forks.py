@@ -9,7 +9,7 @@ import time
 from typing import TYPE_CHECKING
 
 from ..errors import BackendError, DsecError
-from ..models import ForkRequest, ForkResult, State
+from ..protocol.sandbox import ForkRequest, ForkResult, State
 from ..store.records import SandboxRecord, new_record
 from ..tenancy import Caller
 from .admission import Claim

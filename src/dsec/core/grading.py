@@ -40,9 +40,9 @@ import time
 from typing import TYPE_CHECKING
 
 from ..errors import BackendError, DsecError, FileNotFoundInSandbox, InvalidRequest, LimitExceeded
-from ..grade_models import GRADE_DIR, GradeRequest, GradeResult
 from ..images.store import DEFAULT_PATH, ImageRef
-from ..models import CreateSandbox, ExecRequest
+from ..protocol.grade import GRADE_DIR, GradeRequest, GradeResult
+from ..protocol.sandbox import CreateSandbox, ExecRequest
 from ..store.records import SandboxRecord
 from ..tenancy import OPERATOR, Caller
 

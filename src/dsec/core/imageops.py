@@ -9,9 +9,9 @@ import logging
 from typing import TYPE_CHECKING
 
 from ..errors import InvalidState
-from ..grade_models import GradeRequest, GradeResult
 from ..images.canary import call_canaries
-from ..models import GcResult, ImageInfo, SnapshotRequest
+from ..protocol.grade import GradeRequest, GradeResult
+from ..protocol.sandbox import GcResult, ImageInfo, SnapshotRequest
 from ..tenancy import OPERATOR, Caller
 
 if TYPE_CHECKING:

@@ -32,7 +32,8 @@ from ..isolation.network.options import NetworkOptions
 from ..kinds import registry
 from ..kinds.base import Backend, BackendContext, OutputCallback
 from ..kinds.execio import ExecIO
-from ..models import (
+from ..protocol.network import NetworkSpec
+from ..protocol.sandbox import (
     MAX_TTL_S,
     TERMINAL_STATES,
     CreateSandbox,
@@ -40,7 +41,6 @@ from ..models import (
     ExecResult,
     ForkRequest,
     ForkResult,
-    NetworkSpec,
     NetworkStatus,
     SandboxInfo,
     State,

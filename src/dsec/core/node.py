@@ -6,9 +6,9 @@ import time
 from collections import Counter
 from typing import TYPE_CHECKING
 
-from .. import __version__
-from ..models import State
-from ..node_models import NodeStatus, Resources, SandboxUsage
+from ..protocol.node import NodeStatus, Resources, SandboxUsage
+from ..protocol.sandbox import State
+from ..protocol.version import __version__
 from ..tenancy import Caller
 
 if TYPE_CHECKING:

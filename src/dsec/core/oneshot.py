@@ -12,8 +12,8 @@ import time
 from typing import TYPE_CHECKING
 
 from ..errors import DsecError
-from ..models import CreateSandbox, ErrorBody
-from ..run_models import PoolInfo, RunBatch, RunBatchResult, RunOutcome, RunRequest, RunResult
+from ..protocol.run import PoolInfo, RunBatch, RunBatchResult, RunOutcome, RunRequest, RunResult
+from ..protocol.sandbox import CreateSandbox, ErrorBody
 from ..tenancy import OPERATOR, Caller
 
 if TYPE_CHECKING:

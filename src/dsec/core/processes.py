@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 from ..errors import BackendError, DsecError, InvalidState, LimitExceeded, NotFound
 from ..kinds.execio import ExecIO
-from ..models import ExecRequest, ExecResult
+from ..protocol.sandbox import ExecRequest, ExecResult
 from ..tenancy import Caller
 
 if TYPE_CHECKING:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 
 from ..errors import environment_error
-from ..models import TERMINAL_STATES, State
+from ..protocol.sandbox import TERMINAL_STATES, State
 from ..store.records import SandboxRecord
 from ..store.sqlite import SandboxStore
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ..isolation import cgroups
-from ..models import State
+from ..protocol.sandbox import State
 from .admission import format_size
 
 if TYPE_CHECKING:

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
 from ..errors import FileNotFoundInSandbox, InvalidRequest, LimitExceeded
-from ..models import FileEntry
+from ..protocol.sandbox import FileEntry
 from ..tenancy import Caller
 
 if TYPE_CHECKING:

@@ -14,9 +14,9 @@ from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
 
-from .. import __version__
 from ..core.manager import SandboxManager
 from ..errors import DsecError, environment_error, validation_message
+from ..protocol.version import __version__
 from ..server.audit import AuditMiddleware
 from ..server.idempotency import Idempotency, Memory
 from ..server.limits import BodyLimit

@@ -20,14 +20,14 @@ from fastapi import APIRouter, Body, Depends, Header, Query, Request, Response
 from pydantic import ValidationError, WithJsonSchema
 
 from ..errors import InvalidRequest, InvalidState, NotFound, SandboxNotFound, Unauthorized, validation_message
-from ..images.names import ImageName
-from ..isolation.network import policy
-from ..isolation.network.policy import NetworkAllow, NetworkSpec
-from ..models import TERMINAL_STATES, CreateSandbox, ForkRequest, Limits, SandboxInfo, SnapshotRequest, State
+from ..protocol import network as policy
+from ..protocol.names import ImageName
+from ..protocol.network import NetworkAllow, NetworkSpec
+from ..protocol.sandbox import TERMINAL_STATES, CreateSandbox, ForkRequest, Limits, SandboxInfo, SnapshotRequest, State
+from ..protocol.types import TIME_SCHEMA
 from ..server.audit import note
 from ..server.disconnect import GONE, gone_response, unless_gone
 from ..tenancy import Caller
-from ..wire_types import TIME_SCHEMA
 from . import control_models as m
 from .auth import api_token, identify
 from .control_doc import add_bodies, doc
@@ -441,7 +441,7 @@ def openapi_document() -> dict[str, Any]:
     """The control routes' OpenAPI document, from their models (control_doc.py)."""
     from fastapi import FastAPI
 
-    from .. import __version__
+    from ..protocol.version import __version__
 
     app = FastAPI(title="dsec E2B-compatible control API", version=__version__)
     app.include_router(router)

@@ -11,10 +11,10 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema
 
-from ..images.names import MAX_REFERENCE, NAME_BODY, ImageName
-from ..isolation.network.policy import ALLOW_DESTINATION
-from ..models import KINDS, MAX_TTL_S, TRAJECTORY_ID
-from ..wire_types import MAX_LABEL_KEY, MAX_LABEL_VALUE, MAX_LABELS, Env
+from ..protocol.names import MAX_REFERENCE, NAME_BODY, ImageName
+from ..protocol.network import ALLOW_DESTINATION
+from ..protocol.sandbox import KINDS, MAX_TTL_S, TRAJECTORY_ID
+from ..protocol.types import MAX_LABEL_KEY, MAX_LABEL_VALUE, MAX_LABELS, Env
 
 # the envd version this layer speaks: the SDK turns features on by it (octet-stream uploads from 0.5.7,
 # file metadata from 0.6.2, watch entries from 0.6.3, network-mount watches from 0.6.4)

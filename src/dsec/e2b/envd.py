@@ -20,7 +20,7 @@ from typing import TypeVar
 from fastapi import APIRouter, Request, Response
 
 from ..errors import DsecError, SandboxNotFound
-from ..models import TERMINAL_STATES
+from ..protocol.sandbox import TERMINAL_STATES
 from ..server.audit import note
 from ..store.records import SandboxRecord
 from ..tenancy import Caller

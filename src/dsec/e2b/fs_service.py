@@ -11,7 +11,7 @@ from datetime import UTC, datetime
 
 from ..core.watch import POLL_INTERVAL, Change, DirWatch
 from ..errors import FileNotFoundInSandbox, InvalidRequest, LimitExceeded
-from ..models import FileEntry
+from ..protocol.sandbox import FileEntry
 from . import envd_models as pm
 from .connect import RpcError
 from .envd import Call, server_stream, unary

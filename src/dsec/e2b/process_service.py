@@ -12,7 +12,7 @@ from pydantic import ValidationError
 
 from ..core.processes import Output, Process, Subscription
 from ..errors import InvalidState, validation_message
-from ..models import MAX_EXEC_TIMEOUT_S, ExecRequest, ExecResult
+from ..protocol.sandbox import MAX_EXEC_TIMEOUT_S, ExecRequest, ExecResult
 from ..server.audit import note
 from . import envd_models as pm
 from .connect import RpcError

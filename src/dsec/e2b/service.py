@@ -16,10 +16,10 @@ from ..core.manager import SandboxManager
 from ..core.watch import DirWatch
 from ..errors import FileNotFoundInSandbox, InvalidRequest, LimitExceeded, NotFound
 from ..isolation import users
-from ..isolation.network.policy import NetworkSpec
 from ..kinds.base import OutputCallback
 from ..kinds.execio import ExecIO
-from ..models import KINDS
+from ..protocol.network import NetworkSpec
+from ..protocol.sandbox import KINDS
 from ..store.records import SandboxRecord
 from ..tenancy import Caller
 from .auth import EnvdTokens

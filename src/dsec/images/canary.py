@@ -36,12 +36,12 @@ from contextvars import ContextVar
 from dataclasses import dataclass, field
 from hashlib import sha256
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING
 
 import blake3
-from pydantic import AfterValidator, WithJsonSchema
 
 from ..errors import BackendError, InvalidRequest, ResidueFound
+from ..protocol.residue import check_canaries
 
 if TYPE_CHECKING:
     from .layers import NodeLayers
@@ -49,9 +49,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("dsec.images")
 
-MIN_CANARY = 8  # characters (as JSON Schema counts them): at least as many bytes
-MAX_CANARY = 4096
-MAX_CANARIES = 256
 BLOCK = 1 << 20
 MAX_REPORTED = 20  # paths named in an error; the count says how many more
 REDACTED = "<canary>"
@@ -69,38 +66,6 @@ def call_canaries(values: Iterable[str]) -> Iterator[None]:
         yield
     finally:
         CALL_CANARIES.reset(token)
-
-
-def check_canaries(values: Iterable[str]) -> list[str]:
-    """Validate canary strings (per-call lists and the daemon's ``--canary``); returns them deduplicated."""
-    out: list[str] = []
-    for v in values:
-        if not isinstance(v, str) or "\0" in v:
-            raise InvalidRequest("a canary must be a string without NUL bytes")
-        n = len(v)
-        if not MIN_CANARY <= n <= MAX_CANARY:
-            raise InvalidRequest(f"a canary must be {MIN_CANARY} to {MAX_CANARY} characters long (got one of {n})")
-        if v not in out:
-            out.append(v)
-    if len(out) > MAX_CANARIES:
-        raise InvalidRequest(f"at most {MAX_CANARIES} canaries")
-    return out
-
-
-# a call's canaries on the wire: deduplicated, so at most MAX_CANARIES distinct ones (the list may repeat)
-Canaries = Annotated[
-    list[str],
-    AfterValidator(check_canaries),
-    WithJsonSchema(
-        {
-            "type": "array",
-            "items": {"type": "string", "minLength": MIN_CANARY, "maxLength": MAX_CANARY, "pattern": r"^[^\x00]*$"},
-            "maxItems": MAX_CANARIES,
-            "description": f"Canary strings ({MIN_CANARY}-{MAX_CANARY} characters): the publish is refused if "
-            "any layer of the image holds one.",
-        }
-    ),
-]
 
 
 @dataclass(frozen=True)

@@ -16,26 +16,18 @@ from __future__ import annotations
 
 import json
 from datetime import UTC, datetime
-from enum import StrEnum
 from typing import Literal
 
 import blake3
 from pydantic import BaseModel, ConfigDict, Field
+
+from ..protocol.build import LayerRole
 
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
 
 def _now() -> datetime:
     return datetime.now(UTC)
-
-
-class LayerRole(StrEnum):
-    """What a layer holds; layers of different roles are versioned and shared separately."""
-
-    base = "base"  # the operating system
-    toolkit = "toolkit"  # languages, compilers, packages
-    workspace = "workspace"  # the task's repository and data
-    diff = "diff"  # a sandbox's changes (pack_diff)
 
 
 class LayerManifest(BaseModel):

@@ -10,13 +10,8 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Annotated
 
-from pydantic import AfterValidator, WithJsonSchema
-
-from ..errors import InvalidRequest
-
-MAX_RULE = 1024
+from ..protocol.residue import check_rule
 
 DEFAULT_RULES: tuple[str, ...] = (
     # temporary files
@@ -54,19 +49,6 @@ DEFAULT_RULES: tuple[str, ...] = (
     # dsec's own mount point for its in-sandbox agent
     ".dsec",
 )
-
-
-def check_rule(pattern: str) -> str:
-    if not pattern or pattern.startswith("/") or len(pattern) > MAX_RULE or "\0" in pattern:
-        raise InvalidRequest(f"invalid scrub rule {pattern[:80]!r}: a relative glob such as 'tmp/*' or '**/.netrc'")
-    return pattern
-
-
-ScrubRule = Annotated[
-    str,
-    AfterValidator(check_rule),
-    WithJsonSchema({"type": "string", "minLength": 1, "maxLength": MAX_RULE, "pattern": r"^[^/\x00][^\x00]*$"}),
-]
 
 
 def _compile(pattern: str) -> re.Pattern[str]:

@@ -20,7 +20,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import DsecError, Forbidden, ImageExists, ImageNotFound, InvalidRequest
-from ..models import GcResult, ImageInfo, ImageStats, LayerInfo, LayerStats
+from ..protocol.build import LayerRole
+from ..protocol.names import normalize
+from ..protocol.sandbox import GcResult, ImageInfo, ImageStats, LayerInfo, LayerStats
 from ..tenancy import OPERATOR, Caller
 from . import erofs
 from .builtin import BUILTIN
@@ -28,8 +30,7 @@ from .canary import ResidueGuard
 from .catalog import Catalog
 from .layers import NodeLayers
 from .lazy import Fetcher
-from .model import DEFAULT_PATH, ImageConfig, ImageVersion, LayerRef, LayerRole, Tag
-from .names import normalize
+from .model import DEFAULT_PATH, ImageConfig, ImageVersion, LayerRef, Tag
 from .repository import open_repository
 from .scrub import ScrubRules
 

@@ -18,7 +18,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from ..errors import DsecError, FileNotFoundInSandbox, InvalidRequest, LimitExceeded
-from ..models import FileEntry
+from ..protocol.sandbox import FileEntry
 
 _SYS_OPENAT2 = 437
 RESOLVE_NO_XDEV = 0x01

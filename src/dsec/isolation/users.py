@@ -7,8 +7,8 @@ import re
 from dataclasses import dataclass
 
 from ..errors import InvalidRequest
+from ..protocol.types import USER_SPEC
 
-USER_SPEC = r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,31}(:[A-Za-z0-9_][A-Za-z0-9_.-]{0,31})?$"
 _SPEC = re.compile(USER_SPEC)
 MAX_ID = 65535  # a sandbox maps 65,536 ids
 

@@ -14,9 +14,9 @@ from ..errors import FileNotFoundInSandbox, InvalidRequest
 from ..images.store import ImageRef
 from ..isolation.idmap import UidSlots
 from ..isolation.network.host import NetworkHost
-from ..isolation.network.policy import NetworkSpec, describe
-from ..models import ExecRequest, ExecResult, FileEntry, NetworkStatus
-from ..run_models import PoolInfo
+from ..protocol.network import NetworkSpec, describe
+from ..protocol.run import PoolInfo
+from ..protocol.sandbox import ExecRequest, ExecResult, FileEntry, NetworkStatus
 from ..store.records import SandboxRecord
 from .execio import ExecIO
 

@@ -13,8 +13,8 @@ from abc import abstractmethod
 from ..errors import InvalidRequest
 from ..isolation.network import addresses
 from ..isolation.network.host import Attached, NetworkHost
-from ..isolation.network.policy import NetworkSpec
-from ..models import NetworkStatus
+from ..protocol.network import NetworkSpec
+from ..protocol.sandbox import NetworkStatus
 from ..store.records import SandboxRecord
 from .base import Backend
 

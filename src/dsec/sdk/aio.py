@@ -15,9 +15,10 @@ from types import TracebackType
 from typing import Any, TypeVar
 
 from ..errors import DsecError, InvalidRequest, error_from_wire, validation_message
-from ..grade_models import GRADE_DIR, GradeRequest, GradeResult
-from ..images.buildspec import BuildSpec, ImageSpec, load_spec
-from ..models import (
+from ..protocol.build import BuildSpec, ImageSpec, load_spec
+from ..protocol.grade import GRADE_DIR, GradeRequest, GradeResult
+from ..protocol.network import NetworkSpec
+from ..protocol.sandbox import (
     DEFAULT_OUTPUT_CAP,
     BuildResult,
     ExecEvent,
@@ -30,13 +31,12 @@ from ..models import (
     ImageInfo,
     ImageList,
     ImageStats,
-    NetworkSpec,
     NetworkStatus,
     SandboxInfo,
     SandboxList,
     SnapshotRequest,
 )
-from ..trajectory_models import RecordedCall
+from ..protocol.trajectory import RecordedCall
 from .creating import (
     CREATE_TIMEOUT,
     DEFAULT_WAIT_FOR_CAPACITY,

@@ -17,8 +17,9 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from ..errors import DsecError, InvalidRequest, Overloaded, error_from_wire, validation_message
-from ..models import CreateSandbox, Limits, NetworkAllow, NetworkSpec, SandboxInfo
-from ..node_models import BatchCreate, BatchEvent
+from ..protocol.network import NetworkAllow, NetworkSpec
+from ..protocol.node import BatchCreate, BatchEvent
+from ..protocol.sandbox import CreateSandbox, Limits, SandboxInfo
 from .transport import Transport, new_key
 
 log = logging.getLogger("dsec.sdk")

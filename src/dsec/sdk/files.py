@@ -8,8 +8,8 @@ import tarfile
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ..models import FileEntry, FileList
-from ..trajectory_models import RecordedCall
+from ..protocol.sandbox import FileEntry, FileList
+from ..protocol.trajectory import RecordedCall
 from .trajectory import recorded_bytes
 
 if TYPE_CHECKING:

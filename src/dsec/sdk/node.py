@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from urllib.parse import quote
 
-from ..node_models import NodeStatus, TenantQuota
+from ..protocol.node import NodeStatus, TenantQuota
 from .transport import Transport
 
 

@@ -7,8 +7,9 @@ import builtins
 from typing import Any, Literal
 
 from ..errors import DsecError, InvalidRequest, error_from_wire, validation_message
-from ..models import DEFAULT_OUTPUT_CAP, NetworkSpec
-from ..run_models import RUN_DIR, PoolInfo, PoolList, RunBatch, RunBatchResult, RunRequest, RunResult
+from ..protocol.network import NetworkSpec
+from ..protocol.run import RUN_DIR, PoolInfo, PoolList, RunBatch, RunBatchResult, RunRequest, RunResult
+from ..protocol.sandbox import DEFAULT_OUTPUT_CAP
 from .transport import Transport
 
 RUN_MARGIN = 120.0  # on top of the command's timeout: taking a worker, writing files, the reply

@@ -7,9 +7,12 @@ from types import TracebackType
 from typing import Any, Literal
 
 from ..errors import DsecError
-from ..grade_models import GradeResult
-from ..images.buildspec import BuildSpec, ImageSpec
-from ..models import (
+from ..protocol.build import BuildSpec, ImageSpec
+from ..protocol.grade import GradeResult
+from ..protocol.network import NetworkSpec
+from ..protocol.node import NodeStatus, TenantQuota
+from ..protocol.run import PoolInfo, RunRequest, RunResult
+from ..protocol.sandbox import (
     AuditRecord,
     BuildResult,
     ExecEvent,
@@ -19,16 +22,13 @@ from ..models import (
     Health,
     ImageInfo,
     ImageStats,
-    NetworkSpec,
     NetworkStatus,
     SandboxInfo,
     TenantCreated,
     TenantInfo,
     TenantRemoved,
 )
-from ..node_models import NodeStatus, TenantQuota
-from ..run_models import PoolInfo, RunRequest, RunResult
-from ..trajectory_models import RecordedCall, TrajectoryInfo
+from ..protocol.trajectory import RecordedCall, TrajectoryInfo
 
 
 class Client:

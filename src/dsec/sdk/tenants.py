@@ -6,7 +6,7 @@ import builtins
 from datetime import datetime
 from urllib.parse import quote
 
-from ..models import AuditList, AuditRecord, TenantCreated, TenantInfo, TenantList, TenantRemoved
+from ..protocol.sandbox import AuditList, AuditRecord, TenantCreated, TenantInfo, TenantList, TenantRemoved
 from .transport import Transport
 
 

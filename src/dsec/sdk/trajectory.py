@@ -21,8 +21,8 @@ from typing import Any, TypeVar
 from pydantic import BaseModel
 
 from ..errors import CallInterrupted, DaemonUnreachable, DsecError, TrajectoryDiverged, error_from_wire
-from ..models import ExecResult
-from ..trajectory_models import (
+from ..protocol.sandbox import ExecResult
+from ..protocol.trajectory import (
     RECORDED_AT,
     SEQ_HEADER,
     RecordedCall,

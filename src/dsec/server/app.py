@@ -15,7 +15,6 @@ from urllib.parse import urlparse
 from fastapi import FastAPI
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from .. import __version__
 from ..core.admission import AdmissionOptions
 from ..core.manager import SandboxManager
 from ..core.trajectory.recorder import TrajectoryOptions
@@ -24,6 +23,7 @@ from ..errors import InvalidRequest
 from ..images.scrub import ScrubRules
 from ..images.store import ImageStore
 from ..isolation.network.options import NetworkOptions
+from ..protocol.version import __version__
 from ..store.audit import DEFAULT_KEEP_DAYS, DEFAULT_MAX_RECORDS, AuditLog
 from . import errors, node_routes, routes, run_routes, tenant_routes, trajectory_routes
 from .audit import AuditMiddleware

@@ -12,7 +12,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..errors import DsecError, environment_error, validation_message
-from ..models import ErrorBody, ErrorResponse
+from ..protocol.sandbox import ErrorBody, ErrorResponse
 from .allow import allowed_methods
 
 log = logging.getLogger("dsec.server")

@@ -11,8 +11,8 @@ from fastapi.responses import StreamingResponse
 from ..core import batch
 from ..core.metrics import CONTENT_TYPE
 from ..core.node import node_status
-from ..node_models import MAX_TOP, BatchCreate, NodeStatus, TenantQuota
-from ..tenancy import TenantName
+from ..protocol.names import TenantName
+from ..protocol.node import MAX_TOP, BatchCreate, NodeStatus, TenantQuota
 from .auth import CallerDep, OperatorDep
 from .routes import _ERRORS, Mgr
 

@@ -13,15 +13,15 @@ from fastapi import APIRouter, Body, Depends, Header, Query, Request, Response
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, BeforeValidator, WithJsonSchema
 
-from .. import __version__
 from ..core.manager import SandboxManager
-from ..core.output import StreamForwarder
 from ..errors import DsecError, InvalidRequest, environment_error
-from ..grade_models import GradeRequest, GradeResult
 from ..images.canary import call_canaries
-from ..images.names import ImageName
-from ..isolation.network import policy
-from ..models import (
+from ..kinds.output import StreamForwarder
+from ..protocol import network as policy
+from ..protocol.grade import GradeRequest, GradeResult
+from ..protocol.names import ImageName
+from ..protocol.network import NetworkAllow
+from ..protocol.sandbox import (
     BuildRequest,
     BuildResult,
     CreateSandbox,
@@ -39,14 +39,14 @@ from ..models import (
     ImageList,
     ImageStats,
     ImportRequest,
-    NetworkAllow,
     NetworkStatus,
     SandboxInfo,
     SandboxList,
     SnapshotRequest,
 )
-from ..trajectory_models import REPLAYED_HEADER, SEQ_HEADER
-from ..wire_types import MAX_LABELS, AbsPath
+from ..protocol.trajectory import REPLAYED_HEADER, SEQ_HEADER
+from ..protocol.types import MAX_LABELS, AbsPath
+from ..protocol.version import __version__
 from .audit import note
 from .auth import CallerDep, OperatorDep, authorize
 from .disconnect import GONE, gone_response, unless_gone

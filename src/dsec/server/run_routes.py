@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter
 
-from ..run_models import PoolList, RunBatch, RunBatchResult, RunRequest, RunResult
+from ..protocol.run import PoolList, RunBatch, RunBatchResult, RunRequest, RunResult
 from .auth import CallerDep
 from .routes import _ERRORS, Mgr
 

@@ -8,11 +8,19 @@ from typing import Annotated
 from fastapi import APIRouter, Query
 from pydantic import WithJsonSchema
 
-from ..models import AuditList, AuditRecord, TenantCreate, TenantCreated, TenantInfo, TenantList, TenantRemoved
+from ..protocol.names import TenantName
+from ..protocol.sandbox import (
+    AuditList,
+    AuditRecord,
+    TenantCreate,
+    TenantCreated,
+    TenantInfo,
+    TenantList,
+    TenantRemoved,
+)
+from ..protocol.types import TIME_SCHEMA
 from ..store.audit import Entry
 from ..store.tenants import Tenant
-from ..tenancy import TenantName
-from ..wire_types import TIME_SCHEMA
 from .auth import CallerDep, OperatorDep
 from .routes import _ERRORS, Mgr
 

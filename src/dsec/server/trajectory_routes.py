@@ -12,9 +12,9 @@ from typing import Annotated
 
 from fastapi import APIRouter, Query, Response
 
-from ..models import TRAJECTORY_ID
+from ..protocol.sandbox import TRAJECTORY_ID
+from ..protocol.trajectory import RecordedCall, RecordedCalls, TrajectoryInfo, TrajectoryList
 from ..store.trajectories import CallRow, TrajectoryRow
-from ..trajectory_models import RecordedCall, RecordedCalls, TrajectoryInfo, TrajectoryList
 from .auth import CallerDep
 from .routes import _ERRORS, Mgr
 

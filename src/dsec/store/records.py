@@ -8,9 +8,9 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any, Literal
 
-from ..isolation.network import policy
-from ..isolation.network.policy import NetworkSpec
-from ..models import Limits, SandboxInfo, State
+from ..protocol import network as policy
+from ..protocol.network import NetworkSpec
+from ..protocol.sandbox import Limits, SandboxInfo, State
 
 
 @dataclass

@@ -6,7 +6,7 @@ import json
 import threading
 from pathlib import Path
 
-from ..models import Limits, State
+from ..protocol.sandbox import Limits, State
 from .db import open_private
 from .records import SandboxRecord
 

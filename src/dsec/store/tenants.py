@@ -19,8 +19,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import Forbidden, InvalidRequest, InvalidState, NotFound, TenantExists
-from ..node_models import TenantQuota
-from ..tenancy import ADMIN, OPERATOR, Caller, check_tenant_name
+from ..protocol.names import check_tenant_name
+from ..protocol.node import TenantQuota
+from ..tenancy import ADMIN, OPERATOR, Caller
 from .db import open_private
 
 SCHEMA = """

@@ -11,11 +11,11 @@ from typing import TYPE_CHECKING, Any
 from pydantic import BaseModel
 
 from ...errors import DsecError, error_from_wire
-from ...grade_models import GradeRequest, GradeResult
-from ...isolation.network import policy
 from ...kinds.base import OutputCallback
 from ...kinds.execio import ExecIO
-from ...models import (
+from ...protocol import network as policy
+from ...protocol.grade import GradeRequest, GradeResult
+from ...protocol.sandbox import (
     ExecRequest,
     ExecResult,
     FileEntry,
@@ -25,8 +25,8 @@ from ...models import (
     SandboxInfo,
     SnapshotRequest,
 )
+from ...protocol.trajectory import call_digest
 from ...tenancy import Caller
-from ...trajectory_models import call_digest
 
 if TYPE_CHECKING:
     from ..manager import SandboxManager

@@ -29,10 +29,10 @@ from ...errors import (
 )
 from ...kinds.base import OutputCallback
 from ...kinds.execio import ExecIO
-from ...models import TERMINAL_STATES, CreateSandbox, ImageInfo, SandboxInfo, State
+from ...protocol.sandbox import TERMINAL_STATES, CreateSandbox, ImageInfo, SandboxInfo, State
+from ...protocol.trajectory import MUTATING_OPS, RECORDED_AT, SEQ_HEADER, call_digest, canonical
 from ...store.trajectories import CallRow, SequenceConflict, TrajectoryRow, TrajectoryStore
 from ...tenancy import Caller
-from ...trajectory_models import MUTATING_OPS, RECORDED_AT, SEQ_HEADER, call_digest, canonical
 from .ops import OPS, Op, Runner, decode_error, encode_error, live_exec, outcome
 from .writer import InlineWriter, LogWriter
 

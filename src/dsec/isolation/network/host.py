@@ -21,9 +21,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ...errors import BackendError
+from ...protocol.network import NetworkAllow, NetworkSpec
 from . import addresses, nft
 from .options import NetworkOptions
-from .policy import NetworkAllow, NetworkSpec
 from .resolver import ALLOW_TIMEOUT, Client, Resolver
 
 log = logging.getLogger("dsec.network")

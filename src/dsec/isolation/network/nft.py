@@ -33,8 +33,8 @@ from typing import Any
 
 from ...errors import BackendError
 from ...proc import spawn, wait
+from ...protocol.network import FORBIDDEN_NETS, AllowEntry
 from .addresses import POOL
-from .policy import FORBIDDEN_NETS, AllowEntry
 
 IFACE_PREFIX = "dv"  # every sandbox veth on the host, whichever daemon made it
 PROTOS = "meta l4proto { tcp, udp }"

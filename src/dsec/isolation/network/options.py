@@ -7,7 +7,7 @@ import ipaddress
 from dataclasses import dataclass, field
 
 from ...errors import InvalidRequest
-from .policy import FORBIDDEN_NETS
+from ...protocol.network import FORBIDDEN_NETS
 
 # Private and shared address space: where a node's own neighbours live (the cluster's gateway and
 # daemons, the layer repository, Ray, a cloud's internal services). "full" means the internet.

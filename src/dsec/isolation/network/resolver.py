@@ -29,7 +29,7 @@ import dns.rdataclass
 import dns.rdatatype
 import dns.rrset
 
-from .policy import valid_name
+from ...protocol.network import valid_name
 
 log = logging.getLogger("dsec.network")
 

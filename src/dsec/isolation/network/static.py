@@ -6,7 +6,7 @@ from __future__ import annotations
 import ipaddress
 
 from ...errors import InvalidRequest
-from .policy import valid_name
+from ...protocol.network import valid_name
 
 
 def parse_resolve(items: list[str]) -> dict[str, list[str]]:

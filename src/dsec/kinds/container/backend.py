@@ -33,10 +33,10 @@ from ...isolation import cgroups, seccomp, users
 from ...isolation.idmap import idmapped_bind, make_userns
 from ...isolation.mounts import MS_NODEV, MS_NOSUID, is_mountpoint, mount, umount
 from ...isolation.network.host import Attached
-from ...isolation.network.policy import NetworkSpec
 from ...isolation.rootpath import RootFS
-from ...models import ExecRequest, ExecResult
 from ...proc import run
+from ...protocol.network import NetworkSpec
+from ...protocol.sandbox import ExecRequest, ExecResult
 from ...store.records import SandboxRecord
 from ..base import BackendContext, OutputCallback
 from ..execio import ExecIO

@@ -19,13 +19,13 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ...core.output import CappedBuffer, Deadlines, exec_result
 from ...errors import BackendError, LimitExceeded, SandboxGone
 from ...isolation import cgroups
-from ...models import ExecResult
 from ...proc import empty_input, read_fd, read_line, spawn, wait, write_all
+from ...protocol.sandbox import ExecResult
 from ..base import MAX_ARCHIVE, OutputCallback
 from ..execio import ExecIO
+from ..output import CappedBuffer, Deadlines, exec_result
 from .agent import AgentChannel
 
 # After the main process exits, how long to keep reading output that background children still write.

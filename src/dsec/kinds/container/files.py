@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 from ...errors import InvalidRequest
 from ...isolation.rootpath import RootFS, clean_path
-from ...models import ExecResult, FileEntry
+from ...protocol.sandbox import ExecResult, FileEntry
 from ...store.records import SandboxRecord
 from ..base import MAX_FILE_READ
 from . import spec

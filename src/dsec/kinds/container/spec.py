@@ -7,9 +7,9 @@ import resource
 from pathlib import Path
 from typing import Any
 
-from ...images.buildspec import BUILDER_CA, HOST_CA_BUNDLE
 from ...images.store import DEFAULT_PATH, ImageRef
 from ...isolation.seccomp import oci_profile
+from ...protocol.build import BUILDER_CA, HOST_CA_BUNDLE
 from ...store.records import SandboxRecord
 
 HELPER_MOUNT = "/.dsec"

@@ -24,9 +24,9 @@ from pathlib import Path
 
 from ...errors import InvalidRequest, KindUnavailable, SandboxGone
 from ...images.store import ImageRef
-from ...isolation.network.policy import NetworkSpec, describe
-from ...models import ExecRequest, ExecResult, FileEntry, Limits, NetworkStatus, State
-from ...run_models import PoolInfo
+from ...protocol.network import NetworkSpec, describe
+from ...protocol.run import PoolInfo
+from ...protocol.sandbox import ExecRequest, ExecResult, FileEntry, Limits, NetworkStatus, State
 from ...store.records import SandboxRecord
 from ...tenancy import OPERATOR
 from ..base import Backend, BackendContext, OutputCallback

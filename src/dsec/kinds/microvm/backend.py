@@ -29,9 +29,9 @@ from ...images.store import ImageRef
 from ...isolation import users
 from ...isolation.network import addresses
 from ...isolation.network.host import Attached
-from ...isolation.network.policy import NetworkSpec
-from ...models import ExecRequest, ExecResult, FileEntry
 from ...proc import wait
+from ...protocol.network import NetworkSpec
+from ...protocol.sandbox import ExecRequest, ExecResult, FileEntry
 from ...store.records import SandboxRecord
 from ..base import BackendContext, OutputCallback
 from ..execio import ExecIO

@@ -20,11 +20,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ...core.output import CappedBuffer, Deadlines, exec_result
 from ...errors import BackendError, InvalidRequest, LimitExceeded, SandboxGone, SandboxTimeout
-from ...models import ExecResult
+from ...protocol.sandbox import ExecResult
 from ..base import MAX_ARCHIVE, OutputCallback
 from ..execio import ExecIO
+from ..output import CappedBuffer, Deadlines, exec_result
 
 log = logging.getLogger("dsec.microvm.channel")
 

@@ -13,7 +13,7 @@ from collections.abc import Awaitable, Callable
 
 from ...errors import FileNotFoundInSandbox, InvalidRequest, LimitExceeded
 from ...isolation.rootpath import clean_path
-from ...models import FileEntry
+from ...protocol.sandbox import FileEntry
 
 BUSYBOX = "/.dsec/busybox"
 

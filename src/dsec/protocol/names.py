@@ -56,3 +56,23 @@ IMAGE_NAME_SCHEMA = {
     "description": f"Image name, {NAME_RULE}.",
 }
 ImageName = Annotated[str, AfterValidator(check_name), WithJsonSchema(IMAGE_NAME_SCHEMA)]
+
+
+TENANT_NAME = r"^[a-z0-9][a-z0-9-]{0,62}$"
+_TENANT_RE = re.compile(TENANT_NAME)
+
+
+def check_tenant_name(name: object) -> str:
+    if not isinstance(name, str) or not _TENANT_RE.fullmatch(name):
+        raise InvalidRequest(
+            f"invalid tenant name {str(name)[:80]!r}: 1-63 characters of a-z, 0-9 and '-', starting with a letter "
+            "or digit"
+        )
+    return name
+
+
+TenantName = Annotated[
+    str,
+    AfterValidator(check_tenant_name),
+    WithJsonSchema({"type": "string", "minLength": 1, "maxLength": 63, "pattern": TENANT_NAME}),
+]

@@ -8,17 +8,12 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 
-from .images.buildspec import BuildSpec
-from .images.canary import MAX_CANARIES, Canaries
-from .images.names import ImageName as ImageName
-from .images.scrub import ScrubRule
-from .isolation.network.policy import NetworkAllow as NetworkAllow
-from .isolation.network.policy import NetworkSpec as NetworkSpec
-from .isolation.users import USER_SPEC
-from .tenancy import TenantName
-from .units import parse_size
-from .wire_types import MAX_COMMAND as MAX_COMMAND
-from .wire_types import AbsPath, Command, Env, Labels, int_range
+from ..units import parse_size
+from .build import BuildSpec
+from .names import ImageName, TenantName
+from .network import NetworkSpec
+from .residue import MAX_CANARIES, Canaries, ScrubRule
+from .types import MAX_COMMAND, USER_SPEC, AbsPath, Command, Env, Labels, int_range
 
 Kind = Literal["container", "function", "microvm", "vm"]
 KINDS: tuple[str, ...] = ("container", "function", "microvm", "vm")

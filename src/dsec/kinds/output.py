@@ -6,7 +6,7 @@ import codecs
 import os
 import time
 
-from ..models import ExecResult
+from ..protocol.sandbox import ExecResult
 
 
 class CappedBuffer:

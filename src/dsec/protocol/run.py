@@ -7,11 +7,10 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from .grade_models import GradeFile
-from .images.names import ImageName
-from .isolation.network.policy import NetworkSpec
-from .isolation.users import USER_SPEC
-from .models import (
+from .grade import GradeFile
+from .names import ImageName
+from .network import NetworkSpec
+from .sandbox import (
     DEFAULT_OUTPUT_CAP,
     MAX_EXEC_TIMEOUT_S,
     MAX_OUTPUT_CAP,
@@ -23,7 +22,7 @@ from .models import (
     Limits,
     _Strict,
 )
-from .wire_types import PATH_MAX, PATH_NO_DOTDOT, CleanAbsPath, Command, Env, clean_abs
+from .types import PATH_MAX, PATH_NO_DOTDOT, USER_SPEC, CleanAbsPath, Command, Env, clean_abs
 
 RUN_DIR = "/tmp"
 MAX_RUN_FILES = 256

@@ -8,16 +8,9 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from .images.names import ImageName
-from .models import (
-    DEFAULT_OUTPUT_CAP,
-    MAX_COMMAND,
-    MAX_EXEC_TIMEOUT_S,
-    MAX_OUTPUT_CAP,
-    ExecResult,
-    _Strict,
-)
-from .wire_types import PATH_MAX, CleanAbsPath, Command, clean_abs
+from .names import ImageName
+from .sandbox import DEFAULT_OUTPUT_CAP, MAX_EXEC_TIMEOUT_S, MAX_OUTPUT_CAP, ExecResult, _Strict
+from .types import MAX_COMMAND, PATH_MAX, CleanAbsPath, Command, clean_abs
 
 GRADE_DIR = "/grade"
 MAX_GRADE_FILES = 1000

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import tomllib
+from enum import StrEnum
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -31,11 +32,19 @@ import blake3
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, WithJsonSchema, model_validator
 
 from ..errors import InvalidRequest, validation_message
-from ..isolation.users import USER_SPEC
-from ..wire_types import BLANK, NO_NUL, PATH_MAX, AbsPath, Env, EnvName
-from .model import LayerRole
 from .names import ImageName
-from .scrub import ScrubRule
+from .residue import ScrubRule
+from .types import BLANK, NO_NUL, PATH_MAX, USER_SPEC, AbsPath, Env, EnvName
+
+
+class LayerRole(StrEnum):
+    """What a layer holds; layers of different roles are versioned and shared separately."""
+
+    base = "base"  # the operating system
+    toolkit = "toolkit"  # languages, compilers, packages
+    workspace = "workspace"  # the task's repository and data
+    diff = "diff"  # a sandbox's changes (pack_diff)
+
 
 MAX_PACKAGES = 1024  # per apt or pip step
 MAX_PACKAGE = 512  # characters of one package name or requirement

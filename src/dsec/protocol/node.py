@@ -12,8 +12,8 @@ from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from .models import TRAJECTORY_ID, ErrorBody, SandboxInfo, SandboxSpec, Size
-from .wire_types import int_range, on_type
+from .sandbox import TRAJECTORY_ID, ErrorBody, SandboxInfo, SandboxSpec, Size
+from .types import int_range, on_type
 
 MAX_BATCH = 10_000
 MAX_TOP = 10_000  # GET /v1/node?top=N: at most this many of the caller's sandboxes

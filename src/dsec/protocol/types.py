@@ -174,3 +174,6 @@ Command = Annotated[str | list[str], AfterValidator(check_command), WithJsonSche
 # A time as a query parameter: ISO 8601, or epoch seconds (up to 2e10, the year 2603: pydantic reads a
 # larger number as milliseconds)
 TIME_SCHEMA = {"anyOf": [{"type": "string", "format": "date-time"}, {"type": "number", "minimum": 0, "maximum": 2e10}]}
+
+# a user in an image: name or uid, optionally :group or :gid (resolved against the image's own files)
+USER_SPEC = r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,31}(:[A-Za-z0-9_][A-Za-z0-9_.-]{0,31})?$"
