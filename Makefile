@@ -30,6 +30,7 @@ lint: install
 	$(VENV)/bin/ruff format --check src tests
 	$(VENV)/bin/ruff check src tests
 	$(VENV)/bin/mypy
+	$(VENV)/bin/lint-imports --no-cache
 
 unit: install
 	$(VENV)/bin/pytest -q tests/unit

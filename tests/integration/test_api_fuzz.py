@@ -102,7 +102,7 @@ def node(daemon: Daemon) -> Iterator[FuzzNode]:
         listen=f"http://127.0.0.1:{free_port()}",
     )
     gateway_url = f"http://127.0.0.1:{free_port()}"
-    argv = [sys.executable, "-m", "dsec.cluster", "gateway", "--token-file", str(root / "state" / "token")]
+    argv = [sys.executable, "-m", "dsec", "cluster", "gateway", "--token-file", str(root / "state" / "token")]
     argv += ["--listen", gateway_url, "--node", fuzzed.url, "--interval", "0.5"]
     log = root / "gateway.log"
     with log.open("ab") as out:

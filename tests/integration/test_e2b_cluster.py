@@ -85,7 +85,7 @@ def cluster() -> Iterator[Cluster]:
         for url, state, proc in nodes:
             _wait(f"{url}/v1/health", proc, state / "daemon.log")
         listen, e2b_listen = f"http://127.0.0.1:{free_port()}", f"http://127.0.0.1:{free_port()}"
-        argv = [sys.executable, "-m", "dsec.cluster", "gateway", "--token-file", str(root / "token")]
+        argv = [sys.executable, "-m", "dsec", "cluster", "gateway", "--token-file", str(root / "token")]
         argv += ["--listen", listen, "--e2b-listen", e2b_listen, "--interval", "0.2", "--misses", "2"]
         for url, _, _ in nodes:
             argv += ["--node", url]

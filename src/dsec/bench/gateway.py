@@ -136,7 +136,7 @@ def run(
             via = AsyncClient(url=gateway_url, token=token)
             try:
                 await answering(direct, node, node_log)
-                gw = [sys.executable, "-m", "dsec.cluster", "gateway", "--node", node_url]
+                gw = [sys.executable, "-m", "dsec", "cluster", "gateway", "--node", node_url]
                 gw += ["--token-file", str(state_dir / "token"), "--listen", gateway_url]
                 gateway = spawn(gw, gateway_log)
                 await answering(via, gateway, gateway_log)
