@@ -54,12 +54,12 @@ async def test_records_are_written_in_batches_and_queried_oldest_first(tmp_path:
 async def test_close_writes_what_is_pending_and_a_new_log_reads_it(tmp_path: Path) -> None:
     log = AuditLog(tmp_path / "audit.db")
     await log.start()
-    for i in range(audit_mod.MAX_BATCH + 5):  # more than one batch
+    for i in range(audit_mod.MAX_FLUSH + 5):  # more than one batch
         log.record(entry(i))
     await log.close()
     again = AuditLog(tmp_path / "audit.db")
     try:
-        assert len(await again.query(limit=10_000)) == audit_mod.MAX_BATCH + 5
+        assert len(await again.query(limit=10_000)) == audit_mod.MAX_FLUSH + 5
     finally:
         await again.close()
 

@@ -26,7 +26,7 @@ from rich.console import Console
 from rich.table import Table
 
 from ..errors import DsecError
-from ..protocol.run import MAX_BATCH, RunRequest
+from ..protocol.run import MAX_RUNS, RunRequest
 from ..sdk.aio import AsyncClient
 from .common import (
     Json,
@@ -168,14 +168,14 @@ async def sustained(
 
 
 async def sustained_batch(console: Console, client: AsyncClient, calls: int, concurrency: int, pids: Pids) -> Json:
-    """The same calls through run_many: one request per batch of up to MAX_BATCH, fanned out by the daemon."""
+    """The same calls through run_many: one request per batch of up to MAX_RUNS, fanned out by the daemon."""
     image, argv = WORKLOADS["shell"]
     req = RunRequest(image=image, command=argv, kind="function")
     failures, cold = Counter[str](), 0
     with phase(console, f"function run_many, {concurrency} in flight", calls) as tick:
         started, cpu = time.perf_counter(), cpu_now(pids)
-        for first in range(0, calls, MAX_BATCH):
-            runs: list[RunRequest | dict[str, Any]] = [req] * min(MAX_BATCH, calls - first)
+        for first in range(0, calls, MAX_RUNS):
+            runs: list[RunRequest | dict[str, Any]] = [req] * min(MAX_RUNS, calls - first)
             for res in await client.run_many(runs, concurrency=concurrency):
                 why = res.code if isinstance(res, DsecError) else check("shell", res.exit_code, res.stdout)
                 if why is not None:
@@ -388,7 +388,7 @@ def main(n: int, calls: int, json_out: Path, state_dir: Path, repository: Path |
         },
         "throughput_modes": {
             "tasks": "one run() request per call, `concurrency` calls in flight (asyncio tasks, a semaphore)",
-            "run_many": f"run_many batches of up to {MAX_BATCH} calls, `concurrency` in flight in the daemon",
+            "run_many": f"run_many batches of up to {MAX_RUNS} calls, `concurrency` in flight in the daemon",
         },
         "daemon_version": figures["version"],
         "python_versions": figures["python_versions"],

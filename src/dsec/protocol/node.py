@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from .sandbox import TRAJECTORY_ID, ErrorBody, SandboxInfo, SandboxSpec, Size
 from .types import int_range, on_type
 
-MAX_BATCH = 10_000
+MAX_SANDBOXES = 10_000  # in one batch creation
 MAX_TOP = 10_000  # GET /v1/node?top=N: at most this many of the caller's sandboxes
 MAX_QUOTA_MEMORY = 1 << 50  # 1Pi: within 2**53, where a JSON number is still exact for every client
 
@@ -91,11 +91,11 @@ class BatchCreate(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    count: int = Field(ge=1, le=MAX_BATCH, description="How many sandboxes.")
+    count: int = Field(ge=1, le=MAX_SANDBOXES, description="How many sandboxes.")
     sandbox: SandboxSpec = Field(default_factory=SandboxSpec, description="What each one is.")
     trajectories: list[Annotated[str, Field(pattern=TRAJECTORY_ID)]] | None = Field(
         None,
-        max_length=MAX_BATCH,
+        max_length=MAX_SANDBOXES,
         json_schema_extra=on_type("array", uniqueItems=True),
         description="One trajectory id per sandbox (exactly count of them, all different), to bind each to its own.",
     )

@@ -28,7 +28,7 @@ RUN_DIR = "/tmp"
 MAX_RUN_FILES = 256
 MAX_RUN_TOTAL = 32 << 20
 MAX_CODE = 1 << 20
-MAX_BATCH = 1024
+MAX_RUNS = 1024  # calls in one run_many request
 # what runs ``code`` per language, and where the code is written (in the run's directory)
 LANGUAGES: dict[str, tuple[list[str], str]] = {
     "python": (["python3"], "main.py"),
@@ -134,7 +134,7 @@ class RunResult(ExecResult):
 
 
 class RunBatch(_Strict):
-    runs: list[RunRequest] = Field(..., min_length=1, max_length=MAX_BATCH)
+    runs: list[RunRequest] = Field(..., min_length=1, max_length=MAX_RUNS)
     concurrency: int = Field(64, ge=1, le=1024, description="How many of the runs are in flight at once.")
 
 

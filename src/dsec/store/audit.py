@@ -40,7 +40,7 @@ CREATE INDEX IF NOT EXISTS audit_tenant ON audit(tenant, id);
 """
 FLUSH_INTERVAL = 0.25
 PRUNE_INTERVAL = 60.0
-MAX_BATCH = 4096  # a flush writes at most this many; the rest wait for the next tick
+MAX_FLUSH = 4096  # a flush writes at most this many; the rest wait for the next tick
 MAX_PENDING = 200_000  # a stuck disk must not grow the daemon's memory without bound
 COMMAND_BYTES = 256
 DEFAULT_KEEP_DAYS = 90.0
@@ -122,8 +122,8 @@ class AuditLog:
 
     def _take(self) -> list[Entry]:
         # on the event loop's thread, like record(): nothing is appended while the list is cut
-        batch = self._pending[:MAX_BATCH]
-        del self._pending[:MAX_BATCH]
+        batch = self._pending[:MAX_FLUSH]
+        del self._pending[:MAX_FLUSH]
         return batch
 
     def _insert(self, batch: list[Entry]) -> None:

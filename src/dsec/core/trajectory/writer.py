@@ -26,7 +26,7 @@ from ...store.trajectories import TrajectoryStore, Write
 
 log = logging.getLogger("dsec.trajectory")
 
-MAX_BATCH = 512
+MAX_GROUP = 512  # calls written by one group commit
 BUSY_GAP = 0.0005  # seconds since the last commit under which writes are gathered, not committed at once
 _STOP = object()
 
@@ -98,7 +98,7 @@ class LogWriter:
                 return
             batch = [item]
             stop = False
-            while len(batch) < MAX_BATCH:
+            while len(batch) < MAX_GROUP:
                 try:
                     more = self._q.get_nowait()
                 except queue.Empty:
