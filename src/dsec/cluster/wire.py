@@ -12,16 +12,14 @@ node, even where a dead peer would never send a reset.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import time
 from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass
 from urllib.parse import urlparse
 
-import httptools
+from ..protocol.http1 import MAX_HEAD, Answer, Connection, ReadFailed
 
-READ_CHUNK = 1 << 16
 CONNECT_TIMEOUT = 3.0
 KEEPALIVE_EXPIRY = 30.0  # below the daemon's 120 s: a pooled connection is never one the node is closing
 MAX_IDLE = 256
@@ -39,85 +37,62 @@ class Broken(Exception):
         self.sent = sent
 
 
-class _Conn:
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self.reader = reader
-        self.writer = writer
-        self.idle_since = time.monotonic()
-
-    def usable(self) -> bool:
-        fresh = time.monotonic() - self.idle_since < KEEPALIVE_EXPIRY
-        return fresh and not self.reader.at_eof() and not self.writer.is_closing()
-
-    def close(self) -> None:
-        with contextlib.suppress(Exception):
-            self.writer.close()
+def _message(failure: ReadFailed) -> str:
+    if failure.why in ("timeout", "io"):
+        cause = failure.cause
+        return f"reading the answer failed: {type(cause).__name__}: {cause}"
+    if failure.why == "closed":
+        return "the node closed the connection before the answer was complete"
+    if failure.why == "head":
+        return f"the answer's headers are over {MAX_HEAD} bytes"
+    return f"malformed answer: {failure.cause}"
 
 
 class Response:
     """A node's answer: status and headers at once, the body as it arrives (``chunks``) or whole
     (``read``). Use ``async with`` or ``close()``: a fully read answer gives its connection back."""
 
-    def __init__(self, client: NodeClient, conn: _Conn, timeout: float | None) -> None:
-        self.status = 0
-        self.headers: Headers = []
+    def __init__(self, client: NodeClient, conn: Connection, timeout: float | None) -> None:
         self._client = client
-        self._conn: _Conn | None = conn
+        self._conn: Connection | None = conn
         self._timeout = timeout
-        self._body: list[bytes] = []
-        self._headers_done = False
-        self._complete = False
-        self._keep_alive = False
-        self._parser = httptools.HttpResponseParser(self)
-        self.received = False
+        self._answer = Answer(lower=True)
 
-    # httptools callbacks
-    def on_header(self, name: bytes, value: bytes) -> None:
-        self.headers.append((name.lower(), value))
+    @property
+    def status(self) -> int:
+        return self._answer.status
 
-    def on_headers_complete(self) -> None:
-        self._headers_done = True
-        self.status = self._parser.get_status_code()
+    @property
+    def headers(self) -> Headers:
+        return self._answer.headers
 
-    def on_body(self, body: bytes) -> None:
-        self._body.append(body)
-
-    def on_message_complete(self) -> None:
-        self._complete = True
-        self._keep_alive = self._parser.should_keep_alive()  # only valid inside this callback
+    @property
+    def received(self) -> bool:
+        return self._answer.received
 
     async def _feed(self) -> None:
         conn = self._conn
         if conn is None:
             raise Broken("the answer was closed", sent=True)
         try:
-            read = conn.reader.read(READ_CHUNK)
-            data = await (read if self._timeout is None else asyncio.wait_for(read, self._timeout))
-        except (OSError, TimeoutError) as e:
+            await self._answer.feed(conn, self._timeout)
+        except ReadFailed as e:
             self._drop()
-            raise Broken(f"reading the answer failed: {type(e).__name__}: {e}", sent=True) from e
-        if not data:
-            self._drop()
-            raise Broken("the node closed the connection before the answer was complete", sent=True)
-        self.received = True
-        try:
-            self._parser.feed_data(data)
-        except httptools.HttpParserError as e:
-            self._drop()
-            raise Broken(f"malformed answer: {e}", sent=True) from e
+            raise Broken(_message(e), sent=True) from e
 
     async def _start(self) -> None:
-        while not self._headers_done:
+        while not self._answer.headers_done:
             await self._feed()
 
     def header(self, name: bytes) -> bytes | None:
         return next((v for k, v in self.headers if k == name), None)
 
     async def chunks(self) -> AsyncIterator[bytes]:
+        body = self._answer.body
         while True:
-            while self._body:
-                yield self._body.pop(0)
-            if self._complete:
+            while body:
+                yield body.pop(0)
+            if self._answer.complete:
                 self._release()
                 return
             await self._feed()
@@ -138,7 +113,7 @@ class Response:
     def _release(self) -> None:
         conn, self._conn = self._conn, None
         if conn is not None:
-            if self._keep_alive:
+            if self._answer.keep_alive:
                 self._client._idle_add(conn)
             else:
                 self._client._forget(conn)
@@ -149,7 +124,7 @@ class Response:
             self._client._forget(conn)
 
     async def close(self) -> None:
-        if self._complete:
+        if self._answer.complete:
             self._release()
         else:
             self._drop()  # unread: the connection cannot carry another request
@@ -205,11 +180,11 @@ class NodeClient:
         self.url = url
         self._host_header = b"dsec" if self.unix else f"{self.host}:{self.port}".encode()
         self._auth = (b"authorization", f"Bearer {token}".encode())
-        self._idle: list[_Conn] = []
-        self._open: set[_Conn] = set()
+        self._idle: list[Connection] = []
+        self._open: set[Connection] = set()
         self.closed = False
 
-    async def _connect(self) -> _Conn:
+    async def _connect(self) -> Connection:
         if self.closed:
             raise Broken(f"the connections to {self.url} are closed", sent=False)
         try:
@@ -220,18 +195,18 @@ class NodeClient:
             reader, writer = await asyncio.wait_for(opening, CONNECT_TIMEOUT)
         except (OSError, TimeoutError) as e:
             raise Broken(f"cannot connect to {self.url}: {type(e).__name__}: {e}", sent=False) from e
-        conn = _Conn(reader, writer)
+        conn = Connection(reader, writer)
         self._open.add(conn)
         return conn
 
-    def _idle_add(self, conn: _Conn) -> None:
-        if self.closed or len(self._idle) >= MAX_IDLE or not conn.usable():
+    def _idle_add(self, conn: Connection) -> None:
+        if self.closed or len(self._idle) >= MAX_IDLE or not conn.usable(KEEPALIVE_EXPIRY):
             self._forget(conn)
             return
         conn.idle_since = time.monotonic()
         self._idle.append(conn)
 
-    def _forget(self, conn: _Conn) -> None:
+    def _forget(self, conn: Connection) -> None:
         conn.close()
         self._open.discard(conn)
 
@@ -268,7 +243,7 @@ class NodeClient:
             conn = None
             while reuse and self._idle:
                 candidate = self._idle.pop()
-                if candidate.usable():
+                if candidate.usable(KEEPALIVE_EXPIRY):
                     conn = candidate
                     break
                 self._forget(candidate)

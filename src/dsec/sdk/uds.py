@@ -10,64 +10,28 @@ httpx's own transport (TLS).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from collections.abc import AsyncIterator
 
-import httptools
 import httpx
 
-READ_CHUNK = 1 << 16
-# A response's status line and headers may take this much; past it the connection is dropped (httptools
-# sets no bound, so a server that kept sending headers would grow the client for ever).
-MAX_HEAD = 64 << 10
+from ..protocol.http1 import MAX_HEAD, Answer, Connection, ReadFailed
 
 
-class _Parser:
-    """httptools callbacks, collecting one response."""
-
-    def __init__(self) -> None:
-        self.headers: list[tuple[bytes, bytes]] = []
-        self.headers_done = False
-        self.complete = False
-        self.keep_alive = False
-        self.received = False
-        self.head_bytes = 0
-        self.body: list[bytes] = []
-        self.parser = httptools.HttpResponseParser(self)
-
-    def on_header(self, name: bytes, value: bytes) -> None:
-        self.headers.append((name, value))
-
-    def on_headers_complete(self) -> None:
-        self.headers_done = True
-
-    def on_body(self, body: bytes) -> None:
-        self.body.append(body)
-
-    def on_message_complete(self) -> None:
-        self.complete = True
-        # only meaningful inside this callback: the parser resets right after it
-        self.keep_alive = self.parser.should_keep_alive()
-
-
-class _Connection:
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self.reader = reader
-        self.writer = writer
-        self.idle_since = time.monotonic()
-
-    def usable(self, expiry: float) -> bool:
-        # a connection the daemon closed (EOF already seen) or that sat idle too long is not reused
-        return not self.reader.at_eof() and not self.writer.is_closing() and time.monotonic() - self.idle_since < expiry
-
-    def close(self) -> None:
-        with contextlib.suppress(Exception):
-            self.writer.close()
+def _error(failure: ReadFailed) -> httpx.TransportError:
+    if failure.why == "timeout":
+        return httpx.ReadTimeout("the daemon did not answer in time")
+    if failure.why == "io":
+        return httpx.ReadError(str(failure))
+    if failure.why == "closed":
+        return httpx.RemoteProtocolError("the daemon closed the connection before the response was complete")
+    if failure.why == "head":
+        return httpx.RemoteProtocolError(f"the response's headers are over {MAX_HEAD} bytes")
+    return httpx.RemoteProtocolError(f"malformed response: {failure.cause}")
 
 
 class _Body(httpx.AsyncByteStream):
-    def __init__(self, transport: UnixTransport, conn: _Connection, p: _Parser, read_timeout: float | None) -> None:
+    def __init__(self, transport: UnixTransport, conn: Connection, p: Answer, read_timeout: float | None) -> None:
         self._transport = transport
         self._conn = conn
         self._p = p
@@ -101,9 +65,9 @@ class UnixTransport(httpx.AsyncBaseTransport):
         self.path = path
         self.max_idle = max_idle
         self.keepalive_expiry = keepalive_expiry
-        self._idle: list[_Connection] = []
+        self._idle: list[Connection] = []
 
-    async def _connect(self, timeout: float | None, reuse: bool = True) -> tuple[_Connection, bool]:
+    async def _connect(self, timeout: float | None, reuse: bool = True) -> tuple[Connection, bool]:
         while reuse and self._idle:
             conn = self._idle.pop()
             if conn.usable(self.keepalive_expiry):
@@ -115,48 +79,31 @@ class UnixTransport(httpx.AsyncBaseTransport):
             raise httpx.ConnectTimeout(f"connecting to {self.path} timed out") from e
         except OSError as e:
             raise httpx.ConnectError(f"cannot connect to {self.path}: {e}") from e
-        return _Connection(reader, writer), False
+        return Connection(reader, writer), False
 
     async def _open(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
         return await asyncio.open_unix_connection(self.path, limit=1 << 20)
 
-    def _release(self, conn: _Connection) -> None:
+    def _release(self, conn: Connection) -> None:
         if len(self._idle) < self.max_idle and conn.usable(self.keepalive_expiry):
             conn.idle_since = time.monotonic()
             self._idle.append(conn)
         else:
             conn.close()
 
-    async def _feed(self, conn: _Connection, p: _Parser, timeout: float | None) -> None:
+    async def _feed(self, conn: Connection, p: Answer, timeout: float | None) -> None:
         try:
-            data = await asyncio.wait_for(conn.reader.read(READ_CHUNK), timeout)
-        except TimeoutError as e:
+            await p.feed(conn, timeout)
+        except ReadFailed as e:
             conn.close()
-            raise httpx.ReadTimeout("the daemon did not answer in time") from e
-        except OSError as e:
-            conn.close()
-            raise httpx.ReadError(str(e)) from e
-        if not data:
-            conn.close()
-            raise httpx.RemoteProtocolError("the daemon closed the connection before the response was complete")
-        p.received = True
-        if not p.headers_done:
-            p.head_bytes += len(data)
-            if p.head_bytes > MAX_HEAD + READ_CHUNK:  # the last read may hold body bytes too
-                conn.close()
-                raise httpx.RemoteProtocolError(f"the response's headers are over {MAX_HEAD} bytes")
-        try:
-            p.parser.feed_data(data)
-        except httptools.HttpParserError as e:
-            conn.close()
-            raise httpx.RemoteProtocolError(f"malformed response: {e}") from e
+            raise _error(e) from e
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         timeouts = request.extensions.get("timeout", {})
         reuse = True
         while True:
             conn, reused = await self._connect(timeouts.get("connect"), reuse)
-            p = _Parser()
+            p = Answer()
             try:
                 await self._send(conn, request, timeouts.get("write"))
                 while not p.headers_done:
@@ -173,12 +120,11 @@ class UnixTransport(httpx.AsyncBaseTransport):
             except BaseException:
                 conn.close()
                 raise
-        status = p.parser.get_status_code()
         return httpx.Response(
-            status, headers=p.headers, stream=_Body(self, conn, p, timeouts.get("read")), request=request
+            p.status, headers=p.headers, stream=_Body(self, conn, p, timeouts.get("read")), request=request
         )
 
-    async def _send(self, conn: _Connection, request: httpx.Request, timeout: float | None) -> None:
+    async def _send(self, conn: Connection, request: httpx.Request, timeout: float | None) -> None:
         headers = list(request.headers.raw)
         chunked = any(k.lower() == b"transfer-encoding" for k, _ in headers)
         head = [b"%s %s HTTP/1.1\r\n" % (request.method.encode(), request.url.raw_path)]
