@@ -4,6 +4,7 @@ started some other way (``gateway``), and what a gateway sees (``status``)."""
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated
 
@@ -89,15 +90,6 @@ def up(
             listen_address(e2b_listen)
         state_root.mkdir(parents=True, exist_ok=True)
         token = ensure_token(token_path)
-
-        def ready(url: str) -> None:
-            console.print(f"[green]dsec cluster up[/green]: gateway at {url}")
-            console.print(f"  export DSEC_URL={url}")
-            console.print(f"  export DSEC_TOKEN=$(cat {token_path})")
-            if e2b_listen is not None:
-                console.print(f"  export E2B_API_URL={e2b_listen} E2B_SANDBOX_URL={e2b_listen}")
-                console.print(f"  export E2B_API_KEY=$(cat {token_path})")
-
         opts = RayOptions(
             listen=listen,
             state_root=state_root.resolve(),
@@ -111,12 +103,26 @@ def up(
             interval=interval,
             misses=misses,
             keep_sandboxes=keep_sandboxes,
-            ready=ready,
+            ready=_announce(token_path, e2b_listen),
             e2b_listen=e2b_listen,
         )
         uvloop.run(run_ray(opts))  # as uvicorn runs the daemon: the gateway's hop costs less
     except DsecError as e:
         _fail(e)
+
+
+def _announce(token_path: Path, e2b_listen: str | None) -> Callable[[str], None]:
+    """What to print once the gateway listens: how to point the SDK (and E2B's) at it."""
+
+    def ready(url: str) -> None:
+        console.print(f"[green]dsec cluster up[/green]: gateway at {url}")
+        console.print(f"  export DSEC_URL={url}")
+        console.print(f"  export DSEC_TOKEN=$(cat {token_path})")
+        if e2b_listen is not None:
+            console.print(f"  export E2B_API_URL={e2b_listen} E2B_SANDBOX_URL={e2b_listen}")
+            console.print(f"  export E2B_API_KEY=$(cat {token_path})")
+
+    return ready
 
 
 @cluster_app.command()

@@ -3,7 +3,6 @@ demo, bench."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -12,7 +11,7 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from ..errors import DsecError, InvalidRequest
+from ..errors import DsecError
 from ..protocol.version import __version__
 from .bench import bench_app
 from .cluster import cluster_app
@@ -21,6 +20,7 @@ from .common import client as _client
 from .common import fail as _fail
 from .image import image_app
 from .machine import fork, pause, resume
+from .serve import serve
 from .tenant import audit, tenant_app
 from .top import top
 from .trajectory import trajectory_app
@@ -53,215 +53,7 @@ def openapi(
         out.write_text(text)
 
 
-@app.command()
-def serve(
-    state_dir: Annotated[Path, typer.Option(help="Where state, images and sandboxes live.")] = Path("/var/lib/dsec"),
-    listen: Annotated[
-        str | None, typer.Option(help="unix:///path or http://127.0.0.1:PORT (default: STATE_DIR/dsec.sock).")
-    ] = None,
-    repository: Annotated[
-        str | None,
-        typer.Option(
-            help="Layer repository: a directory (any shared file system mount) or s3://bucket/prefix?endpoint=URL "
-            "(credentials from AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY). Default: STATE_DIR/images/repository."
-        ),
-    ] = None,
-    image_cache: Annotated[
-        str, typer.Option(help="Size cap of the node's cache of fetched layer chunks (LRU), e.g. 20G.")
-    ] = "20G",
-    scrub: Annotated[
-        list[str] | None,
-        typer.Option("--scrub", help="A residue rule (glob under /) for every layer this node packs (repeatable)."),
-    ] = None,
-    canary: Annotated[
-        list[str] | None,
-        typer.Option(
-            "--canary",
-            help="A string no image published here may hold in any layer: publishes are refused (repeatable).",
-        ),
-    ] = None,
-    eager_layers: Annotated[
-        bool, typer.Option("--eager-layers", help="Fetch every layer whole before use instead of lazily.")
-    ] = False,
-    resolve: Annotated[
-        list[str] | None,
-        typer.Option(
-            "--resolve",
-            help="NAME=IP: the platform resolver answers NAME with IP for sandboxes that may resolve it "
-            "(repeatable; like curl's --resolve).",
-        ),
-    ] = None,
-    full_deny: Annotated[
-        list[str] | None,
-        typer.Option(
-            "--full-deny",
-            help="A network (CIDR) sandboxes with network='full' do not reach (repeatable; default: the private "
-            "ranges 10/8, 172.16/12, 192.168/16, 100.64/10, 198.18/15; 'none': no extra networks).",
-        ),
-    ] = None,
-    audit_keep_days: Annotated[
-        float, typer.Option(min=0.001, help="Delete audit records older than this many days.")
-    ] = 90.0,
-    audit_max_records: Annotated[
-        int, typer.Option(min=1, help="Keep at most this many audit records (the newest; ~170 bytes each).")
-    ] = 1_000_000,
-    function_pool: Annotated[
-        list[str] | None,
-        typer.Option(
-            "--function-pool",
-            help="IMAGE=N: keep N function workers of IMAGE (default limits) warm from start (repeatable).",
-        ),
-    ] = None,
-    function_max: Annotated[
-        int, typer.Option(min=1, max=4096, help="Function workers per pool (image, limits, network, tenant).")
-    ] = 64,
-    function_idle_ttl: Annotated[
-        float, typer.Option(min=0.1, help="Seconds an idle function worker above its pool's minimum is kept.")
-    ] = 60.0,
-    function_tenant_max: Annotated[
-        int, typer.Option(min=1, help="Function workers one tenant may hold at once (all its pools).")
-    ] = 256,
-    function_max_uses: Annotated[
-        int, typer.Option(min=1, help="Users a function worker serves before it is replaced anyway.")
-    ] = 500,
-    trajectory_db: Annotated[
-        str | None,
-        typer.Option(
-            help="Where the trajectory log lives: sqlite:///PATH or postgresql://USER@HOST/DB (several nodes "
-            "sharing one log). Default: trajectories.db in the state directory."
-        ),
-    ] = None,
-    trajectory_durable: Annotated[
-        bool,
-        typer.Option(
-            help="SQLite: sync every commit of the trajectory log to disk (synchronous=FULL), so it survives "
-            "a power loss too; by default it survives the daemon's crash, not the machine's."
-        ),
-    ] = False,
-    trajectory_keep_days: Annotated[
-        float, typer.Option(min=0.001, help="Delete trajectories not written to for this many days.")
-    ] = 30.0,
-    node_name: Annotated[
-        str | None, typer.Option(help="This node's name in status, metrics and sandbox info (default: host name).")
-    ] = None,
-    cpu_capacity: Annotated[
-        float | None,
-        typer.Option(min=0.01, help="Cores for sandboxes (default: the CPUs this daemon may run on)."),
-    ] = None,
-    memory_capacity: Annotated[
-        str | None,
-        typer.Option(help="Memory for sandboxes, e.g. 20G (default: host memory minus 1 GiB and 5%)."),
-    ] = None,
-    cpu_ratio: Annotated[
-        float, typer.Option(min=0.01, help="CPU oversubscription: CPU requests may add up to capacity x this.")
-    ] = 8.0,
-    memory_ratio: Annotated[
-        float, typer.Option(min=0.01, help="Memory oversubscription: memory requests may add up to capacity x this.")
-    ] = 1.2,
-    queue_timeout: Annotated[
-        float,
-        typer.Option(
-            min=0,
-            help="Seconds a creation beyond capacity waits in its tenant's queue before it is answered 429 "
-            "with Retry-After (a creation may ask for another wait with queue_timeout).",
-        ),
-    ] = 30.0,
-    max_queue: Annotated[
-        int, typer.Option(min=0, help="Creations that may wait at once (all tenants); past it: 429 at once.")
-    ] = 100_000,
-    evict_at: Annotated[
-        float,
-        typer.Option(
-            min=0.1,
-            max=1.0,
-            help="Memory pressure (share of the node's memory in use) at which sandboxes furthest above "
-            "their memory request are evicted, one per 2 s.",
-        ),
-    ] = 0.95,
-    e2b_listen: Annotated[
-        str | None,
-        typer.Option(
-            help="Also serve the E2B-compatible API (control and in-sandbox) on http://HOST:PORT: set "
-            "E2B_API_URL and E2B_SANDBOX_URL to it and E2B_API_KEY to a dsec token (docs/e2b.md)."
-        ),
-    ] = None,
-    e2b_image: Annotated[str, typer.Option(help="The image of E2B's default template, 'base'.")] = "dsec/debian:12",
-    e2b_kind: Annotated[
-        str, typer.Option(help="The kind of E2B sandboxes whose template and metadata name none.")
-    ] = "container",
-    e2b_template: Annotated[
-        list[str] | None,
-        typer.Option(
-            "--e2b-template",
-            help="NAME=IMAGE or NAME=IMAGE@KIND: an E2B template name for a dsec image (repeatable).",
-        ),
-    ] = None,
-    e2b_network: Annotated[
-        str,
-        typer.Option(
-            help="Network of E2B sandboxes that ask for nothing: 'full' (E2B's default: the internet, not the "
-            "host, private ranges or other sandboxes) or 'none' (loopback only)."
-        ),
-    ] = "full",
-    log_level: Annotated[str, typer.Option(help="debug, info, warning, error.")] = "info",
-) -> None:
-    """Run the node daemon."""
-    from ..core.admission import AdmissionOptions
-    from ..core.trajectory.recorder import TrajectoryOptions
-    from ..isolation.network.options import NetworkOptions, parse_full_deny
-    from ..isolation.network.static import parse_resolve
-    from ..kinds.function.options import FunctionOptions
-    from ..protocol.residue import check_canaries
-    from ..server.app import AuditOptions, ImageOptions
-    from ..server.app import serve as run_server
-    from ..units import parse_size
-
-    try:
-        try:
-            cache_max = parse_size(image_cache)
-        except ValueError as e:
-            raise InvalidRequest(f"--image-cache: {e}") from None
-        options = ImageOptions(
-            repository=repository,
-            cache_max=cache_max,
-            lazy=not eager_layers,
-            scrub=tuple(scrub or ()),
-            canaries=tuple(check_canaries(canary or ())),
-        )
-        # bad entries fail here, not in the daemon's log
-        network = NetworkOptions(static=parse_resolve(resolve or []))
-        if full_deny:
-            network = dataclasses.replace(network, full_deny=parse_full_deny(full_deny))
-        audit = AuditOptions(keep_days=audit_keep_days, max_records=audit_max_records)
-        function = FunctionOptions.of(
-            function_pool or [], function_max, function_idle_ttl, function_tenant_max, function_max_uses
-        )
-        if trajectory_db is not None and not trajectory_db.startswith(("sqlite:///", "postgresql://", "postgres://")):
-            raise InvalidRequest("--trajectory-db: use sqlite:///PATH or postgresql://USER@HOST/DB")
-        trajectory = TrajectoryOptions(trajectory_db, trajectory_durable, trajectory_keep_days)
-        try:
-            mem_cap = parse_size(memory_capacity) if memory_capacity is not None else None
-        except ValueError as e:
-            raise InvalidRequest(f"--memory-capacity: {e}") from None
-        admission = AdmissionOptions(
-            cpu_capacity=cpu_capacity,
-            memory_capacity=mem_cap,
-            cpu_ratio=cpu_ratio,
-            memory_ratio=memory_ratio,
-            queue_timeout=queue_timeout,
-            max_queue=max_queue,
-            node_name=node_name,
-        )
-        e2b = None
-        if e2b_listen is not None:
-            from ..e2b.service import E2BOptions
-
-            e2b = E2BOptions.of(e2b_listen, e2b_image, e2b_kind, e2b_template or [], e2b_network)
-        run_server(
-            state_dir, listen, options, log_level, audit, network, function, trajectory, admission, evict_at, e2b=e2b
-        )
-    except DsecError as e:
-        _fail(e)
+app.command()(serve)
 
 
 @app.command()

@@ -83,53 +83,87 @@ async def create_batch(gw: Gateway, scope: Scope, receive: Receive, send: Send) 
     pinned = await _homes(gw, req.trajectories or [])
     merge = _Merge(gw, send)
     await merge.start()
+    await _Creation(gw, req, demand, headers, merge).place(pinned)
+    await merge.finish()
 
-    async def share(node: Node, idx: list[int]) -> list[int]:
+
+class _Creation:
+    """One batch creation spread over the nodes, share by share."""
+
+    def __init__(
+        self, gw: Gateway, req: BatchCreate, demand: Demand, headers: list[tuple[bytes, bytes]], merge: _Merge
+    ) -> None:
+        self.gw = gw
+        self.req = req
+        self.demand = demand
+        self.headers = headers
+        self.merge = merge
+
+    async def place(self, pinned: dict[int, Node]) -> None:
+        """Rounds of shares until every item is answered: what a node refuses or drops goes to the nodes
+        not tried yet; a pinned item (its trajectory's sandbox lives on its node) fails instead."""
+        merge = self.merge
+        refused: set[Node] = set()
+        groups: dict[Node, list[int]] = {}
+        for i, node in pinned.items():
+            groups.setdefault(node, []).append(i)
+        pending = [i for i in range(self.req.count) if i not in pinned]
+        while groups or pending:
+            if pending:
+                await self._spread(pending, refused, groups)
+            if not groups:
+                break
+            work = list(groups.items())
+            groups = {}
+            again = await asyncio.gather(*(self.share(node, idx) for node, idx in work))
+            pending = []
+            for (node, _), retry in zip(work, again, strict=True):
+                if retry:  # it refused or broke: the rest goes to the others
+                    refused.add(node)
+                    node.refused()
+                for i in retry:
+                    if i in pinned:  # its sandbox's node broke: resent elsewhere it would rebuild a live one
+                        await merge.error(i, merge.last_error[i])
+                    else:
+                        pending.append(i)
+
+    async def _spread(self, pending: list[int], refused: set[Node], groups: dict[Node, list[int]]) -> None:
+        """Add the pending items to ``groups`` by the free capacity of the nodes not refused yet."""
+        nodes = [n for n in self.gw.nodes.candidates(self.demand) if n not in refused]
+        views = [v for n in nodes if (v := n.placement_view()) is not None]
+        by_name = {n.name: n for n in nodes}
+        for name, idx in chunks(pending, split(views, self.demand, len(pending))).items():
+            groups.setdefault(by_name[name], []).extend(idx)
+        placed = {i for idx in groups.values() for i in idx}
+        for i in pending:
+            if i not in placed:  # no node left to try
+                await self.merge.error(i, self.merge.last_error.get(i) or _no_node())
+
+    async def share(self, node: Node, idx: list[int]) -> list[int]:
         """One node's part; returns the items to place again elsewhere."""
-        hold = node.hold(demand, len(idx))
-        before = merge.created
+        hold = node.hold(self.demand, len(idx))
+        before = self.merge.created
         try:
-            return await _share(node, idx)
+            return await self._send(node, idx)
         finally:  # not exact when shares run at once, but only a forecast until the next status
-            node.settle(hold, max(0, merge.created - before))
+            node.settle(hold, max(0, self.merge.created - before))
 
-    async def _share(node: Node, idx: list[int]) -> list[int]:
+    async def _send(self, node: Node, idx: list[int]) -> list[int]:
+        req = self.req
         trajectories = [req.trajectories[i] for i in idx] if req.trajectories else None
         part = BatchCreate(count=len(idx), sandbox=req.sandbox, trajectories=trajectories)
         answered: set[int] = set()
         again: list[int] = []
         try:
             body = part.model_dump_json().encode()
-            async with await node.http.send("POST", "/v1/sandboxes/batch", headers, body) as resp:
+            async with await node.http.send("POST", "/v1/sandboxes/batch", self.headers, body) as resp:
                 if resp.status >= 300:
-                    code, message, detail = Reply(resp.status, [], await resp.read()).error()
-                    err = ErrorBody(code=code, message=f"node {node.name}: {message}", detail=detail)
-                    if resp.status == 429:
-                        node.refused_count += len(idx)
-                        for i in idx:
-                            merge.last_error[i] = err
-                        return idx
-                    for i in idx:
-                        await merge.error(i, err)
-                    return []
+                    return await self._refused(node, idx, Reply(resp.status, [], await resp.read()))
                 async for raw in resp.lines():
-                    if not raw.strip():
-                        continue
-                    event = BatchEvent.model_validate_json(raw)
-                    if event.done or event.index is None or not 0 <= event.index < len(idx):
-                        continue
-                    answered.add(event.index)
-                    index = idx[event.index]
-                    if event.sandbox is not None:
-                        await merge.ok(node, event, index)
-                    elif event.error is not None and event.error.code in RETRYABLE:
-                        node.refused_count += 1
-                        merge.last_error[index] = event.error
-                        again.append(index)
-                    else:
-                        await merge.error(index, event.error or ErrorBody(code="internal", message="no outcome"))
+                    if raw.strip():
+                        await self._event(node, idx, BatchEvent.model_validate_json(raw), answered, again)
         except (Broken, ValidationError) as e:
-            gw.nudge(node)
+            self.gw.nudge(node)
             err = ErrorBody(
                 code="daemon_unreachable",
                 message=f"node {node.name} broke off the batch ({type(e).__name__}: {e}); "
@@ -138,42 +172,37 @@ async def create_batch(gw: Gateway, scope: Scope, receive: Receive, send: Send) 
             for j, i in enumerate(idx):
                 if j not in answered:
                     node.unreachable += 1
-                    merge.last_error[i] = err
+                    self.merge.last_error[i] = err
                     again.append(i)
         return again
 
-    refused: set[Node] = set()
-    groups: dict[Node, list[int]] = {}
-    for i, node in pinned.items():
-        groups.setdefault(node, []).append(i)
-    pending = [i for i in range(req.count) if i not in pinned]
-    while groups or pending:
-        if pending:
-            nodes = [n for n in gw.nodes.candidates(demand) if n not in refused]
-            views = [v for n in nodes if (v := n.placement_view()) is not None]
-            by_name = {n.name: n for n in nodes}
-            for name, idx in chunks(pending, split(views, demand, len(pending))).items():
-                groups.setdefault(by_name[name], []).extend(idx)
-            placed = {i for idx in groups.values() for i in idx}
-            for i in pending:
-                if i not in placed:  # no node left to try
-                    await merge.error(i, merge.last_error.get(i) or _no_node())
-        if not groups:
-            break
-        work = list(groups.items())
-        groups = {}
-        again = await asyncio.gather(*(share(node, idx) for node, idx in work))
-        pending = []
-        for (node, _), retry in zip(work, again, strict=True):
-            if retry:  # it refused or broke: the rest goes to the others
-                refused.add(node)
-                node.refused()
-            for i in retry:
-                if i in pinned:  # its sandbox's node broke: resent elsewhere it would rebuild a live one
-                    await merge.error(i, merge.last_error[i])
-                else:
-                    pending.append(i)
-    await merge.finish()
+    async def _refused(self, node: Node, idx: list[int], reply: Reply) -> list[int]:
+        """A node's answer to the whole share: 429 puts every item up for another node, others fail them."""
+        code, message, detail = reply.error()
+        err = ErrorBody(code=code, message=f"node {node.name}: {message}", detail=detail)
+        if reply.status == 429:
+            node.refused_count += len(idx)
+            for i in idx:
+                self.merge.last_error[i] = err
+            return idx
+        for i in idx:
+            await self.merge.error(i, err)
+        return []
+
+    async def _event(self, node: Node, idx: list[int], event: BatchEvent, answered: set[int], again: list[int]) -> None:
+        """One line of a node's stream: a creation (or its failure) of one of the share's items."""
+        if event.done or event.index is None or not 0 <= event.index < len(idx):
+            return
+        answered.add(event.index)
+        index = idx[event.index]
+        if event.sandbox is not None:
+            await self.merge.ok(node, event, index)
+        elif event.error is not None and event.error.code in RETRYABLE:
+            node.refused_count += 1
+            self.merge.last_error[index] = event.error
+            again.append(index)
+        else:
+            await self.merge.error(index, event.error or ErrorBody(code="internal", message="no outcome"))
 
 
 def _no_node() -> ErrorBody:

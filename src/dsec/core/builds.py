@@ -72,6 +72,49 @@ def _secret_in(blob: Path, values: list[bytes]) -> bool:
     return False
 
 
+def _check_secrets(req: BuildRequest) -> None:
+    for step in req.spec.steps:
+        unknown = set(step.secrets) - set(req.secrets)
+        if unknown:
+            raise InvalidRequest(f"step {step.describe()!r} names secrets that were not given: {sorted(unknown)}")
+
+
+def _base_config(spec: BuildSpec, base: ImageConfig) -> ImageConfig:
+    """The base image's config with the spec's settings on top (the steps may change env and workdir)."""
+    config = base.model_copy(deep=True)
+    config.env.update(spec.env)
+    if spec.workdir:
+        config.workdir = spec.workdir
+    if spec.entrypoint is not None:
+        config.entrypoint = spec.entrypoint
+    if spec.user is not None:
+        config.user = spec.user
+    return config
+
+
+def _step_done(
+    name: str, spec: BuildSpec, index: int, ref: LayerRef, scrubbed: list[str], cached: bool, seconds: float
+) -> BuildStepResult:
+    step = spec.steps[index]
+    log.info(
+        "build %s: step %d/%d %s (%s, %.1fs)",
+        name,
+        index + 1,
+        len(spec.steps),
+        step.describe(),
+        "cached" if cached else "built",
+        seconds,
+    )
+    return BuildStepResult(
+        index=index,
+        description=step.describe(),
+        cached=cached,
+        seconds=round(seconds, 3),
+        layer=LayerInfo(**ref.model_dump(mode="json")),
+        scrubbed=scrubbed,
+    )
+
+
 class Builder:
     def __init__(self, manager: SandboxManager) -> None:
         self.mgr = manager
@@ -111,22 +154,12 @@ class Builder:
         spec = req.spec
         started = time.monotonic()
         name = await self.images.check_free(spec.name, caller)
-        for step in spec.steps:
-            unknown = set(step.secrets) - set(req.secrets)
-            if unknown:
-                raise InvalidRequest(f"step {step.describe()!r} names secrets that were not given: {sorted(unknown)}")
+        _check_secrets(req)
         rules = self.images.scrub.plus([*spec.scrub, *BUILD_SCRUB], defaults=spec.scrub_defaults)
         base = await self.images.resolve(normalize(spec.base), caller=caller)
         base_version = await self.images.catalog.version(base.digest)
         layers: list[LayerRef] = list(base_version.layers)
-        config = base_version.config.model_copy(deep=True)
-        config.env.update(spec.env)
-        if spec.workdir:
-            config.workdir = spec.workdir
-        if spec.entrypoint is not None:
-            config.entrypoint = spec.entrypoint
-        if spec.user is not None:
-            config.user = spec.user
+        config = _base_config(spec, base_version.config)
         # a tenant's build cache is its own: a hit would tell it what another tenant built, and hand it
         # a layer built with that tenant's secrets (secrets are not part of cache keys)
         key = base.digest if caller.operator else blake3.blake3(f"{caller.tenant}\0{base.digest}".encode()).hexdigest()
@@ -142,43 +175,10 @@ class Builder:
                     results.append(BuildStepResult(index=index, description=step.describe(), cached=True, seconds=0))
                     continue
                 key = spec.step_key(key, step, req.args)
-                cached_step = await self.images.catalog.cached_step(key)
-                if cached_step is None:
-                    staged = await self._run_step(spec, step, layers, config, req, rules)
-                    step_scrubbed = staged.scan.scrubbed
-                    if await asyncio.to_thread(_secret_in, staged.blob, [v.encode() for v in req.secrets.values()]):
-                        staged.blob.unlink(missing_ok=True)
-                        raise BuildFailed(
-                            f"step {index + 1} ({step.describe()}) wrote a secret's value into the image; "
-                            "refusing to publish it (use the secret without storing it, or scrub where it lands)"
-                        )
-                    ref = await self.images.publish_layer(staged, step.layer_role, step.describe())
-                    await self.images.catalog.cache_step(key, CachedStep(layer=ref, scrubbed=step_scrubbed))
-                    cached = False
-                else:
-                    ref, step_scrubbed, cached = cached_step.layer, cached_step.scrubbed, True
+                ref, step_scrubbed, cached = await self._layer(key, index, step, layers, config, req, rules)
                 layers.append(ref)
                 scrubbed += step_scrubbed
-                seconds = time.monotonic() - t0
-                log.info(
-                    "build %s: step %d/%d %s (%s, %.1fs)",
-                    name,
-                    index + 1,
-                    len(spec.steps),
-                    step.describe(),
-                    "cached" if cached else "built",
-                    seconds,
-                )
-                results.append(
-                    BuildStepResult(
-                        index=index,
-                        description=step.describe(),
-                        cached=cached,
-                        seconds=round(seconds, 3),
-                        layer=LayerInfo(**ref.model_dump(mode="json")),
-                        scrubbed=step_scrubbed,
-                    )
-                )
+                results.append(_step_done(name, spec, index, ref, step_scrubbed, cached, time.monotonic() - t0))
             own = layers[len(base_version.layers) :]
             if len(own) > 1:
                 merged = await self._squash_residue(name, own, rules)
@@ -194,6 +194,32 @@ class Builder:
                 owner=caller.owner,
             )
         return BuildResult(image=info, steps=results, seconds=round(time.monotonic() - started, 3))
+
+    async def _layer(
+        self,
+        key: str,
+        index: int,
+        step: Step,
+        layers: list[LayerRef],
+        config: ImageConfig,
+        req: BuildRequest,
+        rules: ScrubRules,
+    ) -> tuple[LayerRef, list[str], bool]:
+        """The step's layer, what was scrubbed from it, and whether it came from the build cache."""
+        cached_step = await self.images.catalog.cached_step(key)
+        if cached_step is not None:
+            return cached_step.layer, cached_step.scrubbed, True
+        staged = await self._run_step(req.spec, step, layers, config, req, rules)
+        scrubbed = staged.scan.scrubbed
+        if await asyncio.to_thread(_secret_in, staged.blob, [v.encode() for v in req.secrets.values()]):
+            staged.blob.unlink(missing_ok=True)
+            raise BuildFailed(
+                f"step {index + 1} ({step.describe()}) wrote a secret's value into the image; "
+                "refusing to publish it (use the secret without storing it, or scrub where it lands)"
+            )
+        ref = await self.images.publish_layer(staged, step.layer_role, step.describe())
+        await self.images.catalog.cache_step(key, CachedStep(layer=ref, scrubbed=scrubbed))
+        return ref, scrubbed, False
 
     async def _squash_residue(self, name: str, own: list[LayerRef], rules: ScrubRules) -> LayerRef | None:
         """One layer for the build's steps if a later step deleted or hid what an earlier one wrote (see

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import posixpath
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ..errors import InvalidRequest, LimitExceeded
 
@@ -36,6 +36,7 @@ _NAME_SHOWN = 200
 
 _FILE_TYPES = {b"0", b"\0", b"7"}
 _LINK, _SYMLINK, _DIR = b"1", b"2", b"5"
+_META_TYPES = (b"L", b"K", b"x", b"g")  # GNU long name and link, pax (per entry and global): no entry of their own
 _REFUSED_TYPES = {b"3": "a character device", b"4": "a block device", b"6": "a FIFO"}
 _COMPRESSED = {
     b"BZh": "bzip2",
@@ -171,13 +172,20 @@ def _inside(base: list[str], target: str) -> bool:
     return True
 
 
+@dataclass
+class _Meta:
+    """What the metadata headers before an entry (GNU long name and link, pax) say about it."""
+
+    long_name: str | None = None
+    long_link: str | None = None
+    pax: dict[str, str] = field(default_factory=dict)
+
+
 def check_tar(data: bytes, max_bytes: int, max_entries: int = MAX_ENTRIES) -> TarSummary:
     """Walk a plain tar's headers; raises InvalidRequest / LimitExceeded on the first refused entry."""
     view = memoryview(data)
     off = entries = total = 0
-    long_name: str | None = None
-    long_link: str | None = None
-    pax: dict[str, str] = {}
+    meta = _Meta()
     symlinks: set[str] = set()
     while True:
         if off + BLOCK > len(data):
@@ -187,85 +195,115 @@ def check_tar(data: bytes, max_bytes: int, max_entries: int = MAX_ENTRIES) -> Ta
         block = bytes(view[off : off + BLOCK])
         if block == b"\0" * BLOCK:
             break
-        entry = pax.get("path") or long_name or block[:100].split(b"\0", 1)[0].decode(errors="replace")
-        stored = _number(block[148:156], "checksum", entry)
-        computed = sum(block[:148]) + 8 * 32 + sum(block[156:])
-        signed = sum(b - 256 if b > 127 else b for b in block[:148] + block[156:]) + 8 * 32
-        if stored not in (computed, signed):
-            raise InvalidRequest(f"tar header at byte {off} ({_shown(entry)}): bad checksum (not a tar archive?)")
+        entry = meta.pax.get("path") or meta.long_name or block[:100].split(b"\0", 1)[0].decode(errors="replace")
+        _check_sum(block, off, entry)
         kind = block[156:157]
-        size = _number(block[124:136], "size", entry)
-        if "size" in pax:
-            try:
-                size = int(pax["size"])
-            except ValueError:
-                raise InvalidRequest(f"tar entry {_shown(entry)}: malformed pax size") from None
+        size = _size(block, meta.pax, entry)
         body_at = off + BLOCK
         end = body_at + (size + BLOCK - 1) // BLOCK * BLOCK
-        if kind in (b"L", b"K", b"x", b"g"):
-            if size > MAX_META:
-                raise LimitExceeded(f"tar entry {_shown(entry)}: a {size}-byte metadata header")
-            if body_at + size > len(data):
-                raise InvalidRequest(f"tar entry {_shown(entry)}: the archive ends inside it")
-            body = bytes(view[body_at : body_at + size])
-            if kind in (b"L", b"K"):
-                text = body.rstrip(b"\0")
-                if b"\0" in text:
-                    raise InvalidRequest(f"tar entry {_shown(entry)}: NUL byte inside a GNU long name")
-                if kind == b"L":
-                    long_name = text.decode("utf-8", errors="surrogateescape")
-                else:
-                    long_link = text.decode("utf-8", errors="surrogateescape")
-            elif kind == b"x":
-                pax = _pax(body, entry)
-            else:
-                _pax(body, entry)  # global records name no entry, but must be well formed
+        if kind in _META_TYPES:
+            _read_meta(meta, kind, view, body_at, size, entry)
             off = end
             continue
-        name_field = _field(block, 0, 100, "name", entry).decode("utf-8", errors="surrogateescape")
-        link_field = _field(block, 157, 100, "link target", entry).decode("utf-8", errors="surrogateescape")
-        prefix = b""
-        if block[257:262] == b"ustar":
-            prefix = _field(block, 345, 155, "name prefix", entry)
-        name = pax.get("path") or long_name
-        if name is None:
-            name = (prefix.decode("utf-8", errors="surrogateescape") + "/" if prefix else "") + name_field
-        link = pax.get("linkpath") or long_link or link_field
-        long_name = long_link = None
-        pax = {}
+        name, link = _names(block, meta, entry)
+        meta = _Meta()
         entries += 1
         if entries > max_entries:
             raise LimitExceeded(f"the archive holds more than {max_entries} entries (at {_shown(name)})")
         path = _check_name(name, symlinks)
-        if kind in _REFUSED_TYPES:
-            raise InvalidRequest(f"tar entry {_shown(name)}: {_REFUSED_TYPES[kind]} is not accepted")
-        if kind in _FILE_TYPES:
-            total += size
-            if total > max_bytes:
-                raise LimitExceeded(
-                    f"the archive unpacks to more than the sandbox's disk limit of {max_bytes} bytes "
-                    f"(at {_shown(name)})"
-                )
-            if body_at + size > len(data):
-                raise InvalidRequest(f"tar entry {_shown(name)}: the archive ends inside it")
-        elif size:
-            # a link or directory with data: tar implementations disagree on whether to skip it
-            raise InvalidRequest(f"tar entry {_shown(name)}: a {kind.decode(errors='replace')!r} entry with a size")
-        if not path and kind != _DIR:
-            raise InvalidRequest(f"tar entry {_shown(name)}: names the destination itself")
-        if path in symlinks:
-            raise InvalidRequest(f"tar entry {_shown(name)}: replaces a symlink of the archive")
-        if kind == _SYMLINK:
-            if not link:
-                raise InvalidRequest(f"tar entry {_shown(name)}: symlink without a target")
-            if link.startswith("/") or not _inside(_parts(posixpath.dirname(path)), link):
-                raise InvalidRequest(f"tar entry {_shown(name)}: symlink to {_shown(link)} leaves the destination")
-            symlinks.add(path)
-        elif kind == _LINK:
-            if not link or link.startswith("/") or ".." in _parts(link):
-                raise InvalidRequest(f"tar entry {_shown(name)}: hardlink to {_shown(link)} leaves the destination")
-            _check_name(link, symlinks)
-        elif kind != _DIR and kind not in _FILE_TYPES:
-            raise InvalidRequest(f"tar entry {_shown(name)}: entry type {kind!r} is not accepted")
+        total = _check_data(kind, name, size, total, max_bytes, body_at + size > len(data))
+        _check_links(kind, name, path, link, symlinks)
         off = end
     return TarSummary(entries=entries, file_bytes=total)
+
+
+def _check_sum(block: bytes, off: int, entry: str) -> None:
+    stored = _number(block[148:156], "checksum", entry)
+    computed = sum(block[:148]) + 8 * 32 + sum(block[156:])
+    signed = sum(b - 256 if b > 127 else b for b in block[:148] + block[156:]) + 8 * 32
+    if stored not in (computed, signed):
+        raise InvalidRequest(f"tar header at byte {off} ({_shown(entry)}): bad checksum (not a tar archive?)")
+
+
+def _size(block: bytes, pax: dict[str, str], entry: str) -> int:
+    size = _number(block[124:136], "size", entry)
+    if "size" in pax:
+        try:
+            size = int(pax["size"])
+        except ValueError:
+            raise InvalidRequest(f"tar entry {_shown(entry)}: malformed pax size") from None
+    return size
+
+
+def _read_meta(meta: _Meta, kind: bytes, view: memoryview, body_at: int, size: int, entry: str) -> None:
+    """Take in a metadata header's body: it applies to the entry that follows."""
+    if size > MAX_META:
+        raise LimitExceeded(f"tar entry {_shown(entry)}: a {size}-byte metadata header")
+    if body_at + size > len(view):
+        raise InvalidRequest(f"tar entry {_shown(entry)}: the archive ends inside it")
+    body = bytes(view[body_at : body_at + size])
+    if kind in (b"L", b"K"):
+        text = body.rstrip(b"\0")
+        if b"\0" in text:
+            raise InvalidRequest(f"tar entry {_shown(entry)}: NUL byte inside a GNU long name")
+        if kind == b"L":
+            meta.long_name = text.decode("utf-8", errors="surrogateescape")
+        else:
+            meta.long_link = text.decode("utf-8", errors="surrogateescape")
+    elif kind == b"x":
+        meta.pax = _pax(body, entry)
+    else:
+        _pax(body, entry)  # global records name no entry, but must be well formed
+
+
+def _names(block: bytes, meta: _Meta, entry: str) -> tuple[str, str]:
+    """The entry's name and link target: the metadata headers' if they gave them, else the header's own."""
+    name_field = _field(block, 0, 100, "name", entry).decode("utf-8", errors="surrogateescape")
+    link_field = _field(block, 157, 100, "link target", entry).decode("utf-8", errors="surrogateescape")
+    prefix = b""
+    if block[257:262] == b"ustar":
+        prefix = _field(block, 345, 155, "name prefix", entry)
+    name = meta.pax.get("path") or meta.long_name
+    if name is None:
+        name = (prefix.decode("utf-8", errors="surrogateescape") + "/" if prefix else "") + name_field
+    link = meta.pax.get("linkpath") or meta.long_link or link_field
+    return name, link
+
+
+def _check_data(kind: bytes, name: str, size: int, total: int, max_bytes: int, ends_inside: bool) -> int:
+    """The unpacked bytes so far, this entry's included; refuses device nodes and FIFOs, files past the
+    disk limit or the archive's end, and data on any other entry."""
+    if kind in _REFUSED_TYPES:
+        raise InvalidRequest(f"tar entry {_shown(name)}: {_REFUSED_TYPES[kind]} is not accepted")
+    if kind in _FILE_TYPES:
+        total += size
+        if total > max_bytes:
+            raise LimitExceeded(
+                f"the archive unpacks to more than the sandbox's disk limit of {max_bytes} bytes (at {_shown(name)})"
+            )
+        if ends_inside:
+            raise InvalidRequest(f"tar entry {_shown(name)}: the archive ends inside it")
+    elif size:
+        # a link or directory with data: tar implementations disagree on whether to skip it
+        raise InvalidRequest(f"tar entry {_shown(name)}: a {kind.decode(errors='replace')!r} entry with a size")
+    return total
+
+
+def _check_links(kind: bytes, name: str, path: str, link: str, symlinks: set[str]) -> None:
+    """Where the entry lands and what it links to; a symlink is remembered so no later entry goes through it."""
+    if not path and kind != _DIR:
+        raise InvalidRequest(f"tar entry {_shown(name)}: names the destination itself")
+    if path in symlinks:
+        raise InvalidRequest(f"tar entry {_shown(name)}: replaces a symlink of the archive")
+    if kind == _SYMLINK:
+        if not link:
+            raise InvalidRequest(f"tar entry {_shown(name)}: symlink without a target")
+        if link.startswith("/") or not _inside(_parts(posixpath.dirname(path)), link):
+            raise InvalidRequest(f"tar entry {_shown(name)}: symlink to {_shown(link)} leaves the destination")
+        symlinks.add(path)
+    elif kind == _LINK:
+        if not link or link.startswith("/") or ".." in _parts(link):
+            raise InvalidRequest(f"tar entry {_shown(name)}: hardlink to {_shown(link)} leaves the destination")
+        _check_name(link, symlinks)
+    elif kind != _DIR and kind not in _FILE_TYPES:
+        raise InvalidRequest(f"tar entry {_shown(name)}: entry type {kind!r} is not accepted")

@@ -180,27 +180,8 @@ def serve(
         os.unlink(uds)  # a stale socket from a killed daemon
     token = ensure_token(state_dir)
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    images = images or ImageOptions()
-    store = ImageStore(
-        state_dir / "images",
-        images.repository,
-        lazy=images.lazy,
-        cache_max=images.cache_max,
-        scrub=ScrubRules.of(images.scrub),
-        canaries=images.canaries,
-    )
-    audit = audit or AuditOptions()
-    audit_log = AuditLog(state_dir / "audit.db", keep_days=audit.keep_days, max_records=audit.max_records)
-    kind_options = {"function": function} if function is not None else None
-    manager = SandboxManager(
-        state_dir,
-        store,
-        audit=audit_log,
-        network=network,
-        kind_options=kind_options,
-        trajectory=trajectory,
-        admission=admission,
-        evict_at=evict_at,
+    manager = _manager(
+        state_dir, images or ImageOptions(), audit or AuditOptions(), network, function, trajectory, admission, evict_at
     )
     app: ASGIApp = create_app(manager, token)
     # Keep idle connections well past the SDK's own keep-alive expiry: a server that closes first races
@@ -213,19 +194,67 @@ def serve(
     }
     sockets = None
     if e2b is not None and e2b_where is not None:
-        from ..e2b.app import create_e2b_app
-
-        e2b_socket = uvicorn.Config(app, **settings, **e2b_where).bind_socket()
-        port = e2b_socket.getsockname()[1]
-        main_socket = uvicorn.Config(app, **settings, **where).bind_socket()
-        for sock in (e2b_socket, main_socket):
-            # uvicorn makes them inheritable (for its worker processes): the layer fetcher the daemon
-            # starts, which outlives it, would otherwise hold the listeners and swallow connections
-            sock.set_inheritable(False)
-        app = ByListener(app, create_e2b_app(manager, e2b, state_dir, token), port)
-        manager.e2b_url = f"http://{e2b_where['host']}:{port}"
-        sockets = [main_socket, e2b_socket]
-        log.info("E2B-compatible API on http://%s:%d (E2B_API_URL and E2B_SANDBOX_URL)", e2b_where["host"], port)
+        app, sockets = _with_e2b(app, manager, e2b, state_dir, token, settings, where, e2b_where)
     server = uvicorn.Server(uvicorn.Config(app, **settings, **where))
     log.info("dsec %s listening on %s (state in %s)", __version__, listen, state_dir)
     server.run(sockets=sockets)
+
+
+def _manager(
+    state_dir: Path,
+    images: ImageOptions,
+    audit: AuditOptions,
+    network: NetworkOptions | None,
+    function: Any,
+    trajectory: TrajectoryOptions | None,
+    admission: AdmissionOptions | None,
+    evict_at: float,
+) -> SandboxManager:
+    store = ImageStore(
+        state_dir / "images",
+        images.repository,
+        lazy=images.lazy,
+        cache_max=images.cache_max,
+        scrub=ScrubRules.of(images.scrub),
+        canaries=images.canaries,
+    )
+    audit_log = AuditLog(state_dir / "audit.db", keep_days=audit.keep_days, max_records=audit.max_records)
+    kind_options = {"function": function} if function is not None else None
+    return SandboxManager(
+        state_dir,
+        store,
+        audit=audit_log,
+        network=network,
+        kind_options=kind_options,
+        trajectory=trajectory,
+        admission=admission,
+        evict_at=evict_at,
+    )
+
+
+def _with_e2b(
+    app: ASGIApp,
+    manager: SandboxManager,
+    e2b: E2BOptions,
+    state_dir: Path,
+    token: str,
+    settings: dict[str, Any],
+    where: dict[str, Any],
+    e2b_where: dict[str, Any],
+) -> tuple[ASGIApp, list[Any]]:
+    """The app that also answers the E2B listener, and both listeners' sockets, bound now."""
+    import uvicorn
+
+    from ..e2b.app import create_e2b_app
+
+    e2b_socket = uvicorn.Config(app, **settings, **e2b_where).bind_socket()
+    port = e2b_socket.getsockname()[1]
+    main_socket = uvicorn.Config(app, **settings, **where).bind_socket()
+    for sock in (e2b_socket, main_socket):
+        # uvicorn makes them inheritable (for its worker processes): the layer fetcher the daemon
+        # starts, which outlives it, would otherwise hold the listeners and swallow connections
+        sock.set_inheritable(False)
+    both = ByListener(app, create_e2b_app(manager, e2b, state_dir, token), port)
+    manager.e2b_url = f"http://{e2b_where['host']}:{port}"
+    log.info("E2B-compatible API on http://%s:%d (E2B_API_URL and E2B_SANDBOX_URL)", e2b_where["host"], port)
+    return both, [main_socket, e2b_socket]

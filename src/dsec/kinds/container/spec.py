@@ -116,16 +116,98 @@ def config(
     Memory: the request is the reservation (v1 soft limit, v2 memory.low), which host-wide reclaim
     pushes a sandbox back to first; on v2, memory.high below the limit throttles and reclaims a
     sandbox that grows before the OOM killer at the limit has to act."""
+    annotations = {"run.oci.seccomp_bpf_data": seccomp_bpf} if seccomp_bpf else {}
+    return {
+        "ociVersion": "1.0.2",
+        "annotations": annotations,
+        "process": _process(rec, image, init),
+        "root": {"path": rootfs, "readonly": False},
+        "hostname": "sandbox",
+        "mounts": _mounts(rec, rootfs, helper_dir),
+        "linux": _linux(rec, cgroups_path, uid_base, cgroup_v2),
+    }
+
+
+def _process(rec: SandboxRecord, image: ImageRef, init: list[str]) -> dict[str, Any]:
     env = sandbox_env(rec, image)
+    limits = rec.limits
+    caps = list(CAPABILITIES)
+    # Raising a hard limit needs CAP_SYS_RESOURCE, which the daemon may lack (nested sandboxes).
+    nofile = min(limits.nofile, resource.getrlimit(resource.RLIMIT_NOFILE)[1])
+    return {
+        "terminal": False,
+        "user": {"uid": 0, "gid": 0},
+        # dsec-agent (or catatonit in pause mode without it): reaps orphans, holds the namespaces.
+        "args": init,
+        "env": [f"{k}={v}" for k, v in env.items()],
+        "cwd": image.workdir or "/",
+        "capabilities": {"bounding": caps, "effective": caps, "permitted": caps},
+        "rlimits": [
+            {"type": "RLIMIT_NOFILE", "hard": nofile, "soft": nofile},
+            {"type": "RLIMIT_CORE", "hard": 0, "soft": 0},
+            # inherited by every exec (the agent forks them); a write past it gets SIGXFSZ / EFBIG
+            {"type": "RLIMIT_FSIZE", "hard": limits.fsize(), "soft": limits.fsize()},
+        ],
+        "noNewPrivileges": True,
+        "oomScoreAdj": 500,
+    }
+
+
+def _mounts(rec: SandboxRecord, rootfs: str, helper_dir: str) -> list[dict[str, Any]]:
+    return [
+        {
+            "destination": "/proc",
+            "type": "proc",
+            "source": "proc",
+            "options": ["nosuid", "noexec", "nodev"],
+        },
+        {
+            "destination": "/dev",
+            "type": "tmpfs",
+            "source": "tmpfs",
+            "options": ["nosuid", "strictatime", "mode=755", "size=65536k"],
+        },
+        {
+            "destination": "/dev/pts",
+            "type": "devpts",
+            "source": "devpts",
+            "options": ["nosuid", "noexec", "newinstance", "ptmxmode=0666", "mode=0620"],
+        },
+        {
+            "destination": "/dev/shm",
+            "type": "tmpfs",
+            "source": "shm",
+            "options": ["nosuid", "noexec", "nodev", "mode=1777", f"size={SHM_SIZE}"],
+        },
+        {
+            "destination": "/dev/mqueue",
+            "type": "mqueue",
+            "source": "mqueue",
+            "options": ["nosuid", "noexec", "nodev"],
+        },
+        {
+            "destination": "/sys",
+            "type": "sysfs",
+            "source": "sysfs",
+            "options": ["nosuid", "noexec", "nodev", "ro"],
+        },
+        *_cgroup_or_scratch_mounts(rec, rootfs),
+        {
+            "destination": HELPER_MOUNT,
+            "type": "bind",
+            "source": helper_dir,
+            "options": ["rbind", "ro", "nosuid", "nodev"],
+        },
+        *_full_network_mounts(rec),
+    ]
+
+
+def _linux(rec: SandboxRecord, cgroups_path: str, uid_base: int | None, cgroup_v2: bool) -> dict[str, Any]:
     limits = rec.limits
     cpu: dict[str, Any] = {"shares": max(2, min(262144, int(limits.cpu * 1024)))}
     if limits.cpu_limit is not None:
         cpu["quota"] = int(limits.cpu_limit * CPU_PERIOD_US)
         cpu["period"] = CPU_PERIOD_US
-    caps = list(CAPABILITIES)
-    # Raising a hard limit needs CAP_SYS_RESOURCE, which the daemon may lack (nested sandboxes).
-    nofile = min(limits.nofile, resource.getrlimit(resource.RLIMIT_NOFILE)[1])
-    annotations = {"run.oci.seccomp_bpf_data": seccomp_bpf} if seccomp_bpf else {}
     # Every sandbox has a network namespace of its own: loopback only, or a veth added once it runs.
     namespaces = [{"type": t} for t in NAMESPACES]
     id_maps: dict[str, Any] = {}
@@ -135,86 +217,17 @@ def config(
         mapping = [{"containerID": 0, "hostID": uid_base, "size": 65536}]
         id_maps = {"uidMappings": mapping, "gidMappings": mapping}
     return {
-        "ociVersion": "1.0.2",
-        "annotations": annotations,
-        "process": {
-            "terminal": False,
-            "user": {"uid": 0, "gid": 0},
-            # dsec-agent (or catatonit in pause mode without it): reaps orphans, holds the namespaces.
-            "args": init,
-            "env": [f"{k}={v}" for k, v in env.items()],
-            "cwd": image.workdir or "/",
-            "capabilities": {"bounding": caps, "effective": caps, "permitted": caps},
-            "rlimits": [
-                {"type": "RLIMIT_NOFILE", "hard": nofile, "soft": nofile},
-                {"type": "RLIMIT_CORE", "hard": 0, "soft": 0},
-                # inherited by every exec (the agent forks them); a write past it gets SIGXFSZ / EFBIG
-                {"type": "RLIMIT_FSIZE", "hard": limits.fsize(), "soft": limits.fsize()},
-            ],
-            "noNewPrivileges": True,
-            "oomScoreAdj": 500,
+        "cgroupsPath": cgroups_path,
+        "namespaces": namespaces,
+        **id_maps,
+        "resources": {
+            "devices": [{"allow": False, "access": "rwm"}],
+            "memory": {"limit": limits.memory, "swap": limits.memory, "reservation": limits.mem_request()},
+            "cpu": cpu,
+            "pids": {"limit": limits.pids},
+            **({"unified": {"memory.high": str(memory_high(limits.memory))}} if cgroup_v2 else {}),
         },
-        "root": {"path": rootfs, "readonly": False},
-        "hostname": "sandbox",
-        "mounts": [
-            {
-                "destination": "/proc",
-                "type": "proc",
-                "source": "proc",
-                "options": ["nosuid", "noexec", "nodev"],
-            },
-            {
-                "destination": "/dev",
-                "type": "tmpfs",
-                "source": "tmpfs",
-                "options": ["nosuid", "strictatime", "mode=755", "size=65536k"],
-            },
-            {
-                "destination": "/dev/pts",
-                "type": "devpts",
-                "source": "devpts",
-                "options": ["nosuid", "noexec", "newinstance", "ptmxmode=0666", "mode=0620"],
-            },
-            {
-                "destination": "/dev/shm",
-                "type": "tmpfs",
-                "source": "shm",
-                "options": ["nosuid", "noexec", "nodev", "mode=1777", f"size={SHM_SIZE}"],
-            },
-            {
-                "destination": "/dev/mqueue",
-                "type": "mqueue",
-                "source": "mqueue",
-                "options": ["nosuid", "noexec", "nodev"],
-            },
-            {
-                "destination": "/sys",
-                "type": "sysfs",
-                "source": "sysfs",
-                "options": ["nosuid", "noexec", "nodev", "ro"],
-            },
-            *_cgroup_or_scratch_mounts(rec, rootfs),
-            {
-                "destination": HELPER_MOUNT,
-                "type": "bind",
-                "source": helper_dir,
-                "options": ["rbind", "ro", "nosuid", "nodev"],
-            },
-            *_full_network_mounts(rec),
-        ],
-        "linux": {
-            "cgroupsPath": cgroups_path,
-            "namespaces": namespaces,
-            **id_maps,
-            "resources": {
-                "devices": [{"allow": False, "access": "rwm"}],
-                "memory": {"limit": limits.memory, "swap": limits.memory, "reservation": limits.mem_request()},
-                "cpu": cpu,
-                "pids": {"limit": limits.pids},
-                **({"unified": {"memory.high": str(memory_high(limits.memory))}} if cgroup_v2 else {}),
-            },
-            "maskedPaths": MASKED_PATHS,
-            "readonlyPaths": READONLY_PATHS,
-            "seccomp": oci_profile(),
-        },
+        "maskedPaths": MASKED_PATHS,
+        "readonlyPaths": READONLY_PATHS,
+        "seccomp": oci_profile(),
     }
