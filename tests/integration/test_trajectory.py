@@ -1,6 +1,6 @@
 """The trajectory log with real sandboxes: a trainer killed at random points and rerun ends exactly like
 an uninterrupted one; a daemon killed mid-call reports the call as interrupted; a lost sandbox is
-rebuilt from the log. The log's own logic is unit-tested in tests/unit/test_trajectory_log.py."""
+rebuilt from the log. The log's own logic is unit-tested in tests/unit/core/test_trajectory_log.py."""
 
 from __future__ import annotations
 

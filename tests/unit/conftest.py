@@ -23,7 +23,7 @@ from dsec.core.manager import SandboxManager
 from dsec.images.store import ImageStore
 from dsec.server.app import create_app
 
-from .fakes import FakeBackend, make_image
+from ..fakes.backend import FakeBackend, make_image
 
 IMAGE = "test/img:1"
 TOKEN = "t"

@@ -48,7 +48,7 @@ CREDENTIALS = (b"authorization", b"x-api-key", b"x-access-token", b"e2b-sandbox-
 ErrorReply = Callable[[int, str, str], Callable[[Scope, Receive, Send], Awaitable[None]]]
 
 
-# what a kept answer costs beyond its bytes (measured with tracemalloc, tests/unit/test_idempotency.py):
+# what a kept answer costs beyond its bytes (measured with tracemalloc, tests/unit/server/test_idempotency.py):
 # the entry's slots, its place in the ordered dict, its key; and each header pair's two bytes objects
 ENTRY_COST = 400
 HEADER_COST = 120
