@@ -56,6 +56,13 @@ class NotFound(DsecError, LookupError):
     http_status = 404
 
 
+class MethodNotAllowed(DsecError):
+    """The path exists but does not take this method (the answer's Allow header lists those it does)."""
+
+    code = "method_not_allowed"
+    http_status = 405
+
+
 class SandboxNotFound(NotFound):
     """No sandbox with this id."""
 
@@ -218,6 +225,7 @@ ERRORS_BY_CODE: dict[str, type[DsecError]] = {
         Unauthorized,
         Forbidden,
         NotFound,
+        MethodNotAllowed,
         SandboxNotFound,
         ImageNotFound,
         ImageExists,

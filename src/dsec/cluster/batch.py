@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 from pydantic import ValidationError
 
-from ..errors import validation_message
+from ..errors import DaemonUnreachable, InvalidRequest, validation_message
 from ..protocol.node import BatchCreate, BatchEvent
 from ..protocol.run import RunBatch, RunBatchResult, RunOutcome
 from ..protocol.sandbox import ErrorBody
@@ -75,9 +75,9 @@ async def create_batch(gw: Gateway, scope: Scope, receive: Receive, send: Send) 
     try:
         req = BatchCreate.model_validate_json(await read_body(receive))
     except ValidationError as e:
-        raise Failure(400, "invalid_request", validation_message(e)) from None
+        raise Failure(InvalidRequest, validation_message(e)) from None
     if req.trajectories is not None and len(req.trajectories) != req.count:
-        raise Failure(400, "invalid_request", f"trajectories: {len(req.trajectories)} given for {req.count} sandboxes")
+        raise Failure(InvalidRequest, f"trajectories: {len(req.trajectories)} given for {req.count} sandboxes")
     demand = Demand.of(req.sandbox.limits)
     headers = control_headers(scope)
     pinned = await _homes(gw, req.trajectories or [])
@@ -232,12 +232,12 @@ async def run_batch(gw: Gateway, scope: Scope, receive: Receive, send: Send) -> 
     try:
         req = RunBatch.model_validate_json(await read_body(receive))
     except ValidationError as e:
-        raise Failure(400, "invalid_request", validation_message(e)) from None
+        raise Failure(InvalidRequest, validation_message(e)) from None
     started = time.monotonic()
     demand = Demand.of(req.runs[0].limits)
     nodes = gw.nodes.candidates(demand)
     if not nodes:
-        raise Failure(503, "daemon_unreachable", "no node of the cluster is healthy now")
+        raise Failure(DaemonUnreachable, "no node of the cluster is healthy now")
     views = [v for n in nodes if (v := n.placement_view()) is not None]
     by_name = {n.name: n for n in nodes}
     groups = chunks(list(range(len(req.runs))), split(views, demand, len(req.runs)))

@@ -28,6 +28,7 @@ from urllib.parse import parse_qsl, quote, urlencode
 from pydantic import ValidationError
 from starlette.types import Receive, Scope, Send
 
+from ..errors import DaemonUnreachable, InvalidRequest, MethodNotAllowed, SandboxGone, SandboxNotFound, Unauthorized
 from ..protocol.sandbox import Limits
 from .gateway import Gateway
 from .nodes import Node
@@ -101,7 +102,7 @@ class E2BGateway:
             scheme, _, bearer = _header(scope, b"authorization").partition(b" ")
             key = bearer.strip() if scheme.lower() == b"bearer" else b""
         if not secrets.compare_digest(key, self.gw.token):
-            raise Failure(401, "unauthorized", "missing or wrong API key: use the cluster's operator token")
+            raise Failure(Unauthorized, "missing or wrong API key: use the cluster's operator token")
         method = scope["method"]
         parts = path.strip("/").split("/")
         if parts and parts[0] == "v2":
@@ -112,7 +113,7 @@ class E2BGateway:
             elif method == "GET":
                 await self._list(scope, send, v1=not path.startswith("/v2/"))
             else:
-                raise Failure(405, "method_not_allowed", f"{method} {path}")
+                raise Failure(MethodNotAllowed, f"{method} {path}")
             return
         if parts[:1] == ["sandboxes"]:
             await self._to_holder(scope, receive, send, parts[1])
@@ -120,7 +121,7 @@ class E2BGateway:
         primary = self.gw.nodes.primary()  # templates (snapshots), and what no node offers: any node answers
         http = self.client(primary) if primary is not None else None
         if http is None:
-            raise Failure(503, "daemon_unreachable", "no node of the cluster serves the E2B API now")
+            raise Failure(DaemonUnreachable, "no node of the cluster serves the E2B API now")
         await forward(http, scope, send, await body_of(receive), lambda sent: self._broken(primary, sent))
 
     def _broken(self, node: Node | None, sent: bool) -> Failure:
@@ -128,7 +129,7 @@ class E2BGateway:
         if node is not None:
             self.gw.nudge(node)
         maybe = "; the call may or may not have taken effect" if sent else ""
-        return Failure(502, "daemon_unreachable", f"node {name} does not answer{maybe}")
+        return Failure(DaemonUnreachable, f"node {name} does not answer{maybe}", status=502)
 
     async def _holder(self, sandbox_id: str) -> tuple[Node, NodeClient] | None:
         node = await self.gw.directory.locate(sandbox_id)
@@ -140,7 +141,7 @@ class E2BGateway:
     async def _to_holder(self, scope: Scope, receive: Receive, send: Send, sandbox_id: str) -> None:
         found = await self._holder(sandbox_id)
         if found is None:
-            raise Failure(404, "sandbox_not_found", f"Sandbox {sandbox_id} not found on any reachable node")
+            raise Failure(SandboxNotFound, f"Sandbox {sandbox_id} not found on any reachable node")
         node, http = found
         await forward(http, scope, send, await body_of(receive), lambda sent: self._broken(node, sent))
 
@@ -150,16 +151,16 @@ class E2BGateway:
             if scope["path"] == "/health":
                 await answer(send, 204, b"", [])
                 return
-            raise Failure(400, "invalid_request", "no E2b-Sandbox-Id header: point E2B_SANDBOX_URL at this gateway")
+            raise Failure(InvalidRequest, "no E2b-Sandbox-Id header: point E2B_SANDBOX_URL at this gateway")
         found = await self._holder(sandbox_id)
         if found is None:  # as E2B's proxy answers a sandbox that is gone, and as a node does
-            raise Failure(502, "sandbox_gone", f"The sandbox {sandbox_id[:64]} was not found")
+            raise Failure(SandboxGone, f"The sandbox {sandbox_id[:64]} was not found", status=502)
         node, http = found
 
         def broken(sent: bool) -> Failure:
             self.gw.nudge(node)
-            return Failure(502, "sandbox_gone", f"The sandbox {sandbox_id[:64]} was not found: node {node.name} "
-                           "does not answer")  # fmt: skip
+            message = f"The sandbox {sandbox_id[:64]} was not found: node {node.name} does not answer"
+            return Failure(SandboxGone, message, status=502)
 
         await forward(http, scope, send, await body_of(receive), broken)
 
@@ -215,7 +216,7 @@ class E2BGateway:
                 return out
             if reply.status != 200:
                 message = json.loads(reply.content or b"{}").get("message", "") if reply.content else ""
-                raise Failure(reply.status, "invalid_request", str(message) or f"HTTP {reply.status}")
+                raise Failure.relay(reply.status, "invalid_request", str(message) or f"HTTP {reply.status}")
             out += json.loads(reply.content)
             next_token = reply.header(b"x-next-token")
             if v1 or not next_token:
@@ -241,4 +242,4 @@ def _after(token: str) -> tuple[float, str]:
         started, sandbox_id = json.loads(base64.urlsafe_b64decode(token.encode()))
         return float(started), str(sandbox_id)
     except (ValueError, TypeError, binascii.Error):
-        raise Failure(400, "invalid_request", f"invalid nextToken {token[:40]!r}") from None
+        raise Failure(InvalidRequest, f"invalid nextToken {token[:40]!r}") from None

@@ -26,7 +26,19 @@ from urllib.parse import parse_qs
 
 from pydantic import ValidationError
 
-from ..errors import validation_message
+from ..errors import (
+    DaemonUnreachable,
+    DsecError,
+    InvalidRequest,
+    InvalidState,
+    MethodNotAllowed,
+    NotFound,
+    Overloaded,
+    SandboxGone,
+    SandboxNotFound,
+    Unauthorized,
+    validation_message,
+)
 from ..protocol.node import MAX_TOP, NodeStatus
 from ..protocol.run import PoolList, RunRequest
 from ..protocol.sandbox import CreateSandbox, ForkResult, Health, SandboxInfo, SandboxList
@@ -68,13 +80,13 @@ TRAJECTORY_LIST_DEFAULT = 1000
 
 def unreachable(node: Node, sent: bool) -> Failure:
     if node.lost:
-        return Failure(410, "sandbox_gone", node.lost_reason())
+        return Failure(SandboxGone, node.lost_reason())
     maybe = "; the call may or may not have taken effect" if sent else ""
-    return Failure(503, "daemon_unreachable", f"node {node.name} ({node.url}) does not answer{maybe}")
+    return Failure(DaemonUnreachable, f"node {node.name} ({node.url}) does not answer{maybe}")
 
 
 def sandbox_gone(node: Node) -> Failure:
-    return Failure(410, "sandbox_gone", node.lost_reason())
+    return Failure(SandboxGone, node.lost_reason())
 
 
 def control_headers(scope: Scope) -> list[tuple[bytes, bytes]]:
@@ -115,7 +127,7 @@ class Gateway:
         except Exception as e:  # the answer is always the API's JSON error, never a bare 500 page
             log.exception("gateway error on %s %s", scope["method"], scope["path"])
             if not started:
-                await fail(send, Failure(500, "internal", f"gateway error: {type(e).__name__}: {e}"))
+                await fail(send, Failure(DsecError, f"gateway error: {type(e).__name__}: {e}"))
 
     async def _lifespan(self, receive: Receive, send: Send) -> None:
         while True:
@@ -133,18 +145,18 @@ class Gateway:
         method: str = scope["method"]
         if routed(path, method) is False:  # routed before authenticated, as on a node
             allow = ", ".join(sorted(allowed_methods(path) or ()))
-            raise Failure(405, "method_not_allowed", f"{method} {path}", allow=allow)
+            raise Failure(MethodNotAllowed, f"{method} {path}", allow=allow)
         if path == "/v1/health":
             await self._health(send)
             return
         if not secrets.compare_digest(bearer(scope), self.token):
-            raise Failure(401, "unauthorized", "missing or wrong bearer token (the cluster's operator token)")
+            raise Failure(Unauthorized, "missing or wrong bearer token (the cluster's operator token)")
         parts = path.strip("/").split("/")
         if len(parts) < 2 or parts[0] != "v1":
             if path == "/metrics" and method == "GET":
                 await self._metrics(scope, send)
                 return
-            raise Failure(404, "not_found", f"no route {method} {path}")
+            raise Failure(NotFound, f"no route {method} {path}")
         route = parts[1]
         if route == "sandboxes":
             await self._sandboxes(scope, receive, send, method, parts[2:])
@@ -166,15 +178,13 @@ class Gateway:
             await self._audit(scope, send)
         elif route == "tenants":
             raise Failure(
-                400,
-                "invalid_request",
+                InvalidRequest,
                 "tenants are kept per node and cannot be managed through the cluster gateway: "
                 "use the cluster's operator token",
             )
         elif route == "images" and parts[2:] == ["gc"]:
             raise Failure(
-                409,
-                "invalid_state",
+                InvalidState,
                 "image gc is refused through the gateway: each node knows only the images its own sandboxes "
                 "use, so a gc on one node could delete layers another node runs on",
             )
@@ -192,7 +202,7 @@ class Gateway:
             elif method == "GET":
                 await self._list(scope, send)
             else:
-                raise Failure(405, "method_not_allowed", f"{method} /v1/sandboxes")
+                raise Failure(MethodNotAllowed, f"{method} /v1/sandboxes")
             return
         if rest == ["batch"] and method == "POST":
             from .batch import create_batch
@@ -204,7 +214,7 @@ class Gateway:
         if node is None:
             lost = [n.name for n in self.nodes.nodes if n.lost]
             where = f" (lost nodes may have held it: {', '.join(lost)})" if lost else ""
-            raise Failure(404, "sandbox_not_found", f"no sandbox {sandbox_id} on any reachable node{where}")
+            raise Failure(SandboxNotFound, f"no sandbox {sandbox_id} on any reachable node{where}")
         if len(rest) == 1 and method in ("GET", "DELETE"):
             await self._info_or_kill(scope, send, node, sandbox_id)
         elif node.lost:
@@ -262,7 +272,7 @@ class Gateway:
         try:
             req = CreateSandbox.model_validate_json(body)
         except ValidationError as e:
-            raise Failure(400, "invalid_request", validation_message(e)) from None
+            raise Failure(InvalidRequest, validation_message(e)) from None
         pinned: Node | None = None
         if req.trajectory:
             pinned, _ = await self.directory.trajectory(req.trajectory)
@@ -308,7 +318,7 @@ class Gateway:
         before refusing, and making the caller wait that long once is enough (it retries later)."""
         order = [pinned] if pinned is not None else self.nodes.candidates(demand)
         if not order:
-            raise Failure(503, "daemon_unreachable", "no node of the cluster is healthy now")
+            raise Failure(DaemonUnreachable, "no node of the cluster is healthy now")
         refusals: list[tuple[Node, Reply]] = []
         failures: list[str] = []
         headers = control_headers(scope)
@@ -341,7 +351,7 @@ class Gateway:
             return reply, node
         if refusals:
             raise self._overloaded(refusals, failures)
-        raise Failure(503, "daemon_unreachable", "no node of the cluster could be reached: " + "; ".join(failures))
+        raise Failure(DaemonUnreachable, "no node of the cluster could be reached: " + "; ".join(failures))
 
     @staticmethod
     def _overloaded(refusals: list[tuple[Node, Reply]], failures: list[str]) -> Failure:
@@ -359,7 +369,7 @@ class Gateway:
             reasons.append(f"node {node.name}: {message}")
         retry_after = min(waits) if waits else 1.0
         message = "every node of the cluster refused the creation for capacity: " + "; ".join(reasons + failures)
-        return Failure(429, "overloaded", message, {"retry_after": retry_after})
+        return Failure(Overloaded, message, {"retry_after": retry_after})
 
     async def _list(self, scope: Scope, send: Send) -> None:
         qs = query(scope)
@@ -370,7 +380,7 @@ class Gateway:
         for node, reply in replies:
             if reply.status != 200:
                 code, message, detail = reply.error()
-                raise Failure(reply.status, code, message, detail)  # e.g. a malformed label filter
+                raise Failure.relay(reply.status, code, message, detail)  # e.g. a malformed label filter
             for info in SandboxList.model_validate_json(reply.content).sandboxes:
                 self.directory.record(node, info)
                 infos[info.id] = info
@@ -385,7 +395,7 @@ class Gateway:
         try:
             req = RunRequest.model_validate_json(body)
         except ValidationError as e:
-            raise Failure(400, "invalid_request", validation_message(e)) from None
+            raise Failure(InvalidRequest, validation_message(e)) from None
         # a one-shot run is not resent after it may have started: it would run twice
         reply, _ = await self.place(scope, "/v1/run", body, Demand.of(req.limits), resend=False)
         await answer(send, reply.status, reply.content, reply.response_headers())
@@ -412,7 +422,7 @@ class Gateway:
     async def _node(self, scope: Scope, send: Send) -> None:
         text = parse_qs(query(scope), keep_blank_values=True).get("top", ["0"])[-1]
         if not (text.isascii() and text.isdigit() and int(text) <= MAX_TOP):  # the node's own bound
-            raise Failure(400, "invalid_request", f"top must be a whole number from 0 to {MAX_TOP}, not {text[:40]!r}")
+            raise Failure(InvalidRequest, f"top must be a whole number from 0 to {MAX_TOP}, not {text[:40]!r}")
         top = int(text)
         if top > 0:
             replies = await self.fan_out(self.nodes.healthy(), f"/v1/node?top={top}")
@@ -468,7 +478,7 @@ class Gateway:
         for _, reply in replies:
             if reply.status != 200:
                 code, message, detail = reply.error()
-                raise Failure(reply.status, code, message, detail)
+                raise Failure.relay(reply.status, code, message, detail)
             records += json.loads(reply.content)["records"]
         records.sort(key=lambda r: str(r.get("time", "")))  # ISO 8601 in UTC: sorts as text
         await answer_json(send, 200, {"records": records[-limit:] if limit > 0 else records})
@@ -482,7 +492,7 @@ class Gateway:
             for _, reply in replies:
                 if reply.status == 400:  # every node judges the query alike: refused by one, by all
                     code, message, detail = reply.error()
-                    raise Failure(400, code, message, detail)
+                    raise Failure.relay(400, code, message, detail)
                 if reply.status == 200:
                     for t in TrajectoryList.model_validate_json(reply.content).trajectories:
                         if t.id not in merged or t.updated_at > merged[t.id].updated_at:
@@ -500,14 +510,14 @@ class Gateway:
             node = home or knows  # a removal must meet the node running its sandbox, which refuses it
         node = node or self.nodes.primary()
         if node is None:
-            raise Failure(503, "daemon_unreachable", "no node of the cluster is healthy now")
+            raise Failure(DaemonUnreachable, "no node of the cluster is healthy now")
         content = await body_of(receive)
         await forward(node.http, scope, send, content, lambda sent: unreachable(node, sent))
 
     async def _to_primary(self, scope: Scope, receive: Receive, send: Send) -> None:
         node = self.nodes.primary()
         if node is None:
-            raise Failure(503, "daemon_unreachable", "no node of the cluster is healthy now")
+            raise Failure(DaemonUnreachable, "no node of the cluster is healthy now")
         content = await body_of(receive)
         await forward(node.http, scope, send, content, lambda sent: unreachable(node, sent))
 

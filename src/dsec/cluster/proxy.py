@@ -12,6 +12,7 @@ import math
 from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
 from typing import Any
 
+from ..errors import DsecError
 from ..protocol.sandbox import ErrorBody, ErrorResponse
 from .wire import RESPONSE_DROP, Broken, NodeClient
 
@@ -28,14 +29,29 @@ NDJSON_TYPE = b"application/x-ndjson"
 
 
 class Failure(Exception):
-    """A call the gateway answers with an error of its own (code and status as the node would)."""
+    """A call the gateway answers with an error of its own: one of dsec's errors, with the status and code
+    the node API gives it (``status`` only where the API served differs, as the E2B API's does); or
+    ``relay`` for a node's own error answer passed on."""
 
     def __init__(
-        self, status: int, code: str, message: str, detail: dict[str, object] | None = None, allow: str = ""
+        self,
+        kind: type[DsecError],
+        message: str,
+        detail: dict[str, object] | None = None,
+        *,
+        status: int | None = None,
+        allow: str = "",
     ) -> None:
         super().__init__(message)
-        self.status, self.code, self.message, self.detail = status, code, message, detail or {}
+        self.status = kind.http_status if status is None else status
+        self.code, self.message, self.detail = kind.code, message, detail or {}
         self.allow = allow  # a 405's Allow header: the methods the path has
+
+    @classmethod
+    def relay(cls, status: int, code: str, message: str, detail: dict[str, object] | None = None) -> Failure:
+        failure = cls(DsecError, message, detail, status=status)
+        failure.code = code
+        return failure
 
     def body(self) -> bytes:
         return (

@@ -11,7 +11,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..errors import DsecError, environment_error, validation_message
+from ..errors import DsecError, MethodNotAllowed, NotFound, Unauthorized, environment_error, validation_message
 from ..protocol.sandbox import ErrorBody, ErrorResponse
 from .allow import allowed_methods
 
@@ -47,7 +47,8 @@ def install(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        code = {401: "unauthorized", 404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
+        known = {401: Unauthorized, 404: NotFound, 405: MethodNotAllowed}.get(exc.status_code)
+        code = known.code if known is not None else "http_error"
         headers = dict(exc.headers or {})
         if exc.status_code == 405:  # every method the path has, not only those of the route matched first
             allowed = allowed_methods(request.url.path)
