@@ -17,9 +17,9 @@ from .common import fail as _fail
 if TYPE_CHECKING:
     from ..core.admission import AdmissionOptions
     from ..core.trajectory.recorder import TrajectoryOptions
+    from ..daemon import ImageOptions
     from ..e2b.service import E2BOptions
     from ..isolation.network.options import NetworkOptions
-    from ..server.app import ImageOptions
 
 StateDirOpt = Annotated[Path, typer.Option(help="Where state, images and sandboxes live.")]
 ListenOpt = Annotated[
@@ -204,9 +204,9 @@ def serve(
     log_level: LogLevelOpt = "info",
 ) -> None:
     """Run the node daemon."""
+    from ..daemon import AuditOptions
+    from ..daemon import serve as run_server
     from ..kinds.function.options import FunctionOptions
-    from ..server.app import AuditOptions
-    from ..server.app import serve as run_server
 
     try:
         options = _image_options(repository, image_cache, scrub, canary, eager_layers)
@@ -231,8 +231,8 @@ def serve(
 def _image_options(
     repository: str | None, image_cache: str, scrub: list[str] | None, canary: list[str] | None, eager_layers: bool
 ) -> ImageOptions:
+    from ..daemon import ImageOptions
     from ..protocol.residue import check_canaries
-    from ..server.app import ImageOptions
     from ..units import parse_size
 
     try:

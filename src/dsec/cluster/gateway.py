@@ -45,7 +45,7 @@ from ..protocol.sandbox import CreateSandbox, ForkResult, Health, SandboxInfo, S
 from ..protocol.trajectory import TrajectoryList
 from ..protocol.version import __version__
 from ..server.allow import allowed_methods, routed
-from ..server.disconnect import CLIENT_GONE, GONE, unless_gone
+from ..web.disconnect import CLIENT_GONE, GONE, unless_gone
 from . import aggregate
 from .directory import Directory, labels_of
 from .models import ClusterNode, ClusterStatus

@@ -61,8 +61,8 @@ def _config(app: Any, host: str, port: int, log_level: str) -> Any:
 def node_api(gateway: Gateway) -> Any:
     """The gateway as served: it remembers Idempotency-Keys itself, so a repeated creation whose answer
     was lost is answered again instead of being placed a second time (perhaps on another node)."""
-    from ..server.errors import error_response
-    from ..server.idempotency import Idempotency
+    from ..web.errors import error_response
+    from ..web.idempotency import Idempotency
 
     return Idempotency(gateway, error=error_response)
 
@@ -75,8 +75,8 @@ def servers(
     import uvicorn
 
     from ..e2b.errors import plain_error
-    from ..server.app import ByListener
-    from ..server.idempotency import Idempotency
+    from ..web.idempotency import Idempotency
+    from ..web.listeners import ByListener
     from .e2b import E2BGateway
 
     host, port = listen_address(listen)

@@ -17,9 +17,9 @@ from starlette.routing import Match
 from ..core.manager import SandboxManager
 from ..errors import DsecError, environment_error, validation_message
 from ..protocol.version import __version__
-from ..server.audit import AuditMiddleware
-from ..server.idempotency import Idempotency, Memory
-from ..server.limits import BodyLimit
+from ..web.audit import AuditMiddleware
+from ..web.idempotency import Idempotency, Memory
+from ..web.limits import BodyLimit
 
 # the services register their routes on envd.router as they are imported
 from . import control, envd, files, fs_service, process_service  # noqa: F401

@@ -25,9 +25,10 @@ from ..protocol.names import ImageName
 from ..protocol.network import NetworkAllow, NetworkSpec
 from ..protocol.sandbox import TERMINAL_STATES, CreateSandbox, ForkRequest, Limits, SandboxInfo, SnapshotRequest, State
 from ..protocol.types import TIME_SCHEMA
-from ..server.audit import note
-from ..server.disconnect import GONE, gone_response, unless_gone
 from ..tenancy import Caller
+from ..web.audit import note
+from ..web.auth import name_caller
+from ..web.disconnect import GONE, gone_response, unless_gone
 from . import control_models as m
 from .auth import api_token, identify
 from .control_doc import add_bodies, doc
@@ -56,7 +57,7 @@ async def api_caller(request: Request) -> Caller:
     caller = identify(api_token(request.scope.get("headers", [])), svc.operator_token, svc.mgr.tenants)
     if caller is None:
         raise Unauthorized("missing or wrong API key: E2B_API_KEY must be a dsec token (the operator's or a tenant's)")
-    request.scope.setdefault("state", {})["dsec.caller"] = caller
+    name_caller(request.scope, caller)
     return caller
 
 

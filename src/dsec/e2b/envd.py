@@ -21,9 +21,10 @@ from fastapi import APIRouter, Request, Response
 
 from ..errors import DsecError, SandboxNotFound
 from ..protocol.sandbox import TERMINAL_STATES
-from ..server.audit import note
 from ..store.records import SandboxRecord
 from ..tenancy import Caller
+from ..web.audit import note
+from ..web.auth import name_caller
 from . import connect
 from .auth import header, owner_caller
 from .connect import HttpError, RpcError
@@ -114,7 +115,7 @@ def route(request: Request, *, signature: Callable[[str], bool] | None = None) -
         svc.forget(rec.id)
         raise Refused(gone(sandbox_id))
     caller = owner_caller(rec.owner)
-    request.scope.setdefault("state", {})["dsec.caller"] = caller
+    name_caller(request.scope, caller)
     note(request.scope, sandbox=rec.id)
     return Call(svc, rec, caller, request)
 

@@ -13,7 +13,7 @@ from starlette.datastructures import UploadFile
 
 from ..errors import DsecError, InvalidRequest, LimitExceeded
 from ..kinds.base import MAX_FILE_READ
-from ..server.limits import MAX_UPLOAD_BODY
+from ..web.limits import MAX_UPLOAD_BODY
 from .auth import EnvdTokens
 from .envd import Call, Refused, route
 from .errors import files_status, plain_error

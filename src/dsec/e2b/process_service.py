@@ -13,7 +13,7 @@ from pydantic import ValidationError
 from ..core.processes import Output, Process, Subscription
 from ..errors import InvalidState, validation_message
 from ..protocol.sandbox import MAX_EXEC_TIMEOUT_S, ExecRequest, ExecResult
-from ..server.audit import note
+from ..web.audit import note
 from . import envd_models as pm
 from .connect import RpcError
 from .envd import Call, client_stream, server_stream, unary

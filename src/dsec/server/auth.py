@@ -1,48 +1,15 @@
-"""Bearer tokens → callers. The token is resolved once per request (by the audit middleware, so refused
-calls are recorded too) and kept in the request's scope; routes receive it as a ``Caller``."""
+"""The node API's callers: routes receive the request's ``Caller`` (web/auth.py resolves it) through
+these dependencies, which refuse a call without one, or one that is not the operator's."""
 
 from __future__ import annotations
 
-import secrets
-from collections.abc import MutableMapping
-from typing import Annotated, Any
+from typing import Annotated
 
 from fastapi import Depends, Request
 
 from ..errors import Forbidden, Unauthorized
-from ..tenancy import OPERATOR, Caller
-
-CALLER = "dsec.caller"  # keys in the ASGI scope's per-request "state"
-UNRESOLVED = object()
-
-
-def bearer(headers: list[tuple[bytes, bytes]]) -> bytes:
-    """The token of an ``Authorization: Bearer …`` header, or b"" (scheme case-insensitive, as RFC 7235 says)."""
-    for name, value in headers:
-        if name == b"authorization":
-            scheme, _, token = value.partition(b" ")
-            return token.strip() if scheme.lower() == b"bearer" else b""
-    return b""
-
-
-def identify(app: Any, headers: list[tuple[bytes, bytes]]) -> Caller | None:
-    token = bearer(headers)
-    if not token:
-        return None
-    # the operator's token is the one the app was made with (STATE_DIR/token), whatever the table says
-    if secrets.compare_digest(token, str(app.state.token).encode()):
-        return OPERATOR
-    caller: Caller | None = app.state.manager.tenants.identify(token)
-    return caller
-
-
-def resolve(scope: MutableMapping[str, Any]) -> Caller | None:
-    state = scope.setdefault("state", {})
-    caller = state.get(CALLER, UNRESOLVED)
-    if caller is UNRESOLVED:
-        caller = state[CALLER] = identify(scope["app"], scope.get("headers", []))
-    assert caller is None or isinstance(caller, Caller)
-    return caller
+from ..tenancy import Caller
+from ..web.auth import resolve
 
 
 async def authorize(request: Request) -> Caller:

@@ -47,9 +47,9 @@ from ..protocol.sandbox import (
 from ..protocol.trajectory import REPLAYED_HEADER, SEQ_HEADER
 from ..protocol.types import MAX_LABELS, AbsPath
 from ..protocol.version import __version__
-from .audit import note
+from ..web.audit import note
+from ..web.disconnect import GONE, gone_response, unless_gone
 from .auth import CallerDep, OperatorDep, authorize
-from .disconnect import GONE, gone_response, unless_gone
 
 log = logging.getLogger("dsec.server")
 

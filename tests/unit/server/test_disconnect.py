@@ -22,7 +22,7 @@ from dsec.e2b.service import E2BOptions
 from dsec.errors import NotFound
 from dsec.protocol.sandbox import CreateSandbox
 from dsec.server.app import create_app
-from dsec.server.disconnect import GONE, unless_gone
+from dsec.web.disconnect import GONE, unless_gone
 
 from ...fakes.backend import FakeBackend
 from ..conftest import IMAGE, TOKEN, new_manager

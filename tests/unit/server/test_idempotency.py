@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
-from dsec.server.errors import error_response
-from dsec.server.idempotency import MAX_REPLAY_BODY, Idempotency, Memory
+from dsec.web.errors import error_response
+from dsec.web.idempotency import MAX_REPLAY_BODY, Idempotency, Memory
 
 from ..conftest import AUTH, Api
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from dsec.protocol.types import MAX_COMMAND
-from dsec.server.limits import MAX_JSON_BODY
+from dsec.web.limits import MAX_JSON_BODY
 
 from ..conftest import AUTH, Api
 

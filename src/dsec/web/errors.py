@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -13,7 +13,6 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..errors import DsecError, MethodNotAllowed, NotFound, Unauthorized, environment_error, validation_message
 from ..protocol.sandbox import ErrorBody, ErrorResponse
-from .allow import allowed_methods
 
 log = logging.getLogger("dsec.server")
 
@@ -33,7 +32,9 @@ def error_response(
     return JSONResponse(status_code=status, content=body.model_dump(mode="json"), headers=out or None)
 
 
-def install(app: FastAPI) -> None:
+def install(app: FastAPI, allowed_methods: Callable[[str], frozenset[str] | None]) -> None:
+    """The handlers of an API's errors; ``allowed_methods``: a path's methods, for a 405's Allow header."""
+
     @app.exception_handler(DsecError)
     async def _dsec(_: Request, exc: DsecError) -> JSONResponse:
         if exc.http_status >= 500:

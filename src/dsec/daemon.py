@@ -1,0 +1,196 @@
+"""The node daemon as a process: its core, the node API and, when asked, the E2B-compatible API on a
+listener of its own, served by uvicorn. It sits above both APIs (server/ and e2b/), which know nothing
+of each other.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+from urllib.parse import urlparse
+
+from starlette.types import ASGIApp
+
+from .core.admission import AdmissionOptions
+from .core.manager import SandboxManager
+from .core.trajectory.recorder import TrajectoryOptions
+from .core.usage import DEFAULT_EVICT_AT
+from .errors import InvalidRequest
+from .images.scrub import ScrubRules
+from .images.store import ImageStore
+from .isolation.network.options import NetworkOptions
+from .protocol.version import __version__
+from .server.app import create_app
+from .store.audit import DEFAULT_KEEP_DAYS, DEFAULT_MAX_RECORDS, AuditLog
+from .web.listeners import ByListener
+
+if TYPE_CHECKING:
+    from .e2b.service import E2BOptions
+
+log = logging.getLogger("dsec.server")
+
+DEFAULT_STATE_DIR = Path("/var/lib/dsec")
+KEEP_ALIVE_S = 120
+
+
+def default_listen(state_dir: Path) -> str:
+    return f"unix://{state_dir / 'dsec.sock'}"
+
+
+def ensure_token(state_dir: Path) -> str:
+    """The operator's bearer token, created with mode 0600 at first start (tenants get theirs from it)."""
+    path = state_dir / "token"
+    try:
+        return path.read_text().strip()
+    except FileNotFoundError:
+        pass
+    token = secrets.token_urlsafe(32)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(token + "\n")
+    return token
+
+
+def parse_listen(listen: str) -> dict[str, Any]:
+    """uvicorn arguments for ``unix:///path`` or ``http://HOST:PORT``."""
+    url = urlparse(listen)
+    if url.scheme == "unix":
+        if not url.path:
+            raise InvalidRequest(f"--listen {listen!r}: expected unix:///absolute/path")
+        return {"uds": url.path}
+    if url.scheme == "http":
+        if not url.hostname or url.port is None:
+            raise InvalidRequest(f"--listen {listen!r}: expected http://HOST:PORT")
+        return {"host": url.hostname, "port": url.port}
+    raise InvalidRequest(f"--listen {listen!r}: use unix:///path or http://HOST:PORT")
+
+
+@dataclass(frozen=True)
+class ImageOptions:
+    repository: str | None = None  # default: STATE_DIR/images/repository
+    cache_max: int = 20 << 30
+    lazy: bool = True
+    scrub: tuple[str, ...] = ()  # residue rules on top of the defaults, for every layer this node packs
+    canaries: tuple[str, ...] = ()  # strings no image this node publishes may contain, in any layer
+
+
+@dataclass(frozen=True)
+class AuditOptions:
+    keep_days: float = DEFAULT_KEEP_DAYS
+    max_records: int = DEFAULT_MAX_RECORDS
+
+
+def serve(
+    state_dir: Path,
+    listen: str | None,
+    images: ImageOptions | None = None,
+    log_level: str = "info",
+    audit: AuditOptions | None = None,
+    network: NetworkOptions | None = None,
+    function: Any = None,
+    trajectory: TrajectoryOptions | None = None,
+    admission: AdmissionOptions | None = None,
+    evict_at: float = DEFAULT_EVICT_AT,
+    e2b: E2BOptions | None = None,
+) -> None:
+    """``function``: the function kind's FunctionOptions (kept opaque here: the server knows no kind).
+    ``e2b``: also serve the E2B-compatible API on its own listener (docs/e2b.md)."""
+    import uvicorn
+
+    state_dir = state_dir.resolve()
+    state_dir.mkdir(parents=True, exist_ok=True)
+    # traversable but not listable: crun, inside a sandbox's user namespace, must reach the bundle paths
+    # under it before it pivots; the token and the state database are 0600 themselves
+    os.chmod(state_dir, 0o711)
+    listen = listen or default_listen(state_dir)
+    where = parse_listen(listen)
+    e2b_where = parse_listen(e2b.listen) if e2b is not None else None
+    if e2b_where is not None and e2b_where == where:
+        raise InvalidRequest(f"--e2b-listen {e2b.listen if e2b else ''} must differ from --listen {listen}")
+    uds = where.get("uds")
+    if isinstance(uds, str) and os.path.exists(uds):
+        os.unlink(uds)  # a stale socket from a killed daemon
+    token = ensure_token(state_dir)
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    manager = _manager(
+        state_dir, images or ImageOptions(), audit or AuditOptions(), network, function, trajectory, admission, evict_at
+    )
+    app: ASGIApp = create_app(manager, token)
+    # Keep idle connections well past the SDK's own keep-alive expiry: a server that closes first races
+    # with a request sent on the same connection, which the client then sees as a dropped read.
+    settings: dict[str, Any] = {
+        "log_level": log_level,
+        "access_log": False,
+        "timeout_graceful_shutdown": 5,
+        "timeout_keep_alive": KEEP_ALIVE_S,
+    }
+    sockets = None
+    if e2b is not None and e2b_where is not None:
+        app, sockets = _with_e2b(app, manager, e2b, state_dir, token, settings, where, e2b_where)
+    server = uvicorn.Server(uvicorn.Config(app, **settings, **where))
+    log.info("dsec %s listening on %s (state in %s)", __version__, listen, state_dir)
+    server.run(sockets=sockets)
+
+
+def _manager(
+    state_dir: Path,
+    images: ImageOptions,
+    audit: AuditOptions,
+    network: NetworkOptions | None,
+    function: Any,
+    trajectory: TrajectoryOptions | None,
+    admission: AdmissionOptions | None,
+    evict_at: float,
+) -> SandboxManager:
+    store = ImageStore(
+        state_dir / "images",
+        images.repository,
+        lazy=images.lazy,
+        cache_max=images.cache_max,
+        scrub=ScrubRules.of(images.scrub),
+        canaries=images.canaries,
+    )
+    audit_log = AuditLog(state_dir / "audit.db", keep_days=audit.keep_days, max_records=audit.max_records)
+    kind_options = {"function": function} if function is not None else None
+    return SandboxManager(
+        state_dir,
+        store,
+        audit=audit_log,
+        network=network,
+        kind_options=kind_options,
+        trajectory=trajectory,
+        admission=admission,
+        evict_at=evict_at,
+    )
+
+
+def _with_e2b(
+    app: ASGIApp,
+    manager: SandboxManager,
+    e2b: E2BOptions,
+    state_dir: Path,
+    token: str,
+    settings: dict[str, Any],
+    where: dict[str, Any],
+    e2b_where: dict[str, Any],
+) -> tuple[ASGIApp, list[Any]]:
+    """The app that also answers the E2B listener, and both listeners' sockets, bound now."""
+    import uvicorn
+
+    from .e2b.app import create_e2b_app
+
+    e2b_socket = uvicorn.Config(app, **settings, **e2b_where).bind_socket()
+    port = e2b_socket.getsockname()[1]
+    main_socket = uvicorn.Config(app, **settings, **where).bind_socket()
+    for sock in (e2b_socket, main_socket):
+        # uvicorn makes them inheritable (for its worker processes): the layer fetcher the daemon
+        # starts, which outlives it, would otherwise hold the listeners and swallow connections
+        sock.set_inheritable(False)
+    both = ByListener(app, create_e2b_app(manager, e2b, state_dir, token), port)
+    manager.e2b_url = f"http://{e2b_where['host']}:{port}"
+    log.info("E2B-compatible API on http://%s:%d (E2B_API_URL and E2B_SANDBOX_URL)", e2b_where["host"], port)
+    return both, [main_socket, e2b_socket]
