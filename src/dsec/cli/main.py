@@ -44,7 +44,7 @@ def openapi(
     out: Annotated[Path | None, typer.Option(help="Write to this file instead of standard output.")] = None,
 ) -> None:
     """Print the HTTP API's OpenAPI document (generated from the wire models)."""
-    from ..server.app import openapi_spec
+    from ..server.openapi import openapi_spec
 
     text = json.dumps(openapi_spec(), indent=2, sort_keys=True) + "\n"
     if out is None:

@@ -8,11 +8,11 @@ from __future__ import annotations
 import functools
 import re
 
+from .openapi import openapi_spec
+
 
 @functools.cache
 def _table() -> list[tuple[re.Pattern[str], bool, frozenset[str]]]:
-    from .app import openapi_spec
-
     table = []
     for template, operations in openapi_spec()["paths"].items():
         pattern = re.sub(r"\\\{[^}]*\\\}", "[^/]+", re.escape(template))  # a path parameter: one segment

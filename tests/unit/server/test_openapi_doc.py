@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from dsec.server.app import openapi_spec
+from dsec.server.openapi import openapi_spec
 
 DOC = Path(__file__).resolve().parents[3] / "docs" / "openapi.json"
 

@@ -1,0 +1,27 @@
+"""The node API's routes, and its OpenAPI document generated from them and the wire models (no daemon
+needed)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import FastAPI
+
+from ..protocol.version import __version__
+from . import node_routes, routes, run_routes, tenant_routes, trajectory_routes
+
+
+def include_routes(app: FastAPI) -> None:
+    app.include_router(node_routes.router)  # before routes: /sandboxes/batch is not a sandbox id
+    app.include_router(node_routes.metrics_router)
+    app.include_router(routes.router)
+    app.include_router(tenant_routes.router)
+    app.include_router(run_routes.router)
+    app.include_router(trajectory_routes.router)
+
+
+def openapi_spec() -> dict[str, Any]:
+    """The OpenAPI document of the node API."""
+    app = FastAPI(title="dsec", version=__version__)
+    include_routes(app)
+    return app.openapi()
