@@ -21,6 +21,7 @@ forgets every key.
 from __future__ import annotations
 
 import asyncio
+import struct
 import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
@@ -48,10 +49,16 @@ CREDENTIALS = (b"authorization", b"x-api-key", b"x-access-token", b"e2b-sandbox-
 ErrorReply = Callable[[int, str, str], Callable[[Scope, Receive, Send], Awaitable[None]]]
 
 
-# what a kept answer costs beyond its bytes (measured with tracemalloc, tests/unit/server/test_idempotency.py):
-# the entry's slots, its place in the ordered dict, its key; and each header pair's two bytes objects
+# What an entry costs beyond its bytes (measured with tracemalloc, tests/unit/web/test_idempotency.py): a
+# running one, its slots and request line; a kept one, packed in one bytes object (the key, the object's
+# header, its place in the ordered dict). A kept answer is one object, not a dozen small ones: thousands
+# of small objects that live for minutes, made among each request's short-lived ones, keep CPython's
+# arenas from being returned and the daemon's resident memory grows well past what they hold.
 ENTRY_COST = 400
-HEADER_COST = 120
+PACKED_COST = 320
+_HEAD = struct.Struct("<dHBBIIH")  # expires, status, complete, digest given, request length, body length, headers
+_PAIR = struct.Struct("<II")
+_NO_BODY = 0xFFFFFFFF
 
 
 @dataclass(eq=False, slots=True)
@@ -66,12 +73,6 @@ class Entry:
     headers: tuple[tuple[bytes, bytes], ...] = ()
     body: bytes | bytearray | None = field(default_factory=bytearray)  # None: not replayable
     complete: bool = False  # the whole answer was sent (not cut off)
-    counted: int = 0  # the bytes the memory counts for it
-
-    @property
-    def size(self) -> int:
-        headers = sum(len(k) + len(v) + HEADER_COST for k, v in self.headers)
-        return ENTRY_COST + len(self.request) + len(self.body or b"") + headers
 
     async def wait(self) -> None:
         if not self.settled:
@@ -80,22 +81,69 @@ class Entry:
             await self.waiters.wait()
 
     def settle(self) -> None:
-        """Finished: kept in its smallest form (a cut-off answer is never replayed, so its body goes)."""
+        """Finished (a cut-off answer is never replayed, so its body goes)."""
         self.settled = True
-        self.body = bytes(self.body) if self.body is not None and self.complete else None
+        if not self.complete:
+            self.body = None
         if self.waiters is not None:
             self.waiters.set()
             self.waiters = None
 
 
+def pack(entry: Entry) -> bytes:
+    """A settled entry as one bytes object."""
+    body = entry.body
+    parts: list[bytes | bytearray] = [
+        _HEAD.pack(
+            entry.expires,
+            entry.status or 0,
+            entry.complete,
+            entry.body_digest is not None,
+            len(entry.request),
+            _NO_BODY if body is None else len(body),
+            len(entry.headers),
+        ),
+        entry.request,
+        entry.body_digest or b"",
+    ]
+    for name, value in entry.headers:
+        parts += [_PAIR.pack(len(name), len(value)), name, value]
+    parts.append(body or b"")
+    return b"".join(parts)
+
+
+def unpack(blob: bytes) -> Entry:
+    expires, status, complete, digested, request_len, body_len, count = _HEAD.unpack_from(blob)
+    at = _HEAD.size
+    request, at = blob[at : at + request_len], at + request_len
+    digest = None
+    if digested:
+        digest, at = blob[at : at + 32], at + 32
+    headers = []
+    for _ in range(count):
+        n, v = _PAIR.unpack_from(blob, at)
+        at += _PAIR.size
+        headers.append((blob[at : at + n], blob[at + n : at + n + v]))
+        at += n + v
+    body = None if body_len == _NO_BODY else blob[at : at + body_len]
+    return Entry(request, expires, True, None, digest, status or None, tuple(headers), body, bool(complete))
+
+
+def _cost(value: Entry | bytes) -> int:
+    if isinstance(value, bytes):
+        return PACKED_COST + len(value)
+    return ENTRY_COST + len(value.request)
+
+
 class Memory:
-    """The kept answers, oldest first; bounded by count, bytes and age."""
+    """The kept answers (packed), and the entries of requests that still run, oldest first; bounded by
+    count, bytes and age."""
 
     def __init__(self, window: float = WINDOW_S, max_entries: int = MAX_ENTRIES, max_bytes: int = MAX_BYTES) -> None:
         self.window = window
         self.max_entries = max_entries
         self.max_bytes = max_bytes
-        self._entries: OrderedDict[bytes, Entry] = OrderedDict()
+        self._entries: OrderedDict[bytes, Entry | bytes] = OrderedDict()
         self._bytes = 0
 
     def __len__(self) -> int:
@@ -103,56 +151,54 @@ class Memory:
 
     @property
     def held(self) -> int:
-        """What the kept answers cost (an estimate that errs high: see ENTRY_COST)."""
+        """What the entries cost (an estimate that errs high: see ENTRY_COST)."""
         return self._bytes
 
     def get(self, ident: bytes) -> Entry | None:
+        """The request that still runs under this key, or the answer kept for it (settled)."""
         self._expire()
-        return self._entries.get(ident)
+        value = self._entries.get(ident)
+        return unpack(value) if isinstance(value, bytes) else value
 
     def claim(self, ident: bytes, request: bytes) -> Entry:
         entry = Entry(request, time.monotonic() + self.window)
         self._entries[ident] = entry
-        self._count(entry)
+        self._bytes += _cost(entry)
         return entry
 
     def settle(self, ident: bytes, entry: Entry, keep: bool) -> None:
-        """The owner finished: keep its answer (counting its bytes), or forget the key."""
+        """The owner finished: keep its answer (packed, counting its bytes), or forget the key."""
         entry.settle()
         if self._entries.get(ident) is entry:
             if keep:
-                self._count(entry)
+                packed = pack(entry)
+                self._entries[ident] = packed  # keeps its place: the order is the claims'
+                self._bytes += _cost(packed) - _cost(entry)
             else:
-                self._drop(ident, entry)
+                self._drop(ident)
         self._shrink()
-
-    def _count(self, entry: Entry) -> None:
-        size = entry.size
-        self._bytes += size - entry.counted
-        entry.counted = size
 
     def _expire(self) -> None:
         now = time.monotonic()
         while self._entries:
             ident, oldest = next(iter(self._entries.items()))
-            if oldest.expires > now or not oldest.settled:
-                break
-            self._drop(ident, oldest)
+            if not isinstance(oldest, bytes) or _HEAD.unpack_from(oldest)[0] > now:
+                break  # a request that still runs is never forgotten (its repeats wait for it)
+            self._drop(ident)
 
     def _shrink(self) -> None:
         """Drop the oldest answers while over a bound: O(1) a request (no pass over the whole memory)."""
         turned = 0
         while (len(self._entries) > self.max_entries or self._bytes > self.max_bytes) and turned < len(self._entries):
-            ident, entry = next(iter(self._entries.items()))
-            if entry.settled:
-                self._drop(ident, entry)
+            ident, value = next(iter(self._entries.items()))
+            if isinstance(value, bytes):
+                self._drop(ident)
             else:  # one that still runs is never dropped (its repeats wait for it): passed over
                 self._entries.move_to_end(ident)
                 turned += 1
 
-    def _drop(self, ident: bytes, entry: Entry) -> None:
-        del self._entries[ident]
-        self._bytes -= entry.counted
+    def _drop(self, ident: bytes) -> None:
+        self._bytes -= _cost(self._entries.pop(ident))
 
 
 class Idempotency:
@@ -178,11 +224,11 @@ class Idempotency:
         ident = _ident(scope, key)
         request = b"%s %s?%s" % (scope["method"].encode(), scope.get("raw_path") or b"", scope.get("query_string", b""))
         while (entry := self.memory.get(ident)) is not None:
-            await entry.wait()  # a repeat of a request that still runs waits for its answer
-            if self.memory.get(ident) is entry:
+            if entry.settled:
                 await self._replay(entry, request, scope, receive, send)
                 return
-            # the first one's answer was not kept (nothing took effect): this one runs
+            await entry.wait()  # a repeat of a request that still runs waits for its answer
+            # then looks again: its answer kept, or not (nothing took effect) and this one runs
         await self._run(ident, self.memory.claim(ident, request), scope, receive, send)
 
     async def _run(self, ident: bytes, entry: Entry, scope: Scope, receive: Receive, send: Send) -> None:

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from dsec.web.errors import error_response
-from dsec.web.idempotency import MAX_REPLAY_BODY, Idempotency, Memory
+from dsec.web.idempotency import MAX_REPLAY_BODY, PACKED_COST, Entry, Idempotency, Memory, pack, unpack
 
 from ..conftest import AUTH, Api
 
@@ -243,7 +243,7 @@ async def test_the_memory_counts_at_least_what_its_answers_really_cost() -> None
     assert held <= counted <= 2 * held, (held, counted)
 
 
-async def test_a_kept_answer_holds_no_event_and_its_bytes_go_when_forgotten() -> None:
+async def test_a_kept_answer_is_one_packed_object_and_its_bytes_go_when_forgotten() -> None:
     inner = Counter()
     memory = Memory(window=0.05)
     mw = Idempotency(inner, error=error_response, memory=memory)
@@ -252,17 +252,35 @@ async def test_a_kept_answer_holds_no_event_and_its_bytes_go_when_forgotten() ->
     await asyncio.sleep(0.01)
     repeat = asyncio.create_task(call(mw, "/slow"))  # waits for the first: the only entry given an event
     await asyncio.sleep(0.01)
+    assert len(memory) == 1 and not isinstance(next(iter(memory._entries.values())), bytes)  # still runs
     inner.release.set()
-    (s1, _, b1), (s2, h2, b2) = await asyncio.gather(first, repeat)
+    (s1, h1, b1), (s2, h2, b2) = await asyncio.gather(first, repeat)
     assert (s1, b1) == (s2, b2) and h2.get("idempotent-replayed") == "true" and inner.runs == 1
+    assert h2["x-run"] == h1["x-run"]  # the headers come back as they were
     for i in range(5):
         await call(mw, "/run", key=f"n{i}")
-    entries = list(memory._entries.values())
-    assert len(entries) == 6 and all(e.settled and e.waiters is None and isinstance(e.body, bytes) for e in entries)
-    assert memory.held == sum(e.size for e in entries)
+    kept = list(memory._entries.values())
+    assert len(kept) == 6 and all(isinstance(v, bytes) for v in kept)
+    assert memory.held == sum(PACKED_COST + len(v) for v in kept)
     await asyncio.sleep(0.1)
     await call(mw, "/run", key="last")  # the window passed: the others are forgotten
-    assert len(memory) == 1 and memory.held == next(iter(memory._entries.values())).size
+    assert len(memory) == 1 and memory.held == PACKED_COST + len(next(iter(memory._entries.values())))
+
+
+def test_packing_keeps_every_field() -> None:
+    entry = Entry(b"POST /v1/x?a=1", 123.5, body_digest=b"d" * 32, status=201, complete=True)
+    entry.headers = ((b"content-type", b"application/json"), (b"x-empty", b""))
+    entry.body = bytearray(b'{"ok": true}')
+    entry.settle()
+    back = unpack(pack(entry))
+    assert (back.request, back.expires, back.body_digest, back.status, back.headers, back.body, back.complete) == (
+        entry.request, entry.expires, entry.body_digest, 201, entry.headers, b'{"ok": true}', True
+    )  # fmt: skip
+    cut = Entry(b"POST /s?", 1.0, status=200)  # cut off: no body, no digest
+    cut.body = bytearray(b"partial")
+    cut.settle()
+    back = unpack(pack(cut))
+    assert (back.body, back.body_digest, back.complete, back.settled) == (None, None, False, True)
 
 
 def _gauge(text: str, name: str) -> float:
