@@ -25,8 +25,8 @@ import pytest
 import requests
 from schemathesis import Case, Response
 
-from dsec.bench.seed import seed_repository
 from dsec.e2b.control import openapi_document
+from dsec_bench.seed import seed_repository
 
 from . import apifuzz
 from .conftest import IMAGES_DIR, Daemon, free_port, shut_down, start_daemon

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from dsec.bench.chaos import Case, run_case, seed, summary, verdict
-from dsec.bench.faults import FAULTS
+from dsec_bench.chaos import Case, run_case, seed, summary, verdict
+from dsec_bench.faults import FAULTS
 
 from .conftest import IMAGES_DIR
 

@@ -17,9 +17,9 @@ from typing import Any
 import pytest
 
 import dsec
-from dsec.bench import accounting
-from dsec.bench.churn import VM_WORKLOADS, WORKLOADS
-from dsec.bench.soak import KINDS, quiet
+from dsec_bench import accounting
+from dsec_bench.churn import VM_WORKLOADS, WORKLOADS
+from dsec_bench.soak import KINDS, quiet
 
 from .conftest import shut_down, start_daemon
 

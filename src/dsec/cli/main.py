@@ -11,9 +11,11 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
+# the benchmarks are a package of their own (src/dsec_bench); the CLI is the one part of dsec that imports it
+from dsec_bench.cli import bench_app
+
 from ..errors import DsecError
 from ..protocol.version import __version__
-from .bench import bench_app
 from .cluster import cluster_app
 from .common import TokenOpt, UrlOpt, console, err, ident, show
 from .common import client as _client

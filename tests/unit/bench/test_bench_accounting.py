@@ -11,12 +11,12 @@ from pathlib import Path
 
 import pytest
 
-from dsec.bench import accounting
-from dsec.bench.accounting import EXACT, Allowance, Known, Node
-from dsec.bench.churn import EXAMPLES, WORKLOADS, Tally
-from dsec.bench.soak import KINDS, Plan, allowances, quiet, steady, trend
 from dsec.protocol.sandbox import ExecResult
 from dsec.store.sqlite import SCHEMA
+from dsec_bench import accounting
+from dsec_bench.accounting import EXACT, Allowance, Known, Node
+from dsec_bench.churn import EXAMPLES, WORKLOADS, Tally
+from dsec_bench.soak import KINDS, Plan, allowances, quiet, steady, trend
 
 
 def verdicts(before: dict[str, int], after: dict[str, int], rules: dict[str, Allowance]) -> dict[str, str]:

@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 
-from dsec.bench import function as fb
-from dsec.bench.common import summarize
+from dsec_bench import function as fb
+from dsec_bench.common import summarize
 
 
 def entry(c: int, rate: float | None, failures: dict[str, int] | None = None, mode: str = "tasks") -> dict[str, Any]:

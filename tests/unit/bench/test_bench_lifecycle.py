@@ -3,7 +3,7 @@ so dsec's side of those ratios is create → exec → kill, never create → fir
 
 from __future__ import annotations
 
-from dsec.bench.lifecycle import judge
+from dsec_bench.lifecycle import judge
 
 
 def _p50(ms: float) -> dict[str, float]:

@@ -10,10 +10,10 @@ from typing import Any
 
 import pytest
 
-from dsec.bench import plots
-from dsec.bench.burst import Outcome, Spec, latency_figures, run_figures, thin
-from dsec.bench.common import metric_sum
-from dsec.bench.overload import admitted_at_once, daemon_flags, round_figures
+from dsec_bench import plots
+from dsec_bench.burst import Outcome, Spec, latency_figures, run_figures, thin
+from dsec_bench.common import metric_sum
+from dsec_bench.overload import admitted_at_once, daemon_flags, round_figures
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

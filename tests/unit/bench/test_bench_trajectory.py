@@ -11,10 +11,10 @@ from typing import Any
 import pytest
 from rich.console import Console
 
-from dsec.bench import common as bench_common
-from dsec.bench import trajectory as tb
-from dsec.bench.common import summarize
 from dsec.protocol.sandbox import ExecResult
+from dsec_bench import common as bench_common
+from dsec_bench import trajectory as tb
+from dsec_bench.common import summarize
 
 
 def replayed(i: int, **change: Any) -> ExecResult:

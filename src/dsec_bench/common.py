@@ -19,10 +19,10 @@ from typing import Any
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from ..errors import DsecError
-from ..isolation.mounts import unmount_under
-from ..protocol.node import NodeStatus
-from ..sdk.aio import AsyncClient, AsyncSandbox
+from dsec.errors import DsecError
+from dsec.isolation.mounts import unmount_under
+from dsec.protocol.node import NodeStatus
+from dsec.sdk.aio import AsyncClient, AsyncSandbox
 
 Json = dict[str, Any]
 

@@ -10,8 +10,8 @@ import shutil
 from collections.abc import Iterable
 from pathlib import Path
 
-from ..images.chunks import chunk_key
-from ..images.model import image_key, layer_key, tag_key, trace_key
+from dsec.images.chunks import chunk_key
+from dsec.images.model import image_key, layer_key, tag_key, trace_key
 
 
 def seed_repository(source: Path, dest: Path, names: Iterable[str]) -> None:

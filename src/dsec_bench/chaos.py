@@ -31,12 +31,13 @@ from typing import Any
 
 from rich.console import Console
 
-from ..errors import DsecError, InvalidRequest
-from ..images.catalog import Catalog
-from ..images.repository import LocalRepository
-from ..images.verify import verify
-from ..isolation.mounts import is_mountpoint, mount, umount
-from ..sdk.aio import AsyncClient, AsyncSandbox
+from dsec.errors import DsecError, InvalidRequest
+from dsec.images.catalog import Catalog
+from dsec.images.repository import LocalRepository
+from dsec.images.verify import verify
+from dsec.isolation.mounts import is_mountpoint, mount, umount
+from dsec.sdk.aio import AsyncClient, AsyncSandbox
+
 from . import accounting
 from .accounting import Known, Node
 from .common import Json, connect, host_facts, kill_leftovers, release_node, start_daemon, stop_daemon, write_json

@@ -20,8 +20,9 @@ from pathlib import Path
 
 from rich.console import Console
 
-from ..errors import DsecError, Overloaded
-from ..sdk.aio import AsyncClient, AsyncSandbox
+from dsec.errors import DsecError, Overloaded
+from dsec.sdk.aio import AsyncClient, AsyncSandbox
+
 from . import plots
 from .common import (
     Json,

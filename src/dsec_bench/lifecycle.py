@@ -23,8 +23,9 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from ..errors import DsecError
-from ..sdk.aio import AsyncClient, AsyncSandbox
+from dsec.errors import DsecError
+from dsec.sdk.aio import AsyncClient, AsyncSandbox
+
 from .common import (
     Json,
     connect,

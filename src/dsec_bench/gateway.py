@@ -24,8 +24,9 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from ..errors import DsecError
-from ..sdk.aio import AsyncClient, AsyncSandbox
+from dsec.errors import DsecError
+from dsec.sdk.aio import AsyncClient, AsyncSandbox
+
 from .common import (
     IMAGES_DIR,
     Json,

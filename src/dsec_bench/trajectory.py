@@ -27,10 +27,11 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from ..errors import DsecError
-from ..protocol.sandbox import ExecResult
-from ..sdk.aio import AsyncClient, AsyncSandbox
-from ..sdk.trajectory import PAGE
+from dsec.errors import DsecError
+from dsec.protocol.sandbox import ExecResult
+from dsec.sdk.aio import AsyncClient, AsyncSandbox
+from dsec.sdk.trajectory import PAGE
+
 from .common import (
     Json,
     host_facts,

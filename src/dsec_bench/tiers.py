@@ -12,10 +12,11 @@ from pathlib import Path
 
 from rich.console import Console
 
-from ..core.admission import Admission, AdmissionOptions, Claim
-from ..protocol.sandbox import Limits, State
-from ..store.records import new_record
-from ..store.sqlite import SandboxStore
+from dsec.core.admission import Admission, AdmissionOptions, Claim
+from dsec.protocol.sandbox import Limits, State
+from dsec.store.records import new_record
+from dsec.store.sqlite import SandboxStore
+
 from .common import Json, host_facts
 
 WRITES_PER_SANDBOX = 4  # creating, running, stopping, stopped

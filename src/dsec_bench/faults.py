@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
-from ..errors import DsecError
-from ..sdk.aio import AsyncClient, AsyncSandbox
+from dsec.errors import DsecError
+from dsec.sdk.aio import AsyncClient, AsyncSandbox
 
 T = TypeVar("T")
 LABELS = {"dsec-bench": "chaos"}

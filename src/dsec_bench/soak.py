@@ -28,8 +28,9 @@ from typing import Any
 
 from rich.console import Console
 
-from ..errors import DsecError
-from ..sdk.aio import AsyncClient
+from dsec.errors import DsecError
+from dsec.sdk.aio import AsyncClient
+
 from . import accounting
 from .accounting import Allowance, Counters, Known, Node
 from .churn import CONTAINER_KINDS, LABELS, VM_KINDS, VM_WORKLOADS, WORKLOADS, Churn, Evicted, Tally, Unexpected

@@ -14,8 +14,9 @@ from pathlib import Path
 
 from rich.console import Console
 
-from ..errors import DsecError
-from ..sdk.aio import AsyncClient, AsyncSandbox
+from dsec.errors import DsecError
+from dsec.sdk.aio import AsyncClient, AsyncSandbox
+
 from .common import Json, connect, host_facts, kill_leftovers, phase, release_node, start_daemon, stop_daemon, summarize
 from .density import meminfo, used
 
@@ -30,9 +31,9 @@ PROBE_LINE = b"dsec-probe-ok"
 
 async def bare_boot(machine: str, accel: str, samples: int) -> Json:
     """QEMU alone, booting dsec's kernel and initramfs to the first line its userspace prints."""
-    from ..kinds.microvm import guest, qemu
-    from ..kinds.microvm.agent_build import build_agent
-    from ..kinds.microvm.backend import VM_CACHE
+    from dsec.kinds.microvm import guest, qemu
+    from dsec.kinds.microvm.agent_build import build_agent
+    from dsec.kinds.microvm.backend import VM_CACHE
 
     assets = await guest.prepare(VM_CACHE, await build_agent(VM_CACHE / "agent"))
     mmio = machine == "microvm"
@@ -68,7 +69,7 @@ async def bare_boot(machine: str, accel: str, samples: int) -> Json:
 
 def _tsc(accel: str) -> str:
     """The same calibration hint dsec's own VMs get under TCG (without it busy hosts hang some boots)."""
-    from ..kinds.microvm import qemu
+    from dsec.kinds.microvm import qemu
 
     khz = qemu.host_tsc_khz() if accel == "tcg" else None
     return f" tsc_early_khz={khz}" if khz else ""

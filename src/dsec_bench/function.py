@@ -25,9 +25,10 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from ..errors import DsecError
-from ..protocol.run import MAX_RUNS, RunRequest
-from ..sdk.aio import AsyncClient
+from dsec.errors import DsecError
+from dsec.protocol.run import MAX_RUNS, RunRequest
+from dsec.sdk.aio import AsyncClient
+
 from .common import (
     Json,
     host_facts,

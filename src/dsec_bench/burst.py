@@ -26,9 +26,10 @@ from typing import Any
 
 from rich.console import Console
 
-from ..errors import DsecError, Overloaded
-from ..sdk.aio import AsyncClient, AsyncSandbox
-from ..sdk.creating import DEFAULT_WAIT_FOR_CAPACITY
+from dsec.errors import DsecError, Overloaded
+from dsec.sdk.aio import AsyncClient, AsyncSandbox
+from dsec.sdk.creating import DEFAULT_WAIT_FOR_CAPACITY
+
 from . import plots
 from .common import (
     Json,

@@ -21,8 +21,9 @@ from pathlib import Path
 
 from rich.console import Console
 
-from ..errors import DsecError
-from ..sdk.aio import AsyncClient
+from dsec.errors import DsecError
+from dsec.sdk.aio import AsyncClient
+
 from . import plots
 from .burst import LABEL, Outcome, Spec, individual, latency_figures, phase_samples, queue_plot, thin, warm_up
 from .common import (

@@ -7,9 +7,13 @@ from pathlib import Path
 from typing import Annotated, NoReturn
 
 import typer
+from rich.console import Console
 
-from ..errors import DsecError
-from .common import err, fail
+from dsec.errors import DsecError
+
+# the same stderr console and error line as the rest of `dsec` (dsec.cli.common), kept here so that the bench
+# never imports the CLI that registers it
+err = Console(stderr=True)
 
 # options most benches take (each bench sets its own default)
 JsonOut = Annotated[Path, typer.Option("--json", help="Where to write the JSON results.")]
@@ -35,7 +39,7 @@ def bench_images(
 ) -> None:
     """Lazy vs eager layer loading: a cold burst on a >= 500 MB image over a simulated link, plus warm reads,
     pack_diff and snapshot -> new sandbox."""
-    from ..bench.images import main as images_main
+    from .images import main as images_main
 
     raise typer.Exit(
         images_main(n=n, json_out=json_out, state_dir=state_dir, latency_ms=latency_ms, bandwidth_mb_s=bandwidth)
@@ -51,7 +55,7 @@ def bench_lifecycle(
     skip_podman: Annotated[bool, typer.Option(help="Do not measure podman.")] = False,
 ) -> None:
     """create → exec `true` → destroy for dsec, bare crun and podman; exec round trip vs crun exec."""
-    from ..bench.lifecycle import main as bench_main
+    from .lifecycle import main as bench_main
 
     raise typer.Exit(bench_main(n=n, burst=burst, json_out=json_out, state_dir=state_dir, skip_podman=skip_podman))
 
@@ -66,7 +70,7 @@ def bench_function(
 ) -> None:
     """One-shot `true` and python latency and calls/s at concurrency 1/8/64: a warm function pool beside
     a fresh container per call and a bare host subprocess."""
-    from ..bench.function import main as function_main
+    from .function import main as function_main
 
     raise typer.Exit(function_main(n=n, calls=calls, json_out=json_out, state_dir=state_dir, repository=repository))
 
@@ -91,7 +95,7 @@ def bench_trajectory(
 ) -> None:
     """Trajectory log: fast-forward rate of a recorded trajectory (a fresh client issuing the same calls)
     and the logging overhead on live exec latency, a logged and a plain sandbox side by side."""
-    from ..bench.trajectory import main as trajectory_main
+    from .trajectory import main as trajectory_main
 
     raise typer.Exit(trajectory_main(n=n, steps=steps, json_out=json_out, state_dir=state_dir, repository=repository))
 
@@ -134,8 +138,8 @@ def bench_density(
 ) -> None:
     """Hold N idle sandboxes of a kind: host memory per sandbox, creation latency and rate as the node
     fills, exec latency while full; with --until-full, the N where the node starts refusing."""
-    from ..bench.density import KINDS
-    from ..bench.density import main as density_main
+    from .density import KINDS
+    from .density import main as density_main
 
     if kind not in KINDS:
         err.print(f"[red]error[/red]: --kind must be one of {', '.join(KINDS)}, not {kind}")
@@ -194,8 +198,8 @@ def bench_burst(
 ) -> None:
     """N creations at once, each then running its first exec: creations/s, success rate, p50/p99 by phase
     (client and the daemon's timings), the node's queue over time. JSON and PNG plots in --out."""
-    from ..bench.burst import MODES
-    from ..bench.burst import main as burst_main
+    from .burst import MODES
+    from .burst import main as burst_main
 
     modes = mode or list(MODES)
     bad = [m for m in modes if m not in MODES]
@@ -206,7 +210,7 @@ def bench_burst(
         if overload <= 1:
             err.print("[red]error[/red]: --overload must be more than 1 (times the node's capacity)")
             raise typer.Exit(2)
-        from ..bench.overload import main as overload_main
+        from .overload import main as overload_main
 
         raise typer.Exit(
             overload_main(
@@ -248,7 +252,7 @@ def bench_vm(
     ),
 ) -> None:
     """VM kinds: cold boot and restore to the first exec beside bare QEMU, fork(n), idle VMs held."""
-    from ..bench.vm import main as vm_main
+    from .vm import main as vm_main
 
     kind = kind or ["microvm", "vm"]
     bad = [k for k in kind if k not in ("microvm", "vm")]
@@ -266,7 +270,7 @@ def bench_gateway(
     repository: Repository = None,
 ) -> None:
     """Exec round trip straight at a node vs through the cluster gateway, side by side."""
-    from ..bench.gateway import main as gateway_main
+    from .gateway import main as gateway_main
 
     raise typer.Exit(gateway_main(n=n, json_out=json_out, state_dir=state_dir, repository=repository))
 
@@ -281,7 +285,7 @@ def bench_e2b(
 ) -> None:
     """The unmodified e2b SDK vs dsec's SDK on one daemon and sandbox: command round trip, a 64 KiB file
     written and read back, and create to first command, side by side (needs the e2b package)."""
-    from ..bench.e2b import main as e2b_main
+    from .e2b import main as e2b_main
 
     raise typer.Exit(e2b_main(n=n, creates=creates, json_out=json_out, state_dir=state_dir, repository=repository))
 
@@ -296,7 +300,7 @@ def bench_tiers(
 ) -> None:
     """The node's tiers on a creation's path measured alone (no daemon): admission, uncontended and with
     every creation queued, and the state database's writes (docs/scaling.md)."""
-    from ..bench.tiers import main as tiers_main
+    from .tiers import main as tiers_main
 
     raise typer.Exit(tiers_main(json_out=json_out, n=n, tenants=tenants))
 
@@ -322,8 +326,8 @@ def bench_soak(
     mixed in, for --minutes; then account for every host object (mounts, cgroups, uid leases, fds,
     threads, RSS, SQLite rows, caches, temporary files, QEMUs, namespaces, nftables) against the baseline.
     Exits non-zero on a leak or an unexpected error."""
-    from ..bench.soak import KINDS
-    from ..bench.soak import main as soak_main
+    from .soak import KINDS
+    from .soak import main as soak_main
 
     chosen = _choose(kinds, KINDS, "--kinds")
     _exit_with(
@@ -361,8 +365,8 @@ def bench_chaos(
     file system, layer cache, or sandbox writable layer) into a node during a burst of 64 creations and
     execs; check every request ended clearly, the node recovered, SQLite and the repository are intact, and
     nothing leaked. Exits non-zero if any fault was not handled."""
-    from ..bench.chaos import main as chaos_main
-    from ..bench.faults import FAULTS
+    from .chaos import main as chaos_main
+    from .faults import FAULTS
 
     chosen = _choose(faults, FAULTS, "--faults")
     _exit_with(lambda: chaos_main(chosen, state_dir, repository, json_out))
@@ -383,5 +387,10 @@ def _exit_with(run: Callable[[], int]) -> NoReturn:
     try:
         status = run()
     except DsecError as e:
-        fail(e)
+        _fail(e)
     raise typer.Exit(status)
+
+
+def _fail(e: DsecError) -> NoReturn:
+    err.print(f"[red]error[/red] ({e.code}): {e.message}")
+    raise typer.Exit(2)

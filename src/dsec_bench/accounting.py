@@ -22,9 +22,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..isolation import idmap
-from ..isolation.network import nft
-from ..kinds.microvm import jail
+from dsec.isolation import idmap
+from dsec.isolation.network import nft
+from dsec.kinds.microvm import jail
 
 Counters = dict[str, int]
 

@@ -17,9 +17,9 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..errors import DsecError, InvalidState
-from ..protocol.sandbox import ExecResult
-from ..sdk.aio import AsyncClient, AsyncSandbox
+from dsec.errors import DsecError, InvalidState
+from dsec.protocol.sandbox import ExecResult
+from dsec.sdk.aio import AsyncClient, AsyncSandbox
 
 LABELS = {"dsec-bench": "soak"}
 IMAGE = "dsec/busybox"

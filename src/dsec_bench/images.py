@@ -20,10 +20,11 @@ from pathlib import Path
 
 from rich.console import Console
 
-from ..errors import DsecError
-from ..isolation.mounts import mount, umount
-from ..protocol.build import ImageSpec
-from ..sdk.aio import AsyncClient, AsyncSandbox
+from dsec.errors import DsecError
+from dsec.isolation.mounts import mount, umount
+from dsec.protocol.build import ImageSpec
+from dsec.sdk.aio import AsyncClient, AsyncSandbox
+
 from .common import IMAGES_DIR, Json, connect, kill_leftovers, phase, release_node, start_daemon, stop_daemon, summarize
 
 IMAGE = "dsec/bench-toolkit:1"

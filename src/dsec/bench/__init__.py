@@ -1,1 +1,0 @@
-"""Benchmarks: JSON out, peers measured side by side in the same run."""
