@@ -27,8 +27,8 @@ demo: install
 	$(VENV)/bin/dsec demo
 
 lint: install
-	$(VENV)/bin/ruff format --check src tests
-	$(VENV)/bin/ruff check src tests
+	$(VENV)/bin/ruff format --check src tests tools
+	$(VENV)/bin/ruff check src tests tools
 	$(VENV)/bin/mypy
 	$(VENV)/bin/lint-imports --no-cache
 

@@ -3,9 +3,11 @@ nothing of the product loads the benchmarks (dsec_bench) but `dsec bench`."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import dsec
 
@@ -47,3 +49,13 @@ def test_the_public_names_still_come_from_dsec() -> None:
     for name in dsec.__all__:
         assert getattr(dsec, name) is not None, name
     assert dsec.Sandbox.__name__ == "Sandbox" and dsec.AsyncClient.__module__ == "dsec.sdk.aio"
+
+
+def test_no_file_over_600_lines_and_no_function_over_80() -> None:
+    """The house rules on size, measured by tools/structure.py (which also prints the import circles)."""
+    root = Path(__file__).resolve().parents[2]
+    spec = importlib.util.spec_from_file_location("structure", root / "tools" / "structure.py")
+    assert spec is not None and spec.loader is not None
+    structure = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(structure)
+    assert structure.oversized(root, structure.modules(root / "src")) == []
