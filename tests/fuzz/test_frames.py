@@ -15,7 +15,7 @@ import struct
 from hypothesis import example, given
 from hypothesis import strategies as st
 
-from dsec.errors import BackendError, SandboxGone
+from dsec.errors import BackendError, LimitExceeded, SandboxGone
 from dsec.kinds.container import agent
 from dsec.kinds.container.agent import AgentChannel
 from dsec.kinds.microvm import channel
@@ -73,7 +73,7 @@ async def _container(frames: list[bytes], close: bool) -> None:
         for fut in (started, exited, chan._ready):
             assert fut.done()
             if fut.exception() is not None:
-                assert isinstance(fut.exception(), BackendError | SandboxGone)
+                assert isinstance(fut.exception(), BackendError | SandboxGone | LimitExceeded)
         outcome(f"start: {type(started.exception()).__name__ if started.exception() else 'pid'}")
     finally:
         await chan.aclose()

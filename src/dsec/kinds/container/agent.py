@@ -6,6 +6,7 @@ import array
 import asyncio
 import contextlib
 import ctypes
+import errno
 import hashlib
 import itertools
 import logging
@@ -17,7 +18,7 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-from ...errors import BackendError, KindUnavailable, SandboxGone
+from ...errors import BackendError, KindUnavailable, LimitExceeded, SandboxGone
 
 log = logging.getLogger("dsec.container.agent")
 
@@ -70,6 +71,26 @@ def steal_parked_end(pid: int) -> socket.socket:
     return socket.socket(fileno=int(fd))
 
 
+# A fork refused for the sandbox's pids limit (EAGAIN) is tried again for this long: the processes of a
+# command that was just killed (a fork bomb at its timeout) are still being reaped when the next comes.
+SPAWN_RETRY_S = 2.0
+
+
+class ProcessLimit(LimitExceeded):
+    """The agent could not fork: the sandbox is at its process limit."""
+
+
+def _spawn_error(value: int) -> Exception:
+    if value == errno.EAGAIN:
+        return ProcessLimit(
+            "the command could not start: the sandbox is at its process limit (pids); its processes must "
+            "exit before another can start"
+        )
+    # an errno; os.strerror raises OverflowError on a value past a C int
+    why = os.strerror(value) if 0 < value < 4096 else f"error {value}"
+    return BackendError(f"the agent could not start the command: {why}")
+
+
 class AgentChannel:
     """One daemon ↔ agent connection. Frames are length-prefixed; execs carry their fds."""
 
@@ -95,15 +116,29 @@ class AgentChannel:
         self, argv: list[str], env: list[str], cwd: str, fds: list[int], user: tuple[int, int] | None = None
     ) -> tuple[int, asyncio.Future[int]]:
         """Start a command (as root, or as ``user`` = (uid, gid)); returns its pid in the sandbox and a
-        future of its raw wait status."""
+        future of its raw wait status. A fork the pids limit refuses is tried again for SPAWN_RETRY_S."""
+        strings = b"".join(s.encode() + b"\0" for s in [cwd, *argv, *env])
+        deadline = asyncio.get_running_loop().time() + SPAWN_RETRY_S
+        pause = 0.01
+        while True:
+            try:
+                return await self._spawn_once(len(argv), len(env), strings, fds, user)
+            except ProcessLimit:
+                if asyncio.get_running_loop().time() + pause > deadline:
+                    raise
+            await asyncio.sleep(pause)
+            pause = min(pause * 2, 0.25)
+
+    async def _spawn_once(
+        self, argc: int, envc: int, strings: bytes, fds: list[int], user: tuple[int, int] | None
+    ) -> tuple[int, asyncio.Future[int]]:
         if self.closed:
             raise SandboxGone("the sandbox's agent is gone")
         exec_id = next(self._ids)
-        strings = b"".join(s.encode() + b"\0" for s in [cwd, *argv, *env])
         if user is None or user == (0, 0):
-            body = struct.pack("<cIII", b"E", exec_id, len(argv), len(env)) + strings
+            body = struct.pack("<cIII", b"E", exec_id, argc, envc) + strings
         else:
-            body = struct.pack("<cIIIII", b"U", exec_id, len(argv), len(env), *user) + strings
+            body = struct.pack("<cIIIII", b"U", exec_id, argc, envc, *user) + strings
         loop = asyncio.get_running_loop()
         started: asyncio.Future[int] = loop.create_future()
         exited: asyncio.Future[int] = loop.create_future()
@@ -176,9 +211,7 @@ class AgentChannel:
         elif kind == b"F":
             fut = self._started.get(exec_id)
             if fut and not fut.done():
-                # an errno; os.strerror raises OverflowError on a value past a C int
-                why = os.strerror(value) if 0 < value < 4096 else f"error {value}"
-                fut.set_exception(BackendError(f"the agent could not start the command: {why}"))
+                fut.set_exception(_spawn_error(value))
         elif kind == b"X":
             fut = self._exited.pop(exec_id, None)
             if fut and not fut.done():
