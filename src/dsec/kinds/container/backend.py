@@ -318,6 +318,12 @@ class ContainerBackend(ContainerFiles, PolicyNetwork):
         bundle = self._bundle(rec)
         unmount_rootfs(bundle)
         shutil.rmtree(bundle, ignore_errors=True)
+        # the runtime's own record of the container: `delete` can fail (a full state file system) and
+        # leave it; the container's processes are gone by now, so it is only files
+        leftover = self.run_root / rec.id
+        if leftover.is_dir():
+            log.warning("%s: the runtime left its state directory; removing it", rec.id)
+            shutil.rmtree(leftover, ignore_errors=True)
         base = rec.runtime.get("uid_base")
         if isinstance(base, int):
             self.uid_slots.release(base)
