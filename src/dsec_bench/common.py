@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import math
 import os
 import signal
 import statistics
@@ -23,22 +22,12 @@ from dsec.errors import DsecError
 from dsec.isolation.mounts import unmount_under
 from dsec.protocol.node import NodeStatus
 from dsec.sdk.aio import AsyncClient, AsyncSandbox
+from dsec.stats import percentile as percentile
 
 Json = dict[str, Any]
 
 IMAGES_DIR = Path("/var/tmp/dsec-images")
 DAEMON_START_TIMEOUT = 60.0
-
-
-def percentile(values: Sequence[float], q: float) -> float:
-    """The q-th percentile (0..100), interpolating linearly between the closest ranks."""
-    if not values:
-        raise ValueError("percentile of no values")
-    ordered = sorted(values)
-    pos = (len(ordered) - 1) * q / 100.0
-    lo = math.floor(pos)
-    hi = min(lo + 1, len(ordered) - 1)
-    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
 
 
 def summarize(seconds: Sequence[float]) -> Json:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import io
-import math
 import os
 import signal
 import subprocess
@@ -22,6 +21,7 @@ from rich.table import Table
 
 from ..errors import DaemonUnreachable, DsecError
 from ..sdk.aio import AsyncClient, AsyncSandbox
+from ..stats import percentile
 from .project import FILES, GRADE, candidate_for
 
 IMAGE = "dsec/debian:12"
@@ -193,16 +193,6 @@ def _expected(outcomes: list[Outcome]) -> bool:
     return all((o.reward == 1) == (o.candidate == "correct") for o in outcomes if o.error is None)
 
 
-def _percentile(values: list[float], q: float) -> float:
-    """The q-th percentile (0..100), interpolating linearly between the closest ranks (as the benchmarks
-    compute it; the product does not import them)."""
-    ordered = sorted(values)
-    pos = (len(ordered) - 1) * q / 100.0
-    lo = math.floor(pos)
-    hi = min(lo + 1, len(ordered) - 1)
-    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
-
-
 def _summary(outcomes: list[Outcome], wall: float, n: int, leftovers: int) -> None:
     ok = [o for o in outcomes if o.error is None]
     create = [o.create_s * 1000 for o in ok]
@@ -213,7 +203,7 @@ def _summary(outcomes: list[Outcome], wall: float, n: int, leftovers: int) -> No
     table.add_row("wall time", f"{wall:.2f} s")
     table.add_row("sandboxes / s", f"{n / wall:.1f}")
     for label, values in (("create", create), ("grading exec", execs)):
-        spread = f"{_percentile(values, 50):.0f} / {_percentile(values, 99):.0f} ms" if values else "n/a"
+        spread = f"{percentile(values, 50):.0f} / {percentile(values, 99):.0f} ms" if values else "n/a"
         table.add_row(f"{label} p50 / p99", spread)
     for cand in ("correct", "wrong", "stale"):
         group = [o for o in ok if o.candidate == cand]

@@ -98,8 +98,3 @@ class Answer:
             self._parser.feed_data(data)
         except httptools.HttpParserError as e:
             raise ReadFailed("malformed", str(e), e) from e
-
-    async def head(self, conn: Connection, timeout: float | None) -> None:
-        """Read until the status and headers are in."""
-        while not self.headers_done:
-            await self.feed(conn, timeout)

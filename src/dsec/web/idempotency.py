@@ -59,6 +59,7 @@ PACKED_COST = 320
 _HEAD = struct.Struct("<dHBBIIH")  # expires, status, complete, digest given, request length, body length, headers
 _PAIR = struct.Struct("<II")
 _NO_BODY = 0xFFFFFFFF
+_DIGEST = blake3.blake3.digest_size  # of a request body (Entry.body_digest)
 
 
 @dataclass(eq=False, slots=True)
@@ -118,7 +119,7 @@ def unpack(blob: bytes) -> Entry:
     request, at = blob[at : at + request_len], at + request_len
     digest = None
     if digested:
-        digest, at = blob[at : at + 32], at + 32
+        digest, at = blob[at : at + _DIGEST], at + _DIGEST
     headers = []
     for _ in range(count):
         n, v = _PAIR.unpack_from(blob, at)

@@ -35,7 +35,6 @@ async def _serve(reply: bytes, *, hold: bool = False) -> AsyncIterator[Connectio
 async def _read(reply: bytes, *, lower: bool = False, timeout: float = 5, hold: bool = False) -> Answer:
     async for conn in _serve(reply, hold=hold):
         answer = Answer(lower=lower)
-        await answer.head(conn, timeout)
         while not answer.complete:
             await answer.feed(conn, timeout)
         return answer
