@@ -18,7 +18,6 @@ import secrets
 import shutil
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import blake3
 
@@ -27,13 +26,11 @@ from ..images import squash
 from ..images.canary import call_canaries
 from ..images.model import CachedStep, ImageConfig, LayerRef
 from ..images.scrub import ScrubRules
-from ..images.store import ImageRef, StagedLayer, normalize
+from ..images.store import ImageRef, ImageStore, StagedLayer, normalize
 from ..protocol.build import BUILDER_CA, HOST_CA_BUNDLE, BuildSpec, Step
 from ..protocol.sandbox import BuildRequest, BuildResult, BuildStepResult, CreateSandbox, ExecRequest, LayerInfo, Limits
 from ..tenancy import OPERATOR, Caller
-
-if TYPE_CHECKING:
-    from .manager import SandboxManager
+from .lifecycle import Lifecycle
 
 log = logging.getLogger("dsec.builds")
 
@@ -116,10 +113,10 @@ def _step_done(
 
 
 class Builder:
-    def __init__(self, manager: SandboxManager) -> None:
-        self.mgr = manager
-        self.images = manager.images
-        self.contexts = manager.images.root / "contexts"
+    def __init__(self, lifecycle: Lifecycle, images: ImageStore) -> None:
+        self.lifecycle = lifecycle
+        self.images = images
+        self.contexts = images.root / "contexts"
         self.contexts.mkdir(parents=True, exist_ok=True)
         self.host_ca = os.path.exists(HOST_CA_BUNDLE)
 
@@ -269,8 +266,8 @@ class Builder:
             labels={"dsec.build": normalize(spec.name)},
             network="full",
         )
-        rec = await self.mgr.create_on(create, ref)
-        backend = self.mgr.backends[rec.kind]
+        rec = await self.lifecycle.create_on(create, ref)
+        backend = self.lifecycle.sandboxes.backends[rec.kind]
         try:
             if step.copy_ is not None:
                 await backend.upload_tar(rec, step.copy_.dest, await self._context(step))
@@ -293,4 +290,4 @@ class Builder:
                 return await self.images.pack(upper, rules)
         finally:
             with contextlib.suppress(Exception):
-                await self.mgr.kill(rec.id)
+                await self.lifecycle.kill(rec.id)

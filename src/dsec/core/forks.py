@@ -6,46 +6,43 @@ import asyncio
 import contextlib
 import logging
 import time
-from typing import TYPE_CHECKING
 
 from ..errors import BackendError, DsecError
 from ..protocol.sandbox import ForkRequest, ForkResult, State
 from ..store.records import SandboxRecord, new_record
 from ..tenancy import Caller
 from .admission import Claim
-
-if TYPE_CHECKING:
-    from .manager import SandboxManager
+from .sandboxes import Sandboxes
 
 log = logging.getLogger("dsec.core")
 
 
-async def fork(mgr: SandboxManager, sandbox_id: str, req: ForkRequest, caller: Caller) -> ForkResult:
+async def fork(sandboxes: Sandboxes, sandbox_id: str, req: ForkRequest, caller: Caller) -> ForkResult:
     """``req.n`` new sandboxes restored from one memory snapshot of this one, each with its own copy
     of its memory and writable layer. All or nothing: if one copy fails, none is kept.
 
     Allowed in: running, paused (the parent is left as it was).
     """
     started = time.monotonic()
-    parent = mgr._get(sandbox_id, caller)
-    backend = mgr.backends[parent.kind]
+    parent = sandboxes.get(sandbox_id, caller)
+    backend = sandboxes.backends[parent.kind]
     children: list[SandboxRecord] = []
     # the copies are sandboxes like any: admitted against the node's capacity before anything is made
     claims: list[Claim] = []
     try:
         for _ in range(req.n):
             claim = Claim(parent.owner, parent.limits.cpu, parent.limits.mem_request())
-            await mgr.admission.admit(claim, None)
+            await sandboxes.admission.admit(claim, None)
             claims.append(claim)
     except BaseException:
         for claim in claims:
-            mgr.admission.cancel(claim)
+            sandboxes.admission.cancel(claim)
         raise
     try:
-        async with mgr._lock(parent.id):
-            parent = mgr._get(sandbox_id)
+        async with sandboxes.lock(parent.id):
+            parent = sandboxes.get(sandbox_id)
             if parent.state != State.paused:
-                mgr._running(sandbox_id)  # raises the precise error for any other state
+                sandboxes.running(sandbox_id)  # raises the precise error for any other state
             async with backend.checkpoint(parent) as checkpoint:
                 ttl = req.timeout if req.timeout is not None else parent.expires_at - parent.created_at
                 labels = parent.labels if req.labels is None else req.labels
@@ -55,8 +52,8 @@ async def fork(mgr: SandboxManager, sandbox_id: str, req: ForkRequest, caller: C
                     )
                     child.runtime["forked_from"] = parent.id
                     child.owner = parent.owner  # the parent's tenant's, even when the operator forks
-                    mgr.admission.bind(child.id, claims.pop())
-                    mgr._set_state(child, State.creating)
+                    sandboxes.admission.bind(child.id, claims.pop())
+                    sandboxes.set_state(child, State.creating)
                     children.append(child)
                 results = await asyncio.gather(
                     *(backend.restore(c, parent, checkpoint) for c in children), return_exceptions=True
@@ -68,14 +65,14 @@ async def fork(mgr: SandboxManager, sandbox_id: str, req: ForkRequest, caller: C
             raise BackendError(f"{len(failed)} of {req.n} copies of {parent.id} failed to start: {why}")
     except BaseException as e:
         for claim in claims:  # not yet given to a copy
-            mgr.admission.cancel(claim)
+            sandboxes.admission.cancel(claim)
         reason = str(e) if isinstance(e, DsecError) else f"{type(e).__name__}: {e}"
         for child in children:
-            mgr._set_state(child, State.failed, f"fork failed: {reason}")
+            sandboxes.set_state(child, State.failed, f"fork failed: {reason}")
             with contextlib.suppress(Exception):
                 await backend.destroy(child)
         raise
     for child in children:
-        mgr._set_state(child, State.running)
+        sandboxes.set_state(child, State.running)
     log.info("sandbox %s forked into %d in %.2fs", parent.id, req.n, time.monotonic() - started)
     return ForkResult(sandboxes=[c.info() for c in children], seconds=round(time.monotonic() - started, 3))

@@ -37,17 +37,14 @@ import posixpath
 import secrets
 import tarfile
 import time
-from typing import TYPE_CHECKING
 
 from ..errors import BackendError, DsecError, FileNotFoundInSandbox, InvalidRequest, LimitExceeded
-from ..images.store import DEFAULT_PATH, ImageRef
+from ..images.store import DEFAULT_PATH, ImageRef, ImageStore
 from ..protocol.grade import GRADE_DIR, GradeRequest, GradeResult
 from ..protocol.sandbox import CreateSandbox, ExecRequest
 from ..store.records import SandboxRecord
 from ..tenancy import OPERATOR, Caller
-
-if TYPE_CHECKING:
-    from .manager import SandboxManager
+from .lifecycle import Lifecycle
 
 log = logging.getLogger("dsec.grading")
 
@@ -122,12 +119,14 @@ class _Copy:
 
 
 class Grader:
-    def __init__(self, manager: SandboxManager) -> None:
-        self.mgr = manager
+    def __init__(self, lifecycle: Lifecycle, images: ImageStore) -> None:
+        self.lifecycle = lifecycle
+        self.sandboxes = lifecycle.sandboxes
+        self.images = images
 
     async def grade(self, sandbox_id: str, req: GradeRequest, *, caller: Caller = OPERATOR) -> GradeResult:
         started = time.monotonic()
-        rec, _ = self.mgr._running(sandbox_id, caller)
+        rec, _ = self.sandboxes.running(sandbox_id, caller)
         image = await self._image(rec, req, caller)
         copies = await self._read_candidate(rec, req.paths)
         copied = sum(len(c.data) for c in copies)
@@ -143,7 +142,7 @@ class Grader:
         t_create = time.monotonic()
         sibling: SandboxRecord | None = None
         try:
-            sibling = await self.mgr.create_on(create, image, owner=rec.owner)
+            sibling = await self.lifecycle.create_on(create, image, owner=rec.owner)
             t_copy = time.monotonic()
             home = await self._prepare(sibling, copies, req)
             t_run = time.monotonic()
@@ -155,12 +154,12 @@ class Grader:
                 user=GRADE_USER,
                 output_limit=req.output_limit,
             )
-            result = await self.mgr.backends[sibling.kind].exec(sibling, run)
+            result = await self.sandboxes.backends[sibling.kind].exec(sibling, run)
             t_done = time.monotonic()
         finally:
             if sibling is not None:
                 with contextlib.suppress(DsecError):
-                    await asyncio.shield(self.mgr.kill(sibling.id))
+                    await asyncio.shield(self.lifecycle.kill(sibling.id))
         log.info("graded %s in sibling %s: exit %s", rec.id, sibling.id, result.exit_code)
         return GradeResult(
             result=result,
@@ -177,7 +176,7 @@ class Grader:
     async def _image(self, rec: SandboxRecord, req: GradeRequest, caller: Caller) -> ImageRef:
         """The pristine image: the exact version the candidate started from, with an environment of
         nothing but the platform's PATH (the grade sets the rest)."""
-        images = self.mgr.images
+        images = self.images
         if req.image is not None:
             ref = await images.resolve(req.image, caller=caller)
         elif not rec.image_digest:
@@ -201,7 +200,7 @@ class Grader:
         return dataclasses.replace(ref, env={"PATH": DEFAULT_PATH})
 
     async def _read_candidate(self, rec: SandboxRecord, paths: list[str]) -> list[_Copy]:
-        backend = self.mgr.backends[rec.kind]
+        backend = self.sandboxes.backends[rec.kind]
         copies: list[_Copy] = []
         total = 0
         for path in paths:
@@ -215,7 +214,7 @@ class Grader:
                 raise FileNotFoundInSandbox(f"{path} does not exist in sandbox {rec.id}", detail={"path": path})
             if entry.type == "dir":
                 data = await asyncio.to_thread(
-                    clean_archive, await self.mgr._checked(rec, backend.download_tar(rec, path))
+                    clean_archive, await self.sandboxes.checked(rec, backend.download_tar(rec, path))
                 )
             elif entry.type == "file":
                 data = await backend.read_file(rec, path)
@@ -229,7 +228,7 @@ class Grader:
 
     async def _prepare(self, sibling: SandboxRecord, copies: list[_Copy], req: GradeRequest) -> str:
         """Copies and tests in place, root-owned and read-only to the grading user; returns its HOME."""
-        backend = self.mgr.backends[sibling.kind]
+        backend = self.sandboxes.backends[sibling.kind]
         for c in copies:
             if c.is_dir:
                 await backend.upload_tar(sibling, c.path, c.data)

@@ -1,7 +1,7 @@
-"""The lifecycle core. It owns the state machine and the records; kinds do the work.
-
-States: creating → running → stopping → stopped, and failed / lost with a reason. Each action says
-which states allow it and rejects the rest with ``InvalidState`` (or ``SandboxGone`` once terminal).
+"""The node's core, assembled: the sandbox state machine (sandboxes.py) and the parts that act through
+it — the lifecycle, files, images, forks, grading, builds, one-shot runs, processes, the operation
+table with the trajectory log wrapped around it, usage and metrics. ``SandboxManager`` builds and
+starts them and is what the servers call; none of the parts knows it.
 """
 
 from __future__ import annotations
@@ -11,72 +11,60 @@ import builtins
 import contextlib
 import logging
 import os
-import time
-from collections.abc import Awaitable, Coroutine, Sequence
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
-from ..errors import (
-    BackendError,
-    DsecError,
-    InvalidRequest,
-    InvalidState,
-    KindUnavailable,
-    SandboxGone,
-    SandboxNotFound,
-    environment_error,
-)
+from ..errors import DsecError, KindUnavailable
 from ..images.store import ImageRef, ImageStore
 from ..isolation.network.host import NetworkHost
 from ..isolation.network.options import NetworkOptions
 from ..kinds import registry
 from ..kinds.base import Backend, BackendContext, OutputCallback
 from ..kinds.execio import ExecIO
+from ..protocol.grade import GradeRequest, GradeResult
 from ..protocol.network import NetworkSpec
 from ..protocol.sandbox import (
-    MAX_TTL_S,
     TERMINAL_STATES,
     CreateSandbox,
     ExecRequest,
     ExecResult,
+    FileEntry,
     ForkRequest,
     ForkResult,
+    GcResult,
+    ImageInfo,
     NetworkStatus,
     SandboxInfo,
-    State,
+    SnapshotRequest,
 )
 from ..store.audit import AuditLog
-from ..store.records import SandboxRecord, new_record
+from ..store.records import SandboxRecord
 from ..store.sqlite import SandboxStore
 from ..store.tenants import TenantStore
 from ..tenancy import OPERATOR, Caller
 from . import forks
-from .admission import Admission, AdmissionOptions, Claim
+from .actions import Actions
+from .admission import Admission, AdmissionOptions
 from .builds import Builder
-from .fileops import FileActions
+from .files import FileActions
 from .grading import Grader
 from .imageops import ImageActions
+from .lifecycle import Kinds, Lifecycle
 from .metrics import NodeMetrics
 from .oneshot import Runner
 from .processes import ProcessTable
 from .record_writes import RecordWrites
+from .sandboxes import Sandboxes
 from .trajectory.recorder import Trajectories, TrajectoryOptions
 from .usage import DEFAULT_EVICT_AT, UsageMonitor
 
 log = logging.getLogger("dsec.core")
-T = TypeVar("T")
 
 REAP_INTERVAL = 1.0
-KEEP_FINISHED_S = 24 * 3600.0
-MAX_CONCURRENT_CREATES = 32
-LIVE_STATES = {State.creating, State.running, State.paused, State.stopping}
 
 
-def _host_memory() -> int:
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-
-
-class SandboxManager(FileActions, ImageActions):
+class SandboxManager:
     def __init__(
         self,
         state_dir: Path,
@@ -98,37 +86,40 @@ class SandboxManager(FileActions, ImageActions):
         self.images = images or ImageStore(state_dir / "images")
         self.ctx = BackendContext(state_dir=state_dir, net=NetworkHost(state_dir, network), options=kind_options or {})
         self.backends: dict[str, Backend] = {}
-        self._locks: dict[str, asyncio.Lock] = {}
-        # Records of live sandboxes, kept in memory (written through to the store): the hot path of
-        # every exec and file call reads them without touching SQLite.
-        self._live: dict[str, SandboxRecord] = {}
-        # per kind: VMs queueing for their few boot slots must not hold up container creations
-        self._create_slots: dict[str, asyncio.Semaphore] = {}
-        self._reaper: asyncio.Task[None] | None = None
         self.notes: list[str] = []
         self.unavailable: dict[str, str] = {}  # kind -> why this node cannot run it
         self.kinds = list(kinds) if kinds is not None else registry.available()  # the kinds to start
-        # Set while a sandbox's writable layer is being packed: host-side file writes wait for it.
-        self._packing: dict[str, asyncio.Event] = {}
-        self.builds = Builder(self)
-        self.grader = Grader(self)
-        self.runner = Runner(self)
-        self.trajectories = Trajectories(self, trajectory)
-        self.processes = ProcessTable(self)
         self.admission = Admission(admission or AdmissionOptions(), quota_of=self.tenants.quota)
         self.node_name = self.admission.options.node_name or os.uname().nodename
-        self.usage = UsageMonitor(self, evict_at)
-        self.metrics = NodeMetrics(self)
-        self.usage.on_sample = self._cpu_sampled
+        self.sandboxes = Sandboxes(self.store, self.records, self.admission, self.backends)
+        self.metrics = NodeMetrics(self.sandboxes)
+        self.lifecycle = Lifecycle(
+            self.sandboxes,
+            self.images,
+            self.metrics,
+            self.tenants,
+            Kinds(self.unavailable, lambda kind: registry.load(kind, self.ctx)),
+            self.node_name,
+        )
+        self.files = FileActions(self.sandboxes)
+        self.image_actions = ImageActions(self.sandboxes, self.images)
+        self.grader = Grader(self.lifecycle, self.images)
+        self.builds = Builder(self.lifecycle, self.images)
+        self.runner = Runner(self.lifecycle, self.files)
+        self.actions = Actions(self)
+        self.trajectories = Trajectories(self.lifecycle, self, state_dir, trajectory)
+        self.actions.recorder = self.trajectories
+        self.processes = ProcessTable(self.sandboxes, self.actions)
+        self.usage = UsageMonitor(self.sandboxes, self.lifecycle.evict, evict_at)
+        self.metrics.watch(self.usage, self.runner.pools)
+        self._reaper: asyncio.Task[None] | None = None
         self._monitor: asyncio.Task[None] | None = None
-        self.max_concurrent_creates = MAX_CONCURRENT_CREATES
-        self._background: set[asyncio.Task[None]] = set()
-        self._busy: dict[str, int] = {}  # sandbox id -> execs in flight (a VM is not paused under one)
-        # one-shot runs' sandboxes: never written to the state database (a daemon that dies mid-run
-        # fails the call; the worker it held is cleaned up as stale on the next start)
-        self._ephemeral: set[str] = set()
         # where the node also serves the E2B-compatible API, for its status (set by `dsec serve`)
         self.e2b_url: str | None = None
+
+    @property
+    def max_concurrent_creates(self) -> int:
+        return self.lifecycle.max_concurrent_creates
 
     # ---- daemon lifecycle --------------------------------------------------------------------------
 
@@ -154,7 +145,7 @@ class SandboxManager(FileActions, ImageActions):
                 self.notes.append(f"{kind} kind unavailable: {e.message}")
                 continue
             self.backends[kind] = backend
-        await self.readopt()
+        await self.lifecycle.readopt()
         await self.trajectories.start()
         for backend in self.backends.values():
             await backend.readopted()
@@ -171,8 +162,7 @@ class SandboxManager(FileActions, ImageActions):
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
-        if self._background:  # dead sandboxes' releases, traces being saved: bounded, then left
-            await asyncio.wait(set(self._background), timeout=30)
+        await self.sandboxes.settle(30)  # dead sandboxes' releases, traces being saved: bounded, then left
         await self.processes.close()
         for backend in self.backends.values():
             try:
@@ -184,7 +174,7 @@ class SandboxManager(FileActions, ImageActions):
                 await self.ctx.net.close()
             except Exception:
                 log.exception("closing the network side failed")
-        survivors = sum(1 for r in self._live.values() if r.state not in TERMINAL_STATES)
+        survivors = sum(1 for r in self.sandboxes.live() if r.state not in TERMINAL_STATES)
         try:
             for note in await self.images.close(survivors):
                 log.info("%s", note)
@@ -199,245 +189,64 @@ class SandboxManager(FileActions, ImageActions):
         self.records.flush()
         self.store.close()
 
-    async def readopt(self) -> None:
-        """After a restart: keep what still runs, mark the rest lost with a reason, free what they held."""
-        for rec in self.store.all(LIVE_STATES):
-            self._live[rec.id] = rec
-            backend = self.backends.get(rec.kind)
-            alive = False
-            if backend is not None and rec.state in (State.running, State.paused):
-                try:
-                    alive = await backend.alive(rec)
-                except DsecError:
-                    alive = False
-            if alive:
-                log.info("re-adopted sandbox %s", rec.id)
-                self.admission.force(rec.id, Claim(rec.owner, rec.limits.cpu, rec.limits.mem_request()))
-                continue
-            reason = {
-                State.creating: "the daemon stopped while the sandbox was being created",
-                State.stopping: "the daemon stopped while the sandbox was being stopped",
-            }.get(rec.state, "the sandbox was not running when the daemon restarted")
-            if backend is None:
-                reason = f"kind {rec.kind!r} is not available in this daemon"
-            self._set_state(rec, State.lost, reason)
-            if backend is not None:
-                with contextlib.suppress(Exception):
-                    await backend.destroy(rec)
-            log.warning("sandbox %s lost: %s", rec.id, reason)
-
     async def _reap_forever(self) -> None:
         while True:
             await asyncio.sleep(REAP_INTERVAL)
             try:
-                await self.reap_once()
+                await self.lifecycle.reap_once()
             except Exception:  # the reaper must survive anything one sandbox does
                 log.exception("reaper pass failed")
 
     async def reap_once(self) -> None:
-        now = time.time()
-        self.records.flush()
-        for rec in list(self._live.values()):
-            if rec.state in (State.running, State.paused) and rec.expires_at <= now:
-                log.info("sandbox %s reached its time to live", rec.id)
-                with contextlib.suppress(DsecError):
-                    await self._stop(rec.id, "time to live expired")
-        self.store.delete_older_than(now - KEEP_FINISHED_S, set(TERMINAL_STATES))
+        await self.lifecycle.reap_once()
 
-    # ---- records and states ------------------------------------------------------------------------
-
-    def _lock(self, sandbox_id: str) -> asyncio.Lock:
-        return self._locks.setdefault(sandbox_id, asyncio.Lock())
-
-    def _set_state(self, rec: SandboxRecord, state: State, reason: str | None = None) -> None:
-        before = rec.state, rec.reason
-        rec.state = state
-        rec.reason = reason
-        if rec.id not in self._ephemeral:
-            try:
-                self.records.write(rec)  # a state that starts something is refused if it cannot be recorded
-            except BaseException:
-                rec.state, rec.reason = before
-                raise
-        if state in TERMINAL_STATES:
-            self._ephemeral.discard(rec.id)
-            self._live.pop(rec.id, None)
-            self.admission.release(rec.id)
-        else:
-            self._live[rec.id] = rec
-
-    def _get(self, sandbox_id: str, caller: Caller = OPERATOR) -> SandboxRecord:
-        """The record, if ``caller`` may act on it. Every action on a sandbox goes through here: another
-        tenant's sandbox is answered exactly like one that does not exist, so ids cannot be probed."""
-        if not isinstance(sandbox_id, str) or not sandbox_id or len(sandbox_id) > 64:
-            raise SandboxNotFound(f"no sandbox {sandbox_id!r}")
-        rec = self._live.get(sandbox_id) or self.records.unsaved.get(sandbox_id) or self.store.get(sandbox_id)
-        if rec is None or not caller.owns(rec.owner):
-            raise SandboxNotFound(f"no sandbox {sandbox_id!r}")
-        return rec
-
-    def _running(self, sandbox_id: str, caller: Caller = OPERATOR) -> tuple[SandboxRecord, Backend]:
-        rec = self._get(sandbox_id, caller)
-        if rec.state in TERMINAL_STATES:
-            why = f": {rec.reason}" if rec.reason else ""
-            raise SandboxGone(f"sandbox {rec.id} is {rec.state.value}{why}", detail={"state": rec.state.value})
-        if rec.state != State.running:
-            raise InvalidState(
-                f"sandbox {rec.id} is {rec.state.value}; this needs a running sandbox",
-                detail={"state": rec.state.value},
-            )
-        if rec.expires_at <= time.time():
-            raise SandboxGone(f"sandbox {rec.id} reached its time to live")
-        return rec, self.backends[rec.kind]
-
-    # ---- actions -----------------------------------------------------------------------------------
+    # ---- sandboxes ---------------------------------------------------------------------------------
 
     async def create(self, req: CreateSandbox, *, caller: Caller = OPERATOR, persist: bool = True) -> SandboxInfo:
         """A new sandbox; with ``req.trajectory``, the trajectory's sandbox (new, resumed or rebuilt)."""
+        if not req.trajectory:
+            return await self.lifecycle.create(req, caller=caller, persist=persist)
         try:
-            if req.trajectory:
-                return await self.trajectories.create(req, caller)
-            return await self.create_fresh(req, caller=caller, persist=persist)
+            return await self.trajectories.create(req, caller)
         except DsecError as e:
             self.metrics.failed(req.kind, e.code)
             raise
 
-    async def create_fresh(self, req: CreateSandbox, *, caller: Caller = OPERATOR, persist: bool = True) -> SandboxInfo:
-        if req.kind not in self.backends:
-            if req.kind in self.unavailable:
-                raise InvalidRequest(f"kind {req.kind!r} is not available on this node: {self.unavailable[req.kind]}")
-            registry.load(req.kind, self.ctx)  # raises the precise "not available" / "unknown" error
-            raise InvalidRequest(f"kind {req.kind!r} is not enabled on this node")
-        if req.limits.memory > _host_memory():
-            raise InvalidRequest(f"memory limit {req.limits.memory} exceeds this node's {_host_memory()} bytes")
-        # refused now (too big for the node or the tenant's quota) rather than after an image build
-        self.admission.check(Claim(caller.tenant, req.limits.cpu, req.limits.mem_request()))
-        image = await self.images.resolve(req.image, caller=caller)
-        return (await self.create_on(req, image, owner=caller.tenant, persist=persist)).info()
-
     async def create_on(
         self, req: CreateSandbox, image: ImageRef, *, owner: str = OPERATOR.tenant, persist: bool = True
     ) -> SandboxRecord:
-        """Create on a resolved image (builder sandboxes the daemon runs itself come here too).
-
-        Admission comes first: a creation that waits for capacity, or is refused, has no record yet, so
-        nothing half-made is left behind by a deadline or a caller that went away."""
-        backend = self.backends[req.kind]
-        backend.check_network(req.network)
-        started = time.monotonic()
-        claim = Claim(owner, req.limits.cpu, req.limits.mem_request())
-        waited = await self.admission.admit(claim, req.queue_timeout)
-        if waited:
-            self.metrics.queue_wait.observe(waited)
-        try:
-            rec = new_record(req.kind, image.name, image.digest, req.timeout, req.limits, req.env, req.labels)
-        except BaseException:
-            self.admission.cancel(claim)
-            raise
-        self.admission.bind(rec.id, claim)
-        rec.owner = owner
-        rec.network = req.network
-        rec.runtime["node"] = self.node_name
-        if req.trajectory:
-            rec.runtime["trajectory"] = req.trajectory
-        if persist:
-            try:
-                self.records.write(rec)
-            except BaseException:
-                self.admission.release(rec.id)
-                raise
-        else:
-            self._ephemeral.add(rec.id)
-        self._live[rec.id] = rec
-        # VM kinds bound their boots (and restores) themselves, by the accelerator a first use finds
-        slots = self._create_slots.setdefault(req.kind, asyncio.Semaphore(self.max_concurrent_creates))
-        try:
-            async with slots, self._lock(rec.id):
-                if rec.state != State.creating:  # killed while it waited for a create slot
-                    raise SandboxGone(f"sandbox {rec.id} was {rec.state.value} before it was created: {rec.reason}")
-                timings = rec.runtime["timings"] = {"queue": round(time.monotonic() - started, 6)}
-                try:
-                    await backend.create(rec, image)
-                    total = time.monotonic() - started
-                    timings["runtime"] = round(total - timings["queue"] - timings.get("rootfs", 0.0), 6)
-                    timings["total"] = round(total, 6)
-                    self._set_state(rec, State.running)  # not recorded (a full disk): the creation failed
-                except BaseException as e:
-                    self._set_state(rec, State.failed, f"creation failed: {_failure(e)}")
-                    with contextlib.suppress(Exception):
-                        await backend.destroy(rec)
-                    if isinstance(e, DsecError) or not isinstance(e, Exception):
-                        raise
-                    raise environment_error(e) or BackendError(f"creating sandbox failed: {_failure(e)}") from e
-        except BaseException as e:
-            if rec.state == State.creating:  # cancelled before its backend was asked (waiting for a slot)
-                self._set_state(rec, State.failed, f"creation failed: {_failure(e)}")
-            self._locks.pop(rec.id, None)  # a failed sandbox takes no more actions that need it
-            raise
-        self.metrics.created(rec.kind, timings)
-        return rec
+        return await self.lifecycle.create_on(req, image, owner=owner, persist=persist)
 
     def info(self, sandbox_id: str, *, caller: Caller = OPERATOR) -> SandboxInfo:
-        return self._get(sandbox_id, caller).info()
+        return self.sandboxes.get(sandbox_id, caller).info()
 
     def record(self, sandbox_id: str, *, caller: Caller = OPERATOR) -> SandboxRecord:
         """The sandbox's record, if ``caller`` may act on it (for layers that translate calls into the
         core's, like the E2B API: they need its owner and trajectory, not only its info)."""
-        return self._get(sandbox_id, caller)
+        return self.sandboxes.get(sandbox_id, caller)
 
     def is_live(self, sandbox_id: str) -> bool:
-        return sandbox_id in self._live
+        return self.sandboxes.is_live(sandbox_id)
+
+    def list(
+        self, labels: dict[str, str] | None = None, include_finished: bool = False, *, caller: Caller = OPERATOR
+    ) -> builtins.list[SandboxInfo]:
+        live = sorted(self.sandboxes.live(), key=lambda r: r.created_at)
+        recs = self.store.all() if include_finished else live
+        wanted = labels or {}
+        return [r.info() for r in recs if caller.owns(r.owner) and all(r.labels.get(k) == v for k, v in wanted.items())]
+
+    def live_count(self, tenant: str) -> int:
+        return sum(1 for r in self.sandboxes.live() if r.owner == tenant)
 
     async def kill(self, sandbox_id: str, *, caller: Caller = OPERATOR) -> SandboxInfo:
-        rec = self._get(sandbox_id, caller)
-        if rec.state in TERMINAL_STATES:
-            return rec.info()  # killing twice is not an error
-        return await self._stop(sandbox_id, "killed by request")
+        return await self.lifecycle.kill(sandbox_id, caller=caller)
 
     def set_timeout(self, sandbox_id: str, seconds: float, *, caller: Caller = OPERATOR) -> SandboxInfo:
-        """A new time to live, counted from now (shorter or longer than the old one). Allowed in: creating,
-        running, paused."""
-        if not 0 < seconds <= MAX_TTL_S:
-            raise InvalidRequest(f"timeout must be more than 0 and at most {MAX_TTL_S:g} seconds, not {seconds:g}")
-        rec = self._get(sandbox_id, caller)
-        if rec.state in TERMINAL_STATES:
-            why = f": {rec.reason}" if rec.reason else ""
-            raise SandboxGone(f"sandbox {rec.id} is {rec.state.value}{why}", detail={"state": rec.state.value})
-        if rec.state == State.stopping:
-            raise InvalidState(f"sandbox {rec.id} is stopping", detail={"state": rec.state.value})
-        rec.expires_at = time.time() + seconds
-        if rec.id not in self._ephemeral:
-            self.store.put(rec)
-        return rec.info()
+        return self.lifecycle.set_timeout(sandbox_id, seconds, caller=caller)
 
     async def evict(self, sandbox_id: str, reason: str) -> None:
-        """End a sandbox the node cannot keep (memory pressure): ``failed``, with why."""
-        with contextlib.suppress(DsecError):
-            await self._stop(sandbox_id, reason, final=State.failed)
-        self.metrics.evictions.inc()
-
-    def _cpu_sampled(self, sandbox_id: str, ratio: float) -> None:
-        rec = self._live.get(sandbox_id)
-        if rec is not None:
-            self.metrics.cpu_use.labels(rec.kind).observe(ratio)
-
-    async def _stop(self, sandbox_id: str, reason: str, final: State = State.stopped) -> SandboxInfo:
-        async with self._lock(sandbox_id):
-            rec = self._get(sandbox_id)
-            if rec.state in TERMINAL_STATES:
-                return rec.info()
-            self._set_state(rec, State.stopping, reason)
-            try:
-                await self.backends[rec.kind].destroy(rec)
-            except Exception as e:
-                self._set_state(rec, State.failed, f"{reason}; cleanup failed: {e}")
-                if isinstance(e, DsecError):
-                    raise
-                raise BackendError(f"stopping sandbox {rec.id} failed: {e}") from e
-            self._set_state(rec, final, reason)
-        self._locks.pop(sandbox_id, None)
-        self._in_background(self.images.save_traces(rec.image_digest))
-        return rec.info()
+        await self.lifecycle.evict(sandbox_id, reason)
 
     async def exec(
         self,
@@ -448,153 +257,73 @@ class SandboxManager(FileActions, ImageActions):
         caller: Caller = OPERATOR,
         io: ExecIO | None = None,
     ) -> ExecResult:
-        """Run a command. With ``io`` the caller drives it live: standard input fed while it runs (the
-        request then has no ``stdin``), its pid once started, signals to its tree."""
-        if io is not None and req.stdin is not None:
-            raise InvalidRequest("a command fed standard input while it runs cannot also be given stdin up front")
-        rec, backend = self._running(sandbox_id, caller)
-        env = {**rec.env, **req.env}
-        req = req.model_copy(update={"env": env})
-        self._busy[rec.id] = self._busy.get(rec.id, 0) + 1
-        first = "first_exec" not in rec.runtime.get("timings", {"first_exec": 0})
-        started = time.monotonic()
-        try:
-            result = await self._checked(rec, backend.exec(rec, req, on_output, io))
-            if first:
-                seconds = time.monotonic() - started
-                rec.runtime["timings"]["first_exec"] = round(seconds, 6)
-                self.metrics.phase.labels(rec.kind, "first_exec").observe(seconds)
-            return result
-        finally:
-            left = self._busy[rec.id] - 1
-            if left:
-                self._busy[rec.id] = left
-            else:
-                del self._busy[rec.id]
-
-    # ---- pause, resume, fork -----------------------------------------------------------------------
+        return await self.lifecycle.exec(sandbox_id, req, on_output, caller=caller, io=io)
 
     async def pause(self, sandbox_id: str, *, caller: Caller = OPERATOR) -> SandboxInfo:
-        """Stop the sandbox's processes where they stand; pausing a paused sandbox is not an error.
-
-        Refused while a command runs: its timeout keeps counting on the host, and a guest that cannot
-        answer its kill is a guest the host must destroy. Allowed in: running, paused.
-        """
-        self._get(sandbox_id, caller)
-        async with self._lock(sandbox_id):
-            rec = self._get(sandbox_id)
-            if rec.state == State.paused:
-                return rec.info()
-            rec, backend = self._running(sandbox_id)
-            if busy := self._busy.get(rec.id):
-                raise InvalidState(
-                    f"sandbox {rec.id} has {busy} command(s) running; pause it between commands",
-                    detail={"state": rec.state.value},
-                )
-            # paused before the backend is asked, so no exec can start in between
-            self._set_state(rec, State.paused)
-            try:
-                await backend.pause(rec)
-            except SandboxGone as e:
-                self._died(rec, str(e))
-                raise
-            except BaseException:
-                self._set_state(rec, State.running)
-                raise
-        return rec.info()
+        return await self.lifecycle.pause(sandbox_id, caller=caller)
 
     async def resume(self, sandbox_id: str, *, caller: Caller = OPERATOR) -> SandboxInfo:
-        """Let a paused sandbox run on; resuming a running one is not an error. Allowed in: paused, running."""
-        self._get(sandbox_id, caller)
-        async with self._lock(sandbox_id):
-            rec = self._get(sandbox_id)
-            if rec.state == State.running:
-                return rec.info()
-            if rec.state != State.paused:
-                self._running(sandbox_id)  # raises the precise error
-            try:
-                await self.backends[rec.kind].resume(rec)
-            except SandboxGone as e:
-                self._died(rec, str(e))
-                raise
-            self._set_state(rec, State.running)
-        return rec.info()
+        return await self.lifecycle.resume(sandbox_id, caller=caller)
 
     async def fork(self, sandbox_id: str, req: ForkRequest, *, caller: Caller = OPERATOR) -> ForkResult:
         """``req.n`` new sandboxes restored from one memory snapshot of this one (see forks.fork)."""
-        return await forks.fork(self, sandbox_id, req, caller)
-
-    async def _checked(self, rec: SandboxRecord, op: Awaitable[T]) -> T:
-        """Run an operation; if the sandbox died under it, report that rather than a runtime error."""
-        try:
-            return await op
-        except SandboxGone as e:
-            current = self._live.get(rec.id)
-            if current is not None and current.state == State.running:
-                self._died(current, str(e))
-            raise
-
-    def _died(self, rec: SandboxRecord, why: str) -> None:
-        """A sandbox found dead under an operation: ``failed`` at once; what the backend still holds for it
-        (cgroups, bundle, network, leases) released once that operation has let go of the lock."""
-        self._set_state(rec, State.failed, why)
-
-        async def release() -> None:
-            try:
-                async with self._lock(rec.id):
-                    await self.backends[rec.kind].destroy(rec)
-            except Exception:
-                log.exception("releasing what dead sandbox %s held failed", rec.id)
-            finally:
-                self._locks.pop(rec.id, None)
-
-        self._in_background(release())
-
-    def _in_background(self, work: Coroutine[Any, Any, None]) -> None:
-        task = asyncio.create_task(work)
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
+        return await forks.fork(self.sandboxes, sandbox_id, req, caller)
 
     async def set_network(self, sandbox_id: str, policy: NetworkSpec, *, caller: Caller = OPERATOR) -> NetworkStatus:
-        """Change the network policy of a running sandbox; new and open connections follow it at once."""
-        async with self._lock(sandbox_id):
-            rec, backend = self._running(sandbox_id, caller)
-            await self._checked(rec, backend.set_network(rec, policy))
-            self.store.put(rec)
-            return await backend.network_status(rec)
+        return await self.lifecycle.set_network(sandbox_id, policy, caller=caller)
 
     async def network_status(self, sandbox_id: str, *, caller: Caller = OPERATOR) -> NetworkStatus:
-        rec, backend = self._running(sandbox_id, caller)
-        return await backend.network_status(rec)
-
-    def list(
-        self, labels: dict[str, str] | None = None, include_finished: bool = False, *, caller: Caller = OPERATOR
-    ) -> list[SandboxInfo]:
-        recs = self.store.all() if include_finished else sorted(self._live.values(), key=lambda r: r.created_at)
-        wanted = labels or {}
-        return [r.info() for r in recs if caller.owns(r.owner) and all(r.labels.get(k) == v for k, v in wanted.items())]
-
-    # ---- tenants -----------------------------------------------------------------------------------
-    # (trajectories, issue 7, will be owned like sandboxes: check them with the caller through _get)
-
-    def live_count(self, tenant: str) -> int:
-        return sum(1 for r in self._live.values() if r.owner == tenant)
+        return await self.lifecycle.network_status(sandbox_id, caller=caller)
 
     async def remove_tenant(self, name: str) -> tuple[float, builtins.list[str]]:
-        """Revoke the tenant's token at once, then kill its live sandboxes; its images stay, owned."""
-        revoked = self.tenants.revoke(name)
-        killed = []
-        for rec in [r for r in self._live.values() if r.owner == name]:
-            with contextlib.suppress(DsecError):
-                await self._stop(rec.id, f"tenant {name} was removed")
-                killed.append(rec.id)
-        assert revoked.revoked_at is not None
-        return revoked.revoked_at, killed
+        return await self.lifecycle.remove_tenant(name)
 
+    # ---- files ---------------------------------------------------------------------------------------
 
-def _failure(e: BaseException) -> str:
-    if isinstance(e, DsecError):
-        return str(e)
-    if isinstance(e, asyncio.CancelledError):
-        return "cancelled (its caller went away, or the daemon is stopping)"
-    return f"{type(e).__name__}: {e}"
+    async def read_file(self, sandbox_id: str, path: str, *, caller: Caller = OPERATOR) -> bytes:
+        return await self.files.read_file(sandbox_id, path, caller=caller)
+
+    async def write_file(
+        self, sandbox_id: str, path: str, data: bytes, mode: int = 0o644, *, caller: Caller = OPERATOR
+    ) -> None:
+        await self.files.write_file(sandbox_id, path, data, mode, caller=caller)
+
+    async def list_dir(self, sandbox_id: str, path: str, *, caller: Caller = OPERATOR) -> builtins.list[FileEntry]:
+        return await self.files.list_dir(sandbox_id, path, caller=caller)
+
+    async def remove(self, sandbox_id: str, path: str, recursive: bool = False, *, caller: Caller = OPERATOR) -> None:
+        await self.files.remove(sandbox_id, path, recursive, caller=caller)
+
+    async def mkdir(self, sandbox_id: str, path: str, *, caller: Caller = OPERATOR) -> None:
+        await self.files.mkdir(sandbox_id, path, caller=caller)
+
+    async def upload_tar(self, sandbox_id: str, path: str, data: bytes, *, caller: Caller = OPERATOR) -> None:
+        await self.files.upload_tar(sandbox_id, path, data, caller=caller)
+
+    async def download_tar(self, sandbox_id: str, path: str, *, caller: Caller = OPERATOR) -> bytes:
+        return await self.files.download_tar(sandbox_id, path, caller=caller)
+
+    async def stat(self, sandbox_id: str, path: str, *, caller: Caller = OPERATOR) -> FileEntry:
+        return await self.files.stat(sandbox_id, path, caller=caller)
+
+    async def rename(self, sandbox_id: str, source: str, destination: str, *, caller: Caller = OPERATOR) -> None:
+        await self.files.rename(sandbox_id, source, destination, caller=caller)
+
+    # ---- images and grading --------------------------------------------------------------------------
+
+    def images_in_use(self) -> set[str]:
+        return self.image_actions.images_in_use()
+
+    async def snapshot(self, sandbox_id: str, req: SnapshotRequest, *, caller: Caller = OPERATOR) -> ImageInfo:
+        return await self.image_actions.snapshot(sandbox_id, req, caller=caller)
+
+    async def grade(self, sandbox_id: str, req: GradeRequest, *, caller: Caller = OPERATOR) -> GradeResult:
+        """Run ``req.cmd`` in a fresh sibling of the candidate's pristine image against a read-only copy
+        of its ``req.paths`` (core/grading.py). Allowed in: running; the candidate is only read from."""
+        return await self.grader.grade(sandbox_id, req, caller=caller)
+
+    async def remove_image(self, name: str, *, caller: Caller = OPERATOR) -> None:
+        await self.image_actions.remove_image(name, caller=caller)
+
+    async def gc_images(self) -> GcResult:
+        return await self.image_actions.gc_images()

@@ -2,25 +2,28 @@
 
 Counters and histograms are updated where things happen; figures that describe the present (sandboxes
 by kind and state, the queue, capacity, each sandbox's CPU used against its request) are read from the
-manager when scraped, so they cannot drift from it. Each manager has its own registry: several daemons
+live table, the admission and the usage monitor when scraped, so they cannot drift from them. Each node
+has its own registry: several daemons
 (or tests) in one process do not mix.
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterator
-from typing import TYPE_CHECKING, Protocol
+from collections.abc import Callable, Iterator
+from typing import Protocol
 
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client import Counter as PromCounter
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from ..protocol.run import PoolInfo
 from ..tenancy import OPERATOR, Caller
+from .sandboxes import Sandboxes
+from .usage import UsageMonitor
 
-if TYPE_CHECKING:
-    from .manager import SandboxManager
+Pools = Callable[[Caller], list[PoolInfo]]  # the warm pools a caller may see
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 PHASES = ("queue", "rootfs", "runtime", "total", "first_exec")
@@ -42,7 +45,7 @@ class Remembered(Protocol):
 
 
 class NodeMetrics:
-    def __init__(self, mgr: SandboxManager) -> None:
+    def __init__(self, sandboxes: Sandboxes) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
         r = self.registry
         self.creations = PromCounter("dsec_creations", "Sandboxes created.", ["kind"], registry=r)
@@ -74,10 +77,17 @@ class NodeMetrics:
             registry=r,
         )
         self.evictions = PromCounter("dsec_evictions", "Sandboxes evicted under memory pressure.", registry=r)
-        r.register(_Live(mgr))
-        self.mgr = mgr
+        self.sandboxes = sandboxes
+        self.usage: UsageMonitor | None = None
+        self.pools: Pools = lambda caller: []
         # by API (node, e2b): set by the server that serves it, so a scrape shows what it holds
         self.remembered: dict[str, Remembered] = {}
+
+    def watch(self, usage: UsageMonitor, pools: Pools) -> None:
+        """Figures of the present come from these once watched (a scrape before shows only counters)."""
+        self.usage, self.pools = usage, pools
+        usage.on_sample = lambda kind, ratio: self.cpu_use.labels(kind).observe(ratio)
+        self.registry.register(_Live(self, usage))
 
     def created(self, kind: str, timings: dict[str, float]) -> None:
         self.creations.labels(kind).inc()
@@ -93,7 +103,7 @@ class NodeMetrics:
         if caller.operator:
             return generate_latest(self.registry)
         mine = CollectorRegistry(auto_describe=False)
-        mine.register(_TenantSlice(self.mgr, caller))
+        mine.register(_TenantSlice(self, caller))
         return generate_latest(mine)
 
 
@@ -101,16 +111,16 @@ POOL_GAUGES = ("workers", "idle", "lent")
 POOL_COUNTERS = ("hits", "misses", "made", "destroyed", "resets", "rejected", "waited")
 
 
-def _sandboxes(mgr: SandboxManager, caller: Caller) -> GaugeMetricFamily:
+def _sandboxes(sandboxes: Sandboxes, caller: Caller) -> GaugeMetricFamily:
     states = GaugeMetricFamily("dsec_sandboxes", "Live sandboxes by kind and state.", labels=["kind", "state"])
-    live = [r for r in list(mgr._live.values()) if caller.owns(r.owner)]
+    live = [r for r in sandboxes.live() if caller.owns(r.owner)]
     for (kind, state), n in sorted(Counter((r.kind, r.state.value) for r in live).items()):
         states.add_metric([kind, state], n)
     return states
 
 
-def _pools(mgr: SandboxManager, caller: Caller) -> Iterator[Metric]:
-    stats = mgr.runner.pools(caller)
+def _pools(pools: Pools, caller: Caller) -> Iterator[Metric]:
+    stats = pools(caller)
     for name in POOL_GAUGES + POOL_COUNTERS:
         family: GaugeMetricFamily | CounterMetricFamily
         if name in POOL_GAUGES:
@@ -138,22 +148,23 @@ def _remembered(memories: dict[str, Remembered]) -> Iterator[Metric]:
 
 
 class _TenantSlice(Collector):
-    def __init__(self, mgr: SandboxManager, caller: Caller) -> None:
-        self.mgr, self.caller = mgr, caller
+    def __init__(self, metrics: NodeMetrics, caller: Caller) -> None:
+        self.metrics, self.caller = metrics, caller
 
     def collect(self) -> Iterator[Metric]:
-        yield _sandboxes(self.mgr, self.caller)
-        yield from _pools(self.mgr, self.caller)
+        yield _sandboxes(self.metrics.sandboxes, self.caller)
+        yield from _pools(self.metrics.pools, self.caller)
 
 
 class _Live(Collector):
-    def __init__(self, mgr: SandboxManager) -> None:
-        self.mgr = mgr
+    def __init__(self, metrics: NodeMetrics, usage: UsageMonitor) -> None:
+        self.metrics, self.usage = metrics, usage
 
     def collect(self) -> Iterator[Metric]:
-        mgr, adm = self.mgr, self.mgr.admission
-        yield _sandboxes(mgr, OPERATOR)
-        yield from _pools(mgr, OPERATOR)
+        sandboxes, usage = self.metrics.sandboxes, self.usage
+        adm = sandboxes.admission
+        yield _sandboxes(sandboxes, OPERATOR)
+        yield from _pools(self.metrics.pools, OPERATOR)
         queued = GaugeMetricFamily("dsec_admission_queued", "Creations waiting for capacity.", labels=["tenant"])
         for q in adm.queues():
             queued.add_metric([q.tenant], q.waiting)
@@ -167,20 +178,20 @@ class _Live(Collector):
             g.add_metric(["cpu"], res.cpu)
             g.add_metric(["memory"], float(res.memory))
             yield g
-        yield from _remembered(mgr.metrics.remembered)
+        yield from _remembered(self.metrics.remembered)
         pressure = GaugeMetricFamily("dsec_node_memory_pressure", "Share of the node's memory in use (0-1).")
-        pressure.add_metric([], mgr.usage.pressure)
+        pressure.add_metric([], usage.pressure)
         yield pressure
         labels = ["sandbox", "kind", "tenant"]
         req = GaugeMetricFamily("dsec_sandbox_cpu_requested_cores", "CPU requested.", labels=labels)
         used = GaugeMetricFamily("dsec_sandbox_cpu_used_cores", "CPU used over the last interval.", labels=labels)
         mem = GaugeMetricFamily("dsec_sandbox_memory_used_bytes", "Memory charged to the sandbox.", labels=labels)
         mreq = GaugeMetricFamily("dsec_sandbox_memory_requested_bytes", "Memory requested.", labels=labels)
-        for rec in list(mgr._live.values()):
+        for rec in sandboxes.live():
             key = [rec.id, rec.kind, rec.owner or ""]
             req.add_metric(key, rec.limits.cpu)
             mreq.add_metric(key, float(rec.limits.mem_request()))
-            u = mgr.usage.usage.get(rec.id)
+            u = usage.usage.get(rec.id)
             if u is not None:
                 used.add_metric(key, u.cpu_used)
                 mem.add_metric(key, float(u.memory))

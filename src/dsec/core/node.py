@@ -17,7 +17,7 @@ if TYPE_CHECKING:
 
 def node_status(mgr: SandboxManager, caller: Caller, top: int = 0) -> NodeStatus:
     adm = mgr.admission
-    live = list(mgr._live.values())
+    live = mgr.sandboxes.live()
     counts: dict[str, dict[str, int]] = {}
     for (kind, state), n in sorted(Counter((r.kind, r.state.value) for r in live).items()):
         counts.setdefault(kind, {})[state] = n

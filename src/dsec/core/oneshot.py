@@ -9,15 +9,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import TYPE_CHECKING
 
 from ..errors import DsecError
 from ..protocol.run import PoolInfo, RunBatch, RunBatchResult, RunOutcome, RunRequest, RunResult
 from ..protocol.sandbox import CreateSandbox, ErrorBody
 from ..tenancy import OPERATOR, Caller
-
-if TYPE_CHECKING:
-    from .manager import SandboxManager
+from .files import FileActions
+from .lifecycle import Lifecycle
 
 log = logging.getLogger("dsec.run")
 
@@ -26,11 +24,12 @@ TTL_MARGIN = 120.0
 
 
 class Runner:
-    def __init__(self, manager: SandboxManager) -> None:
-        self.manager = manager
+    def __init__(self, lifecycle: Lifecycle, files: FileActions) -> None:
+        self.lifecycle = lifecycle
+        self.files = files
 
     async def run(self, req: RunRequest, *, caller: Caller = OPERATOR) -> RunResult:
-        mgr = self.manager
+        life = self.lifecycle
         create = CreateSandbox(
             image=req.image,
             kind=req.kind,
@@ -40,17 +39,19 @@ class Runner:
             network=req.network,
             labels={"dsec.run": "1"},
         )
-        info = await mgr.create(create, caller=caller, persist=False)
+        info = await life.create(create, caller=caller, persist=False)
         try:
-            rec = mgr._get(info.id, caller)
+            rec = life.sandboxes.get(info.id, caller)
             worker = rec.runtime.get("worker")
             warm = isinstance(worker, dict) and worker.get("warm") is True
             for path, data in req.file_bytes().items():
-                await mgr.write_file(info.id, path, data, 0o755 if path.endswith(".sh") else 0o644, caller=caller)
-            res = await mgr.exec(info.id, req.exec_request(), caller=caller)
+                await self.files.write_file(
+                    info.id, path, data, 0o755 if path.endswith(".sh") else 0o644, caller=caller
+                )
+            res = await life.exec(info.id, req.exec_request(), caller=caller)
         finally:
             try:
-                await mgr.kill(info.id, caller=caller)
+                await life.kill(info.id, caller=caller)
             except DsecError as e:  # the result stands; the sandbox is reaped by its time to live
                 log.warning("run %s: could not stop its sandbox: %s", info.id, e)
         return RunResult(**res.model_dump(), sandbox=info.id, warm=warm)
@@ -71,5 +72,5 @@ class Runner:
 
     def pools(self, caller: Caller = OPERATOR) -> list[PoolInfo]:
         """The warm pools this caller may see: its own tenant's, or all for the operator."""
-        out = [p for backend in self.manager.backends.values() for p in backend.pool_stats()]
+        out = [p for backend in self.lifecycle.sandboxes.backends.values() for p in backend.pool_stats()]
         return [p for p in out if caller.operator or p.tenant == caller.tenant]

@@ -15,15 +15,13 @@ import contextlib
 import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from ..errors import BackendError, DsecError, InvalidState, LimitExceeded, NotFound
 from ..kinds.execio import ExecIO
 from ..protocol.sandbox import ExecRequest, ExecResult
 from ..tenancy import Caller
-
-if TYPE_CHECKING:
-    from .manager import SandboxManager
+from .actions import Actions
+from .sandboxes import Sandboxes
 
 log = logging.getLogger("dsec.core.processes")
 
@@ -122,8 +120,9 @@ class Process:
 
 
 class ProcessTable:
-    def __init__(self, mgr: SandboxManager, stream_limit: int = DEFAULT_STREAM_LIMIT) -> None:
-        self.mgr = mgr
+    def __init__(self, sandboxes: Sandboxes, actions: Actions, stream_limit: int = DEFAULT_STREAM_LIMIT) -> None:
+        self.sandboxes = sandboxes
+        self.actions = actions
         self.stream_limit = stream_limit
         self._live: dict[str, dict[int, Process]] = {}  # sandbox id -> pid -> running process
 
@@ -144,7 +143,7 @@ class ProcessTable:
         A replayed trajectory call never starts: the process comes back already ended (pid 0), its
         subscription holding the recorded output and result.
         """
-        rec = self.mgr._get(sandbox_id, caller)
+        rec = self.sandboxes.get(sandbox_id, caller)
         live = self._live.setdefault(rec.id, {})
         if len(live) >= MAX_PER_SANDBOX:
             raise LimitExceeded(f"sandbox {rec.id} already runs {MAX_PER_SANDBOX} processes started by the API")
@@ -178,7 +177,7 @@ class ProcessTable:
 
     async def _run(self, proc: Process, caller: Caller, seq: int | None) -> None:
         try:
-            result, replayed = await self.mgr.trajectories.call(
+            result, replayed = await self.actions.call(
                 proc.sandbox_id, "exec", proc.req, seq=seq, caller=caller, on_output=proc.output, io=proc.io
             )
             proc.replayed = replayed
@@ -204,7 +203,7 @@ class ProcessTable:
             proc.finish(ended)
 
     def list(self, sandbox_id: str, *, caller: Caller) -> list[Process]:
-        rec = self.mgr._get(sandbox_id, caller)
+        rec = self.sandboxes.get(sandbox_id, caller)
         return sorted(self._live.get(rec.id, {}).values(), key=lambda p: p.pid)
 
     def find(self, sandbox_id: str, *, caller: Caller, pid: int | None = None, tag: str | None = None) -> Process:

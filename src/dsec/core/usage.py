@@ -17,16 +17,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from ..isolation import cgroups
 from ..protocol.sandbox import State
 from .admission import format_size
-
-if TYPE_CHECKING:
-    from .manager import SandboxManager
+from .sandboxes import Sandboxes
 
 log = logging.getLogger("dsec.usage")
 
@@ -54,13 +51,19 @@ def host_pressure() -> float:
 
 
 class UsageMonitor:
-    def __init__(self, mgr: SandboxManager, evict_at: float = DEFAULT_EVICT_AT) -> None:
-        self.mgr = mgr
+    def __init__(
+        self,
+        sandboxes: Sandboxes,
+        evict: Callable[[str, str], Awaitable[None]],
+        evict_at: float = DEFAULT_EVICT_AT,
+    ) -> None:
+        self.sandboxes = sandboxes
+        self.evict = evict  # sandbox id, why
         self.evict_at = evict_at
         self.usage: dict[str, Usage] = {}
         self.pressure = 0.0
         self.evictions = 0
-        self.on_sample: Callable[[str, float], None] | None = None  # sandbox id, cpu used / requested
+        self.on_sample: Callable[[str, float], None] | None = None  # kind, cpu used / requested
         self._layout: cgroups.CgroupLayout | None = None
 
     def _read(self, paths: dict[str, str]) -> dict[str, tuple[int, int]]:
@@ -75,8 +78,8 @@ class UsageMonitor:
 
     async def sample(self) -> None:
         paths: dict[str, str] = {}
-        for rec in list(self.mgr._live.values()):
-            backend = self.mgr.backends.get(rec.kind)
+        for rec in self.sandboxes.live():
+            backend = self.sandboxes.backends.get(rec.kind)
             if backend is None or rec.state not in (State.running, State.paused):
                 continue
             path = backend.cgroup(rec)
@@ -94,12 +97,12 @@ class UsageMonitor:
             u = Usage(cpu_ns, mem, now)
             if last is not None and now > last.at and cpu_ns >= last.cpu_ns:
                 u.cpu_used = (cpu_ns - last.cpu_ns) / 1e9 / (now - last.at)
-                owner = self.mgr._live.get(sid)
+                owner = self.sandboxes.find_live(sid)
                 if owner is not None and self.on_sample is not None:
-                    self.on_sample(sid, u.cpu_used / owner.limits.cpu)
+                    self.on_sample(owner.kind, u.cpu_used / owner.limits.cpu)
             fresh[sid] = u
         self.usage = fresh
-        sandboxes = sum(u.memory for u in fresh.values()) / max(1, self.mgr.admission.capacity.memory)
+        sandboxes = sum(u.memory for u in fresh.values()) / max(1, self.sandboxes.admission.capacity.memory)
         self.pressure = max(await asyncio.to_thread(host_pressure), sandboxes)
 
     def used(self) -> tuple[float, int]:
@@ -109,7 +112,7 @@ class UsageMonitor:
         """The sandbox to evict and why, or None."""
         best: tuple[int, int, str] | None = None
         for sid, u in self.usage.items():
-            rec = self.mgr._live.get(sid)
+            rec = self.sandboxes.find_live(sid)
             if rec is None or rec.state != State.running:
                 continue
             over = u.memory - rec.limits.mem_request()
@@ -119,7 +122,8 @@ class UsageMonitor:
         if best is None:
             return None
         sid = best[2]
-        rec = self.mgr._live[sid]
+        rec = self.sandboxes.find_live(sid)
+        assert rec is not None  # found just above, with no await in between
         used = self.usage[sid].memory
         return sid, (
             f"evicted under memory pressure ({self.pressure:.0%} of the node's memory in use): it used "
@@ -137,7 +141,7 @@ class UsageMonitor:
         log.warning("sandbox %s %s", sid, reason)
         self.evictions += 1
         self.usage.pop(sid, None)
-        await self.mgr.evict(sid, reason)
+        await self.evict(sid, reason)
 
     async def run_forever(self) -> None:
         while True:

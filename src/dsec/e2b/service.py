@@ -155,7 +155,7 @@ class E2BService:
     ) -> Any:
         """One core call through the trajectory log (logged when the sandbox is bound to one)."""
         seq = await self.position(rec)
-        value, _ = await self.mgr.trajectories.call(
+        value, _ = await self.mgr.actions.call(
             rec.id, op, req, payload, seq=seq, caller=caller, on_output=on_output, io=io
         )
         return value

@@ -153,7 +153,7 @@ async def get_sandbox(sandbox_id: str, mgr: Mgr, caller: CallerDep) -> Response:
 
 @api.delete("/sandboxes/{sandbox_id}", response_model=SandboxInfo)
 async def kill_sandbox(sandbox_id: str, mgr: Mgr, caller: CallerDep, seq: Seq = None) -> Response:
-    info, replayed = await mgr.trajectories.call(sandbox_id, "kill", {}, seq=seq, caller=caller)
+    info, replayed = await mgr.actions.call(sandbox_id, "kill", {}, seq=seq, caller=caller)
     return _mark(_json(info), replayed)
 
 
@@ -162,7 +162,7 @@ async def exec_command(
     sandbox_id: str, body: ExecRequest, mgr: Mgr, caller: CallerDep, request: Request, seq: Seq = None
 ) -> Response:
     note(request.scope, command=body.cmd)
-    result, replayed = await mgr.trajectories.call(sandbox_id, "exec", body, seq=seq, caller=caller)
+    result, replayed = await mgr.actions.call(sandbox_id, "exec", body, seq=seq, caller=caller)
     return _mark(_json(result), replayed)
 
 
@@ -205,7 +205,7 @@ async def exec_stream(
 
     async def run() -> None:
         try:
-            result, replayed = await mgr.trajectories.call(
+            result, replayed = await mgr.actions.call(
                 sandbox_id, "exec", body, seq=seq, caller=caller, on_output=on_output
             )
             if replayed:  # the recorded output, as one chunk per stream
@@ -247,7 +247,7 @@ PathQ = Annotated[AbsPath, Query(description="Absolute path inside the sandbox")
     responses={200: _bytes("application/octet-stream", "The file's bytes.")},
 )
 async def read_file(sandbox_id: str, path: PathQ, mgr: Mgr, caller: CallerDep, seq: Seq = None) -> Response:
-    data, replayed = await mgr.trajectories.call(sandbox_id, "read", {"path": path}, seq=seq, caller=caller)
+    data, replayed = await mgr.actions.call(sandbox_id, "read", {"path": path}, seq=seq, caller=caller)
     return _mark(Response(content=data, media_type="application/octet-stream"), replayed)
 
 
@@ -267,7 +267,7 @@ async def write_file(
 ) -> Response:
     mgr.info(sandbox_id, caller=caller)
     data = await request.body()
-    _, replayed = await mgr.trajectories.call(
+    _, replayed = await mgr.actions.call(
         sandbox_id, "write", {"path": path, "mode": mode}, data, seq=seq, caller=caller
     )
     return _mark(Response(status_code=204), replayed)
@@ -275,13 +275,13 @@ async def write_file(
 
 @api.get("/sandboxes/{sandbox_id}/files/list", response_model=FileList)
 async def list_files(sandbox_id: str, path: PathQ, mgr: Mgr, caller: CallerDep, seq: Seq = None) -> Response:
-    entries, replayed = await mgr.trajectories.call(sandbox_id, "list", {"path": path}, seq=seq, caller=caller)
+    entries, replayed = await mgr.actions.call(sandbox_id, "list", {"path": path}, seq=seq, caller=caller)
     return _mark(_json(FileList(entries=entries)), replayed)
 
 
 @api.post("/sandboxes/{sandbox_id}/files/mkdir", status_code=204)
 async def make_dir(sandbox_id: str, path: PathQ, mgr: Mgr, caller: CallerDep, seq: Seq = None) -> Response:
-    _, replayed = await mgr.trajectories.call(sandbox_id, "mkdir", {"path": path}, seq=seq, caller=caller)
+    _, replayed = await mgr.actions.call(sandbox_id, "mkdir", {"path": path}, seq=seq, caller=caller)
     return _mark(Response(status_code=204), replayed)
 
 
@@ -290,7 +290,7 @@ async def remove_file(
     sandbox_id: str, path: PathQ, mgr: Mgr, caller: CallerDep, recursive: bool = False, seq: Seq = None
 ) -> Response:
     req = {"path": path, "recursive": recursive}
-    _, replayed = await mgr.trajectories.call(sandbox_id, "remove", req, seq=seq, caller=caller)
+    _, replayed = await mgr.actions.call(sandbox_id, "remove", req, seq=seq, caller=caller)
     return _mark(Response(status_code=204), replayed)
 
 
@@ -304,7 +304,7 @@ async def upload_archive(
 ) -> Response:
     mgr.info(sandbox_id, caller=caller)
     data = await request.body()
-    _, replayed = await mgr.trajectories.call(sandbox_id, "upload", {"path": path}, data, seq=seq, caller=caller)
+    _, replayed = await mgr.actions.call(sandbox_id, "upload", {"path": path}, data, seq=seq, caller=caller)
     return _mark(Response(status_code=204), replayed)
 
 
@@ -314,14 +314,14 @@ async def upload_archive(
     responses={200: _bytes("application/x-tar", "A tar archive of path.")},
 )
 async def download_archive(sandbox_id: str, path: PathQ, mgr: Mgr, caller: CallerDep, seq: Seq = None) -> Response:
-    data, replayed = await mgr.trajectories.call(sandbox_id, "download", {"path": path}, seq=seq, caller=caller)
+    data, replayed = await mgr.actions.call(sandbox_id, "download", {"path": path}, seq=seq, caller=caller)
     return _mark(Response(content=data, media_type="application/x-tar"), replayed)
 
 
 @api.post("/sandboxes/{sandbox_id}/snapshot", response_model=ImageInfo, status_code=201)
 async def snapshot(sandbox_id: str, body: SnapshotRequest, mgr: Mgr, caller: CallerDep, seq: Seq = None) -> Response:
     """pack_diff: the sandbox's changes become a new immutable image version on top of its image."""
-    info, replayed = await mgr.trajectories.call(sandbox_id, "snapshot", body, seq=seq, caller=caller)
+    info, replayed = await mgr.actions.call(sandbox_id, "snapshot", body, seq=seq, caller=caller)
     return _mark(_json(info, 201), replayed)
 
 
@@ -329,7 +329,7 @@ async def snapshot(sandbox_id: str, body: SnapshotRequest, mgr: Mgr, caller: Cal
 async def grade(sandbox_id: str, body: GradeRequest, mgr: Mgr, caller: CallerDep, seq: Seq = None) -> Response:
     """Run a grader in a fresh sibling of the candidate's pristine image, against a read-only copy of the
     candidate's paths, with pristine tests under /grade, as uid 65534 with a fixed environment."""
-    result, replayed = await mgr.trajectories.call(sandbox_id, "grade", body, seq=seq, caller=caller)
+    result, replayed = await mgr.actions.call(sandbox_id, "grade", body, seq=seq, caller=caller)
     return _mark(_json(result), replayed)
 
 
@@ -366,7 +366,7 @@ async def set_network(
 ) -> Response:
     """Change the policy of a running sandbox (JSON null: loopback only, "full", or {"allow": [...]})."""
     req = {"policy": policy.to_json(body)}
-    status, replayed = await mgr.trajectories.call(sandbox_id, "set_network", req, seq=seq, caller=caller)
+    status, replayed = await mgr.actions.call(sandbox_id, "set_network", req, seq=seq, caller=caller)
     return _mark(_json(status), replayed)
 
 

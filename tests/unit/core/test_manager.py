@@ -9,8 +9,10 @@ import time
 
 import pytest
 
+from dsec.core import lifecycle as lifecycle_module
 from dsec.core import manager as manager_module
-from dsec.core.manager import KEEP_FINISHED_S, SandboxManager
+from dsec.core.lifecycle import KEEP_FINISHED_S
+from dsec.core.manager import SandboxManager
 from dsec.core.node import node_status
 from dsec.errors import (
     BackendError,
@@ -38,7 +40,7 @@ def req(**kw: object) -> CreateSandbox:
 
 def expire(mgr: SandboxManager, sandbox_id: str, when: float | None = None) -> None:
     # the manager's own record (live records are held in memory and written through)
-    rec = mgr._get(sandbox_id)
+    rec = mgr.record(sandbox_id)
     rec.expires_at = time.time() - 1 if when is None else when
     mgr.store.put(rec)
 
@@ -46,7 +48,7 @@ def expire(mgr: SandboxManager, sandbox_id: str, when: float | None = None) -> N
 def state_of(mgr: SandboxManager, sandbox_id: str) -> tuple[State, str | None]:
     rec = mgr.store.get(sandbox_id)
     assert rec is not None
-    live = mgr._get(sandbox_id)
+    live = mgr.record(sandbox_id)
     assert (live.state, live.reason) == (rec.state, rec.reason), "memory and store disagree"
     return rec.state, rec.reason
 
@@ -107,7 +109,7 @@ async def test_create_of_a_kind_this_node_does_not_run(core: Core, kind: str, wh
 
 async def test_create_more_memory_than_the_host(core: Core, monkeypatch: pytest.MonkeyPatch) -> None:
     mgr, _ = core
-    monkeypatch.setattr(manager_module, "_host_memory", lambda: 256 << 20)
+    monkeypatch.setattr(lifecycle_module, "host_memory", lambda: 256 << 20)
     with pytest.raises(InvalidRequest, match="exceeds this node"):
         await mgr.create(req(limits=Limits(memory="512Mi")))
 
@@ -204,7 +206,7 @@ async def test_exec_that_finds_the_sandbox_gone_marks_it_failed(core: Core) -> N
 async def test_exec_on_a_sandbox_that_is_not_running(core: Core) -> None:
     mgr, _ = core
     info = await mgr.create(req())
-    rec = mgr._get(info.id)
+    rec = mgr.record(info.id)
     rec.state = State.paused
     mgr.store.put(rec)
     with pytest.raises(InvalidState) as err:

@@ -68,7 +68,7 @@ async def test_a_creation_that_cannot_be_recorded_is_refused_and_leaves_nothing(
     disk_full[0] = True
     with pytest.raises(StorageFull):
         await mgr.create(CreateSandbox(image=IMAGE))
-    assert backend.created == [] and mgr._live == {}
+    assert backend.created == [] and mgr.sandboxes.live() == []
     assert mgr.admission.admitted == 0  # its claim was given back
 
 
@@ -121,4 +121,4 @@ async def test_a_failed_creation_keeps_no_lock(core: Core) -> None:
     for _ in range(3):
         with pytest.raises(DsecError):
             await mgr.create(CreateSandbox(image=IMAGE))
-    assert mgr._locks == {}
+    assert mgr.sandboxes.held_locks() == 0

@@ -800,7 +800,7 @@ async def test_a_lost_sandbox_is_rebuilt_by_re_applying_the_log(daemon: Daemon, 
     if loss == "killed outside the trajectory":
         assert (await d.raw("DELETE", f"/v1/sandboxes/{sb.id}")).status_code == 200
     elif loss == "expired":
-        d.mgr._live[sb.id].expires_at = time.time() - 1
+        d.mgr.record(sb.id).expires_at = time.time() - 1
     else:
         d.backend.dead.add(sb.id)
         await d.restart(sandboxes_survive=False)

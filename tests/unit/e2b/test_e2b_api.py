@@ -66,7 +66,7 @@ def _opts(base: str, key: str = TOKEN) -> dict[str, str]:
 async def test_the_sdk_creates_runs_and_kills_over_the_core(served: tuple[str, SandboxManager, FakeBackend]) -> None:
     base, mgr, backend = served
     box = await AsyncSandbox.create(IMAGE, metadata={"job": "9"}, envs={"E": "1"}, timeout=120, **_opts(base))
-    rec = mgr._get(box.sandbox_id)
+    rec = mgr.record(box.sandbox_id)
     assert rec.labels == {"job": "9", "dsec.e2b.template": IMAGE} and rec.env == {"E": "1"}
     cat = await box.commands.run("cat", background=True, stdin=True, cwd="/tmp", envs={"X": "y"})
     await box.commands.send_stdin(cat.pid, "through the core")

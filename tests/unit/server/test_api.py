@@ -324,7 +324,7 @@ def test_kill_twice_then_exec_is_gone(api: Api) -> None:
 def test_ttl_reaping(api: Api) -> None:
     sid = api.create(timeout=600)["id"]
     other = api.create(timeout=600)["id"]
-    rec = api.manager._get(sid)
+    rec = api.manager.record(sid)
     rec.expires_at = time.time() - 1
     api.manager.store.put(rec)
     assert api.client.portal is not None

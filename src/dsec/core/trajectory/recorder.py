@@ -15,7 +15,8 @@ import json
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from pathlib import Path
+from typing import Any
 
 from ...errors import (
     BackendError,
@@ -27,17 +28,14 @@ from ...errors import (
     SandboxGone,
     TrajectoryDiverged,
 )
-from ...kinds.base import OutputCallback
-from ...kinds.execio import ExecIO
 from ...protocol.sandbox import TERMINAL_STATES, CreateSandbox, ImageInfo, SandboxInfo, State
 from ...protocol.trajectory import MUTATING_OPS, RECORDED_AT, SEQ_HEADER, call_digest, canonical
 from ...store.trajectories import CallRow, SequenceConflict, TrajectoryRow, TrajectoryStore
 from ...tenancy import Caller
-from .ops import OPS, Op, Runner, decode_error, encode_error, live_exec, outcome
+from ..actions import ACTIONS, Action, Call, Target
+from ..lifecycle import Lifecycle
+from .results import decode_error, encode_error, outcome
 from .writer import InlineWriter, LogWriter
-
-if TYPE_CHECKING:
-    from ..manager import SandboxManager
 
 log = logging.getLogger("dsec.trajectory")
 
@@ -55,13 +53,10 @@ class TrajectoryOptions:
 
 @dataclass(frozen=True)
 class _Live:
+    call: Call
     seq: int
-    op: Op
-    req: Any
     params: str  # canonical JSON
-    payload: bytes | None
     digest: str
-    run: Runner
 
 
 @dataclass
@@ -80,8 +75,15 @@ def _create_params(req: CreateSandbox) -> dict[str, object]:
 
 
 class Trajectories:
-    def __init__(self, mgr: SandboxManager, options: TrajectoryOptions | None = None) -> None:
-        self.mgr = mgr
+    """The trajectory log, and the recorder of the calls on sandboxes bound to a trajectory."""
+
+    def __init__(
+        self, lifecycle: Lifecycle, target: Target, state_dir: Path, options: TrajectoryOptions | None = None
+    ) -> None:
+        self.lifecycle = lifecycle
+        self.sandboxes = lifecycle.sandboxes
+        self.target = target  # what a rebuild re-applies the recorded calls on
+        self.state_dir = state_dir
         self.options = options or TrajectoryOptions()
         if self.options.keep_days <= 0:
             raise ValueError("trajectory retention must be positive")
@@ -104,14 +106,14 @@ class Trajectories:
         return self._writer
 
     async def start(self) -> None:
-        url = self.options.url or f"sqlite:///{self.mgr.state_dir / 'trajectories.db'}"
+        url = self.options.url or f"sqlite:///{self.state_dir / 'trajectories.db'}"
         try:
             self._store = await asyncio.to_thread(TrajectoryStore, url, durable=self.options.durable)
         except Exception as e:  # a server that is down, a bad URL, a file that cannot be opened
             raise BackendError(f"cannot open the trajectory log at {_safe(url)}: {type(e).__name__}: {e}") from e
         inline = self._store.path is not None and not self.options.durable
         self._writer = InlineWriter(self._store) if inline else LogWriter(self._store)
-        ours = {r.id for r in self.mgr.store.all()}
+        ours = {r.id for r in self.sandboxes.store.all()}
         n = await asyncio.to_thread(self._store.interrupt_running, ours)
         if n:
             log.warning("%d trajectory call(s) were running when the daemon stopped: recorded as interrupted", n)
@@ -144,7 +146,7 @@ class Trajectories:
             first = await asyncio.to_thread(self.store.call, *key, 0)
             if first is None or first.digest != digest:
                 raise _diverged(tid, 0, first.digest if first else "", digest, first.op if first else "", "create")
-            rec = self.mgr._live.get(row.sandbox_id) or self.mgr.store.get(row.sandbox_id)
+            rec = self.sandboxes.find_live(row.sandbox_id) or self.sandboxes.store.get(row.sandbox_id)
             alive = rec is not None and rec.state not in TERMINAL_STATES and rec.expires_at > time.time()
             if alive and rec is not None:
                 info = rec.info()
@@ -157,8 +159,8 @@ class Trajectories:
 
     async def _begin(self, req: CreateSandbox, caller: Caller, digest: str) -> SandboxInfo:
         tid = req.trajectory or ""
-        info = await self.mgr.create_fresh(req, caller=caller)
-        rec = self.mgr._get(info.id)
+        info = await self.lifecycle.create_fresh(req, caller=caller)
+        rec = self.sandboxes.get(info.id)
         now = time.time()
         row = TrajectoryRow(
             caller.tenant, tid, info.id, req.kind, req.image, now, now, 1, image_version=rec.image_digest
@@ -171,7 +173,7 @@ class Trajectories:
             await self.writer.write(TrajectoryStore.begin(row, first))
         except BaseException as e:  # cancelled too (its caller went away): no sandbox the log may not know
             with contextlib.suppress(Exception):
-                await self.mgr.kill(info.id)
+                await self.lifecycle.kill(info.id)
             if not isinstance(e, Exception):
                 raise
             raise BackendError(f"the trajectory log could not record trajectory {tid!r}: {e}") from e
@@ -197,8 +199,8 @@ class Trajectories:
                 snap = ImageInfo.model_validate_json(c.result)
                 image, version, after = snap.name, snap.digest, c.seq
                 break
-        ref = await self.mgr.images.resolve(image, caller=caller, version=version)
-        rec = await self.mgr.create_on(req.model_copy(update={"image": image}), ref, owner=caller.tenant)
+        ref = await self.lifecycle.images.resolve(image, caller=caller, version=version)
+        rec = await self.lifecycle.create_on(req.model_copy(update={"image": image}), ref, owner=caller.tenant)
         n = row.rebuilds + 1
         notes: list[tuple[int, str]] = []
         try:
@@ -208,10 +210,10 @@ class Trajectories:
                 if c.status not in ("done", "error"):
                     notes.append((c.seq, f"rebuild {n}: not re-applied (the call was {c.status})"))
                     continue
-                op = OPS[c.op]
+                op = ACTIONS[c.op]
                 want = outcome(op, op.decode(c.result, c.result_blob)) if c.status == "done" else _error_key(c.result)
                 try:
-                    value = await op.run(self.mgr, rec.id, op.parse(json.loads(c.request)), c.payload, caller, None)
+                    value = await op.run(self.target, rec.id, op.parse(json.loads(c.request)), c.payload, caller, None)
                     got = outcome(op, value)
                 except DsecError as e:
                     got = f"error:{e.code}"
@@ -219,7 +221,7 @@ class Trajectories:
                     notes.append((c.seq, f"rebuild {n}: the re-run's result differs from the recorded one"))
         except BaseException:
             with contextlib.suppress(Exception):
-                await self.mgr.kill(rec.id)
+                await self.lifecycle.kill(rec.id)
             raise
         now = time.time()
         writes = [TrajectoryStore.bind(row.owner, row.id, rec.id, rebuilt=True, now=now)]
@@ -237,27 +239,12 @@ class Trajectories:
 
     # ---- calls ----------------------------------------------------------------------------------------
 
-    async def call(
-        self,
-        sandbox_id: str,
-        op_name: str,
-        req: Any,
-        payload: bytes | None = None,
-        *,
-        seq: int | None,
-        caller: Caller,
-        on_output: OutputCallback | None = None,
-        io: ExecIO | None = None,
-    ) -> tuple[Any, bool]:
+    async def record(self, call: Call) -> tuple[Any, bool]:
         """Run a call, logging it if the sandbox is bound to a trajectory. Returns (result, replayed).
 
-        ``io``: an exec driven live (its pid and signals; see ExecIO). A replayed exec never starts, so
-        ``io`` is then left untouched."""
-        op = OPS[op_name]
-        if io is not None and op.name != "exec":
-            raise InvalidRequest(f"only an exec can be driven live, not {op.name}")
-        run: Runner = op.run if io is None else live_exec(io)
-        rec = self.mgr._get(sandbox_id, caller)
+        A call at a position the log already holds is answered from it, and never runs."""
+        sandbox_id, op, seq = call.sandbox_id, call.action, call.seq
+        rec = self.sandboxes.get(sandbox_id, call.caller)
         tid = rec.runtime.get("trajectory")
         if tid is None or seq is None:
             if seq is not None:  # a sound request the sandbox's state refuses: the same goes to a bound one
@@ -269,14 +256,14 @@ class Trajectories:
                     f"sandbox {sandbox_id} belongs to trajectory {tid!r}: a call that changes it must carry "
                     f"its position ({SEQ_HEADER}); use the SDK with trajectory={tid!r}"
                 )
-            return await run(self.mgr, sandbox_id, req, payload, caller, on_output), False
+            return await call.go(), False
         if seq < 1:
             raise InvalidRequest(f"{SEQ_HEADER} must be 1 or more (0 is the create)")
         st = await self._state(rec.owner, tid)
         if st.sandbox_id != sandbox_id:  # a late call through a sandbox a rebuild replaced: not the log's
             raise SandboxGone(f"sandbox {sandbox_id} was replaced by {st.sandbox_id} in trajectory {tid!r}")
-        params = canonical(op.params(req))
-        digest = call_digest(op.name, params, payload)
+        params = canonical(op.params(call.req))
+        digest = call_digest(op.name, params, call.payload)
         async with st.lock:
             if seq < st.length:
                 return await self._replay(st, seq, op, digest), True
@@ -285,8 +272,7 @@ class Trajectories:
                     f"trajectory {tid!r}: call {seq} skips ahead of the log, which has {st.length} calls",
                     detail={"position": seq, "length": st.length},
                 )
-            live = _Live(seq, op, req, params, payload, digest, run)
-            return await self._live(st, sandbox_id, live, caller, on_output), False
+            return await self._live(st, _Live(call, seq, params, digest)), False
 
     async def length(self, owner: str, tid: str) -> int:
         """How many calls the trajectory's log holds (the position of the next live call)."""
@@ -301,7 +287,7 @@ class Trajectories:
             st = self._bound.setdefault((owner, tid), _Bound(owner, tid, row.length, row.sandbox_id))
         return st
 
-    async def _replay(self, st: _Bound, seq: int, op: Op, digest: str) -> Any:
+    async def _replay(self, st: _Bound, seq: int, op: Action, digest: str) -> Any:
         row = await asyncio.to_thread(self.store.call, st.owner, st.tid, seq)
         if row is None:
             raise BackendError(f"trajectory {st.tid!r}: call {seq} is missing from the log")
@@ -319,10 +305,8 @@ class Trajectories:
             raise err
         return op.decode(row.result, row.result_blob)
 
-    async def _live(
-        self, st: _Bound, sandbox_id: str, c: _Live, caller: Caller, on_output: OutputCallback | None
-    ) -> Any:
-        seq, op, req, payload = c.seq, c.op, c.req, c.payload
+    async def _live(self, st: _Bound, c: _Live) -> Any:
+        seq, op, payload = c.seq, c.call.action, c.call.payload
         started = time.time()
         t0 = time.perf_counter()
         call = CallRow(st.owner, st.tid, seq, op.name, c.digest, c.params, "running", started, payload)
@@ -350,7 +334,7 @@ class Trajectories:
             )
 
         try:
-            value = await c.run(self.mgr, sandbox_id, req, payload, caller, on_output)
+            value = await c.call.go()
         except DsecError as e:
             await self.writer.write(finish("error", encode_error(e)))
             e.detail[RECORDED_AT] = seq  # the answer's, not the log's: a replay adds it again
@@ -385,7 +369,7 @@ class Trajectories:
         key = (caller.tenant, tid)
         async with self._binding.setdefault(key, asyncio.Lock()):
             row = await self.info(tid, caller)
-            rec = self.mgr._live.get(row.sandbox_id)
+            rec = self.sandboxes.find_live(row.sandbox_id)
             if rec is not None and rec.state not in TERMINAL_STATES:
                 raise InvalidState(f"trajectory {tid!r} is bound to running sandbox {row.sandbox_id}: kill it first")
             await asyncio.to_thread(self.store.delete, *key)
@@ -404,7 +388,7 @@ class Trajectories:
             try:
                 live = {
                     (r.owner, r.runtime["trajectory"])
-                    for r in self.mgr._live.values()
+                    for r in self.sandboxes.live()
                     if r.runtime.get("trajectory") and r.state not in TERMINAL_STATES
                 }
                 cutoff = time.time() - self.options.keep_days * 86400

@@ -1,0 +1,357 @@
+"""A sandbox's life: create, run commands, pause and resume, change its network, stop; the reaper
+that ends sandboxes past their time to live; and, after a restart, re-adopting what still runs."""
+
+from __future__ import annotations
+
+import asyncio
+import builtins
+import contextlib
+import logging
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from ..errors import BackendError, DsecError, InvalidRequest, InvalidState, SandboxGone, environment_error
+from ..images.store import ImageRef, ImageStore
+from ..kinds.base import OutputCallback
+from ..kinds.execio import ExecIO
+from ..protocol.network import NetworkSpec
+from ..protocol.sandbox import (
+    MAX_TTL_S,
+    TERMINAL_STATES,
+    CreateSandbox,
+    ExecRequest,
+    ExecResult,
+    NetworkStatus,
+    SandboxInfo,
+    State,
+)
+from ..store.records import SandboxRecord, new_record
+from ..store.tenants import TenantStore
+from ..tenancy import OPERATOR, Caller
+from .admission import Claim
+from .metrics import NodeMetrics
+from .sandboxes import LIVE_STATES, Sandboxes, gone
+
+log = logging.getLogger("dsec.core")
+
+KEEP_FINISHED_S = 24 * 3600.0
+MAX_CONCURRENT_CREATES = 32
+
+
+def host_memory() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+@dataclass
+class Kinds:
+    """What the node can run: the kinds that failed to start say why; ``check`` names the precise
+    error for a kind that is not enabled."""
+
+    unavailable: dict[str, str] = field(default_factory=dict)  # kind -> why this node cannot run it
+    check: Callable[[str], object] = lambda kind: None
+
+
+class Lifecycle:
+    def __init__(
+        self,
+        sandboxes: Sandboxes,
+        images: ImageStore,
+        metrics: NodeMetrics,
+        tenants: TenantStore,
+        kinds: Kinds,
+        node_name: str,
+    ) -> None:
+        self.sandboxes = sandboxes
+        self.images = images
+        self.metrics = metrics
+        self.tenants = tenants
+        self.kinds = kinds
+        self.node_name = node_name
+        self.max_concurrent_creates = MAX_CONCURRENT_CREATES
+        # per kind: VMs queueing for their few boot slots must not hold up container creations
+        self._create_slots: dict[str, asyncio.Semaphore] = {}
+
+    # ---- create --------------------------------------------------------------------------------------
+
+    async def create(self, req: CreateSandbox, *, caller: Caller = OPERATOR, persist: bool = True) -> SandboxInfo:
+        """A new sandbox (not a trajectory's), its failure counted by reason."""
+        try:
+            return await self.create_fresh(req, caller=caller, persist=persist)
+        except DsecError as e:
+            self.metrics.failed(req.kind, e.code)
+            raise
+
+    async def create_fresh(self, req: CreateSandbox, *, caller: Caller = OPERATOR, persist: bool = True) -> SandboxInfo:
+        backends = self.sandboxes.backends
+        if req.kind not in backends:
+            if req.kind in self.kinds.unavailable:
+                why = self.kinds.unavailable[req.kind]
+                raise InvalidRequest(f"kind {req.kind!r} is not available on this node: {why}")
+            self.kinds.check(req.kind)  # raises the precise "not available" / "unknown" error
+            raise InvalidRequest(f"kind {req.kind!r} is not enabled on this node")
+        if req.limits.memory > host_memory():
+            raise InvalidRequest(f"memory limit {req.limits.memory} exceeds this node's {host_memory()} bytes")
+        # refused now (too big for the node or the tenant's quota) rather than after an image build
+        self.sandboxes.admission.check(Claim(caller.tenant, req.limits.cpu, req.limits.mem_request()))
+        image = await self.images.resolve(req.image, caller=caller)
+        return (await self.create_on(req, image, owner=caller.tenant, persist=persist)).info()
+
+    async def create_on(
+        self, req: CreateSandbox, image: ImageRef, *, owner: str = OPERATOR.tenant, persist: bool = True
+    ) -> SandboxRecord:
+        """Create on a resolved image (builder sandboxes the daemon runs itself come here too).
+
+        Admission comes first: a creation that waits for capacity, or is refused, has no record yet, so
+        nothing half-made is left behind by a deadline or a caller that went away."""
+        sandboxes, admission = self.sandboxes, self.sandboxes.admission
+        backend = sandboxes.backends[req.kind]
+        backend.check_network(req.network)
+        started = time.monotonic()
+        claim = Claim(owner, req.limits.cpu, req.limits.mem_request())
+        waited = await admission.admit(claim, req.queue_timeout)
+        if waited:
+            self.metrics.queue_wait.observe(waited)
+        try:
+            rec = new_record(req.kind, image.name, image.digest, req.timeout, req.limits, req.env, req.labels)
+        except BaseException:
+            admission.cancel(claim)
+            raise
+        admission.bind(rec.id, claim)
+        rec.owner = owner
+        rec.network = req.network
+        rec.runtime["node"] = self.node_name
+        if req.trajectory:
+            rec.runtime["trajectory"] = req.trajectory
+        try:
+            sandboxes.adopt(rec, persist=persist)
+        except BaseException:
+            admission.release(rec.id)
+            raise
+        # VM kinds bound their boots (and restores) themselves, by the accelerator a first use finds
+        slots = self._create_slots.setdefault(req.kind, asyncio.Semaphore(self.max_concurrent_creates))
+        try:
+            async with slots, sandboxes.lock(rec.id):
+                timings = await self._start(rec, image, started)
+        except BaseException as e:
+            if rec.state == State.creating:  # cancelled before its backend was asked (waiting for a slot)
+                sandboxes.set_state(rec, State.failed, f"creation failed: {failure(e)}")
+            sandboxes.forget_lock(rec.id)  # a failed sandbox takes no more actions that need it
+            raise
+        self.metrics.created(rec.kind, timings)
+        return rec
+
+    async def _start(self, rec: SandboxRecord, image: ImageRef, started: float) -> dict[str, float]:
+        """The backend's part of a creation, under the sandbox's lock and a create slot."""
+        sandboxes, backend = self.sandboxes, self.sandboxes.backends[rec.kind]
+        if rec.state != State.creating:  # killed while it waited for a create slot
+            raise SandboxGone(f"sandbox {rec.id} was {rec.state.value} before it was created: {rec.reason}")
+        timings = rec.runtime["timings"] = {"queue": round(time.monotonic() - started, 6)}
+        try:
+            await backend.create(rec, image)
+            total = time.monotonic() - started
+            timings["runtime"] = round(total - timings["queue"] - timings.get("rootfs", 0.0), 6)
+            timings["total"] = round(total, 6)
+            sandboxes.set_state(rec, State.running)  # not recorded (a full disk): the creation failed
+        except BaseException as e:
+            sandboxes.set_state(rec, State.failed, f"creation failed: {failure(e)}")
+            with contextlib.suppress(Exception):
+                await backend.destroy(rec)
+            if isinstance(e, DsecError) or not isinstance(e, Exception):
+                raise
+            raise environment_error(e) or BackendError(f"creating sandbox failed: {failure(e)}") from e
+        return timings
+
+    # ---- end -----------------------------------------------------------------------------------------
+
+    async def kill(self, sandbox_id: str, *, caller: Caller = OPERATOR) -> SandboxInfo:
+        rec = self.sandboxes.get(sandbox_id, caller)
+        if rec.state in TERMINAL_STATES:
+            return rec.info()  # killing twice is not an error
+        return await self.stop(sandbox_id, "killed by request")
+
+    async def evict(self, sandbox_id: str, reason: str) -> None:
+        """End a sandbox the node cannot keep (memory pressure): ``failed``, with why."""
+        with contextlib.suppress(DsecError):
+            await self.stop(sandbox_id, reason, final=State.failed)
+        self.metrics.evictions.inc()
+
+    async def stop(self, sandbox_id: str, reason: str, final: State = State.stopped) -> SandboxInfo:
+        sandboxes = self.sandboxes
+        async with sandboxes.lock(sandbox_id):
+            rec = sandboxes.get(sandbox_id)
+            if rec.state in TERMINAL_STATES:
+                return rec.info()
+            sandboxes.set_state(rec, State.stopping, reason)
+            try:
+                await sandboxes.backends[rec.kind].destroy(rec)
+            except Exception as e:
+                sandboxes.set_state(rec, State.failed, f"{reason}; cleanup failed: {e}")
+                if isinstance(e, DsecError):
+                    raise
+                raise BackendError(f"stopping sandbox {rec.id} failed: {e}") from e
+            sandboxes.set_state(rec, final, reason)
+        sandboxes.forget_lock(sandbox_id)
+        sandboxes.in_background(self.images.save_traces(rec.image_digest))
+        return rec.info()
+
+    def set_timeout(self, sandbox_id: str, seconds: float, *, caller: Caller = OPERATOR) -> SandboxInfo:
+        """A new time to live, counted from now (shorter or longer than the old one). Allowed in: creating,
+        running, paused."""
+        if not 0 < seconds <= MAX_TTL_S:
+            raise InvalidRequest(f"timeout must be more than 0 and at most {MAX_TTL_S:g} seconds, not {seconds:g}")
+        rec = self.sandboxes.get(sandbox_id, caller)
+        if rec.state in TERMINAL_STATES:
+            raise gone(rec)
+        if rec.state == State.stopping:
+            raise InvalidState(f"sandbox {rec.id} is stopping", detail={"state": rec.state.value})
+        rec.expires_at = time.time() + seconds
+        self.sandboxes.save(rec)
+        return rec.info()
+
+    async def reap_once(self) -> None:
+        now = time.time()
+        self.sandboxes.records.flush()
+        for rec in self.sandboxes.live():
+            if rec.state in (State.running, State.paused) and rec.expires_at <= now:
+                log.info("sandbox %s reached its time to live", rec.id)
+                with contextlib.suppress(DsecError):
+                    await self.stop(rec.id, "time to live expired")
+        self.sandboxes.store.delete_older_than(now - KEEP_FINISHED_S, set(TERMINAL_STATES))
+
+    async def remove_tenant(self, name: str) -> tuple[float, builtins.list[str]]:
+        """Revoke the tenant's token at once, then kill its live sandboxes; its images stay, owned."""
+        revoked = self.tenants.revoke(name)
+        killed = []
+        for rec in [r for r in self.sandboxes.live() if r.owner == name]:
+            with contextlib.suppress(DsecError):
+                await self.stop(rec.id, f"tenant {name} was removed")
+                killed.append(rec.id)
+        assert revoked.revoked_at is not None
+        return revoked.revoked_at, killed
+
+    # ---- run -----------------------------------------------------------------------------------------
+
+    async def exec(
+        self,
+        sandbox_id: str,
+        req: ExecRequest,
+        on_output: OutputCallback | None = None,
+        *,
+        caller: Caller = OPERATOR,
+        io: ExecIO | None = None,
+    ) -> ExecResult:
+        """Run a command. With ``io`` the caller drives it live: standard input fed while it runs (the
+        request then has no ``stdin``), its pid once started, signals to its tree."""
+        if io is not None and req.stdin is not None:
+            raise InvalidRequest("a command fed standard input while it runs cannot also be given stdin up front")
+        rec, backend = self.sandboxes.running(sandbox_id, caller)
+        req = req.model_copy(update={"env": {**rec.env, **req.env}})
+        first = "first_exec" not in rec.runtime.get("timings", {"first_exec": 0})
+        started = time.monotonic()
+        with self.sandboxes.busy(rec.id):
+            result = await self.sandboxes.checked(rec, backend.exec(rec, req, on_output, io))
+        if first:
+            seconds = time.monotonic() - started
+            rec.runtime["timings"]["first_exec"] = round(seconds, 6)
+            self.metrics.phase.labels(rec.kind, "first_exec").observe(seconds)
+        return result
+
+    async def pause(self, sandbox_id: str, *, caller: Caller = OPERATOR) -> SandboxInfo:
+        """Stop the sandbox's processes where they stand; pausing a paused sandbox is not an error.
+
+        Refused while a command runs: its timeout keeps counting on the host, and a guest that cannot
+        answer its kill is a guest the host must destroy. Allowed in: running, paused.
+        """
+        sandboxes = self.sandboxes
+        sandboxes.get(sandbox_id, caller)
+        async with sandboxes.lock(sandbox_id):
+            rec = sandboxes.get(sandbox_id)
+            if rec.state == State.paused:
+                return rec.info()
+            rec, backend = sandboxes.running(sandbox_id)
+            if busy := sandboxes.commands_running(rec.id):
+                raise InvalidState(
+                    f"sandbox {rec.id} has {busy} command(s) running; pause it between commands",
+                    detail={"state": rec.state.value},
+                )
+            # paused before the backend is asked, so no exec can start in between
+            sandboxes.set_state(rec, State.paused)
+            try:
+                await backend.pause(rec)
+            except SandboxGone as e:
+                sandboxes.died(rec, str(e))
+                raise
+            except BaseException:
+                sandboxes.set_state(rec, State.running)
+                raise
+        return rec.info()
+
+    async def resume(self, sandbox_id: str, *, caller: Caller = OPERATOR) -> SandboxInfo:
+        """Let a paused sandbox run on; resuming a running one is not an error. Allowed in: paused, running."""
+        sandboxes = self.sandboxes
+        sandboxes.get(sandbox_id, caller)
+        async with sandboxes.lock(sandbox_id):
+            rec = sandboxes.get(sandbox_id)
+            if rec.state == State.running:
+                return rec.info()
+            if rec.state != State.paused:
+                sandboxes.running(sandbox_id)  # raises the precise error
+            try:
+                await sandboxes.backends[rec.kind].resume(rec)
+            except SandboxGone as e:
+                sandboxes.died(rec, str(e))
+                raise
+            sandboxes.set_state(rec, State.running)
+        return rec.info()
+
+    async def set_network(self, sandbox_id: str, policy: NetworkSpec, *, caller: Caller = OPERATOR) -> NetworkStatus:
+        """Change the network policy of a running sandbox; new and open connections follow it at once."""
+        async with self.sandboxes.lock(sandbox_id):
+            rec, backend = self.sandboxes.running(sandbox_id, caller)
+            await self.sandboxes.checked(rec, backend.set_network(rec, policy))
+            self.sandboxes.store.put(rec)
+            return await backend.network_status(rec)
+
+    async def network_status(self, sandbox_id: str, *, caller: Caller = OPERATOR) -> NetworkStatus:
+        rec, backend = self.sandboxes.running(sandbox_id, caller)
+        return await backend.network_status(rec)
+
+    # ---- after a restart -----------------------------------------------------------------------------
+
+    async def readopt(self) -> None:
+        """After a restart: keep what still runs, mark the rest lost with a reason, free what they held."""
+        sandboxes = self.sandboxes
+        for rec in sandboxes.store.all(LIVE_STATES):
+            sandboxes.readopt(rec)
+            backend = sandboxes.backends.get(rec.kind)
+            alive = False
+            if backend is not None and rec.state in (State.running, State.paused):
+                try:
+                    alive = await backend.alive(rec)
+                except DsecError:
+                    alive = False
+            if alive:
+                log.info("re-adopted sandbox %s", rec.id)
+                sandboxes.admission.force(rec.id, Claim(rec.owner, rec.limits.cpu, rec.limits.mem_request()))
+                continue
+            reason = {
+                State.creating: "the daemon stopped while the sandbox was being created",
+                State.stopping: "the daemon stopped while the sandbox was being stopped",
+            }.get(rec.state, "the sandbox was not running when the daemon restarted")
+            if backend is None:
+                reason = f"kind {rec.kind!r} is not available in this daemon"
+            sandboxes.set_state(rec, State.lost, reason)
+            if backend is not None:
+                with contextlib.suppress(Exception):
+                    await backend.destroy(rec)
+            log.warning("sandbox %s lost: %s", rec.id, reason)
+
+
+def failure(e: BaseException) -> str:
+    if isinstance(e, DsecError):
+        return str(e)
+    if isinstance(e, asyncio.CancelledError):
+        return "cancelled (its caller went away, or the daemon is stopping)"
+    return f"{type(e).__name__}: {e}"
