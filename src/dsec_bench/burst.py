@@ -26,9 +26,7 @@ from typing import Any
 
 from rich.console import Console
 
-from dsec.errors import DsecError, Overloaded
-from dsec.sdk.aio import AsyncClient, AsyncSandbox
-from dsec.sdk.creating import DEFAULT_WAIT_FOR_CAPACITY
+from dsec import AsyncClient, AsyncSandbox, DsecError, Overloaded
 
 from . import plots
 from .common import (
@@ -123,12 +121,15 @@ async def individual(
     tick: Callable[[], None],
     *,
     concurrency: int = 0,
-    wait_for_capacity: float = DEFAULT_WAIT_FOR_CAPACITY,
+    wait_for_capacity: float | None = None,
     queue_timeout: float | None = None,
     kill: bool = False,
 ) -> tuple[list[Outcome], float]:
     """``n`` create calls at once (``concurrency`` in flight if set), each then running its first exec;
-    with ``kill``, each reads its timings and is killed at once, freeing its place for the next."""
+    with ``kill``, each reads its timings and is killed at once, freeing its place for the next.
+    ``wait_for_capacity`` None: the SDK's default."""
+    # left out unless given: the SDK's default applies without the bench restating its value
+    waiting: dict[str, Any] = {} if wait_for_capacity is None else {"wait_for_capacity": wait_for_capacity}
     gate = asyncio.Semaphore(concurrency or n)
     outcomes = [Outcome(i) for i in range(n)]
     t0 = time.perf_counter()
@@ -141,7 +142,7 @@ async def individual(
                     client=client,
                     timeout=3600,
                     queue_timeout=queue_timeout,
-                    wait_for_capacity=wait_for_capacity,
+                    **waiting,
                     **spec.create_args(),
                 )
             except Overloaded as e:

@@ -31,12 +31,11 @@ from typing import Any
 
 from rich.console import Console
 
-from dsec.errors import DsecError, InvalidRequest
+from dsec import AsyncClient, AsyncSandbox, DsecError, InvalidRequest
 from dsec.images.catalog import Catalog
 from dsec.images.repository import LocalRepository
 from dsec.images.verify import verify
 from dsec.isolation.mounts import is_mountpoint, mount, umount
-from dsec.sdk.aio import AsyncClient, AsyncSandbox
 
 from . import accounting
 from .accounting import Known, Node

@@ -17,9 +17,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from dsec.errors import DsecError, InvalidState
-from dsec.protocol.sandbox import ExecResult
-from dsec.sdk.aio import AsyncClient, AsyncSandbox
+from dsec import AsyncClient, AsyncSandbox, DsecError, ExecResult, InvalidState
 
 LABELS = {"dsec-bench": "soak"}
 IMAGE = "dsec/busybox"

@@ -9,7 +9,7 @@ from typing import Annotated, NoReturn
 import typer
 from rich.console import Console
 
-from dsec.errors import DsecError
+from dsec import DsecError
 
 # the same stderr console and error line as the rest of `dsec` (dsec.cli.common), kept here so that the bench
 # never imports the CLI that registers it

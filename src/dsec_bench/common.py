@@ -18,10 +18,9 @@ from typing import Any
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from dsec.errors import DsecError
+from dsec import AsyncClient, AsyncSandbox, DsecError
 from dsec.isolation.mounts import unmount_under
 from dsec.protocol.node import NodeStatus
-from dsec.sdk.aio import AsyncClient, AsyncSandbox
 from dsec.stats import percentile as percentile
 
 Json = dict[str, Any]

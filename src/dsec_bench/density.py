@@ -20,8 +20,7 @@ from pathlib import Path
 
 from rich.console import Console
 
-from dsec.errors import DsecError, Overloaded
-from dsec.sdk.aio import AsyncClient, AsyncSandbox
+from dsec import AsyncClient, AsyncSandbox, DsecError, Overloaded
 
 from . import plots
 from .common import (

@@ -24,8 +24,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from dsec.errors import DsecError
-from dsec.sdk.aio import AsyncClient, AsyncSandbox
+from dsec import AsyncClient, AsyncSandbox, DsecError
 
 from .common import (
     IMAGES_DIR,

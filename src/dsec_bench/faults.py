@@ -18,8 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
-from dsec.errors import DsecError
-from dsec.sdk.aio import AsyncClient, AsyncSandbox
+from dsec import AsyncClient, AsyncSandbox, DsecError
 
 T = TypeVar("T")
 LABELS = {"dsec-bench": "chaos"}

@@ -25,9 +25,8 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from dsec.errors import DsecError
+from dsec import AsyncClient, DsecError
 from dsec.protocol.run import MAX_RUNS, RunRequest
-from dsec.sdk.aio import AsyncClient
 
 from .common import (
     Json,

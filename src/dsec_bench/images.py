@@ -20,10 +20,8 @@ from pathlib import Path
 
 from rich.console import Console
 
-from dsec.errors import DsecError
+from dsec import AsyncClient, AsyncSandbox, DsecError, ImageSpec
 from dsec.isolation.mounts import mount, umount
-from dsec.protocol.build import ImageSpec
-from dsec.sdk.aio import AsyncClient, AsyncSandbox
 
 from .common import IMAGES_DIR, Json, connect, kill_leftovers, phase, release_node, start_daemon, stop_daemon, summarize
 

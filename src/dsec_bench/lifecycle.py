@@ -23,8 +23,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from dsec.errors import DsecError
-from dsec.sdk.aio import AsyncClient, AsyncSandbox
+from dsec import AsyncClient, AsyncSandbox, DsecError
 
 from .common import (
     Json,

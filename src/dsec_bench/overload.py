@@ -21,8 +21,7 @@ from pathlib import Path
 
 from rich.console import Console
 
-from dsec.errors import DsecError
-from dsec.sdk.aio import AsyncClient
+from dsec import AsyncClient, DsecError
 
 from . import plots
 from .burst import LABEL, Outcome, Spec, individual, latency_figures, phase_samples, queue_plot, thin, warm_up

@@ -28,8 +28,7 @@ from typing import Any
 
 from rich.console import Console
 
-from dsec.errors import DsecError
-from dsec.sdk.aio import AsyncClient
+from dsec import AsyncClient, DsecError
 
 from . import accounting
 from .accounting import Allowance, Counters, Known, Node

@@ -14,8 +14,7 @@ from pathlib import Path
 
 from rich.console import Console
 
-from dsec.errors import DsecError
-from dsec.sdk.aio import AsyncClient, AsyncSandbox
+from dsec import AsyncClient, AsyncSandbox, DsecError
 
 from .common import Json, connect, host_facts, kill_leftovers, phase, release_node, start_daemon, stop_daemon, summarize
 from .density import meminfo, used

@@ -12,6 +12,7 @@ import pytest
 from rich.console import Console
 
 from dsec.protocol.sandbox import ExecResult
+from dsec.sdk.trajectory import PAGE
 from dsec_bench import common as bench_common
 from dsec_bench import trajectory as tb
 from dsec_bench.common import summarize
@@ -31,6 +32,11 @@ def run(
 def latency(logged_ms: float, plain_ms: float) -> dict[str, Any]:
     logged, plain = summarize([logged_ms / 1000] * 4), summarize([plain_ms / 1000] * 4)
     return {"logged": logged, "plain": plain, "overhead": tb.overhead(logged, plain), "warmup": tb.WARMUP}
+
+
+def test_the_reported_page_is_the_sdks() -> None:
+    # the bench states the page size rather than import it from the SDK's internals: this keeps it true
+    assert tb.SDK_PAGE == PAGE
 
 
 def test_steps_are_distinct_deterministic_and_cheap() -> None:
