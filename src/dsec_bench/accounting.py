@@ -22,6 +22,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+# dsec's names for the host objects it makes (its nftables table and veths, VMM jail keys and uid leases,
+# where container uid ranges start), which nothing public states: attributing objects to this node needs
+# them, and importing rather than copying them keeps a renamed object from silently counting zero.
 from dsec.isolation import idmap
 from dsec.isolation.network import nft
 from dsec.kinds.microvm import jail
@@ -159,7 +162,7 @@ def loop_devices(state_dir: Path) -> int:
 def _hierarchies() -> list[tuple[str, Path]]:
     """(name, root) of each cgroup hierarchy: the unified one alone on a pure v2 host; on a hybrid one
     each v1 hierarchy too (symlinked aliases such as ``cpu,cpuacct`` are skipped: counted once)."""
-    if jail.layout().mode == "v2":
+    if (CGROUP_ROOT / "cgroup.controllers").exists():  # the root is cgroup2 itself: a pure v2 host
         return [("unified", CGROUP_ROOT)]
     out = []
     with contextlib.suppress(OSError):

@@ -21,9 +21,9 @@ from pathlib import Path
 from rich.console import Console
 
 from dsec import AsyncClient, AsyncSandbox, DsecError, ImageSpec
-from dsec.isolation.mounts import mount, umount
 
 from .common import IMAGES_DIR, Json, connect, kill_leftovers, phase, release_node, start_daemon, stop_daemon, summarize
+from .mounts import MS_RDONLY, mount, umount
 
 IMAGE = "dsec/bench-toolkit:1"
 TOOLKIT = ("python3-numpy", "python3-scipy", "python3-pandas", "python3-sympy", "python3-matplotlib", "gcc", "g++")
@@ -133,7 +133,7 @@ async def warm_reads(node: Path, client: AsyncClient) -> Json:
     await asyncio.to_thread(shutil.copyfile, node / "images" / "fetcher" / "mnt" / layer.digest, blob)
     target = local / "mnt"
     target.mkdir(exist_ok=True)
-    mount(str(blob), target, "erofs", 1)
+    mount(str(blob), target, "erofs", MS_RDONLY)
     rates: dict[str, float] = {}
     try:
         for where, root in (("lazy", lazy_mount), ("local", target)):

@@ -10,8 +10,35 @@ import shutil
 from collections.abc import Iterable
 from pathlib import Path
 
-from dsec.images.chunks import chunk_key
-from dsec.images.model import image_key, layer_key, tag_key, trace_key
+from dsec import InvalidRequest
+
+# The repository's keys as docs/images.md documents them (a format every node sharing a repository reads),
+# not dsec's helpers; a unit test holds the two to the same keys.
+TAG_KEY_PART = 250  # hex characters per path component of a tag's key
+
+
+def tag_key(name: str) -> str:
+    text = name.encode().hex()
+    return "tags/" + "/".join(text[i : i + TAG_KEY_PART] for i in range(0, len(text), TAG_KEY_PART)) + ".json"
+
+
+def image_key(digest: str) -> str:
+    return f"images/{digest}.json"
+
+
+def layer_key(digest: str) -> str:
+    return f"layers/{digest}.json"
+
+
+def trace_key(layer_digest: str) -> str:
+    return f"traces/{layer_digest}.json"
+
+
+def chunk_key(digest: str) -> str:
+    if len(digest) != 64 or any(c not in "0123456789abcdef" for c in digest):
+        # a damaged manifest must not name a path outside chunks/
+        raise InvalidRequest(f"not a blake3 digest: {digest!r}")
+    return f"chunks/{digest[:2]}/{digest}"
 
 
 def seed_repository(source: Path, dest: Path, names: Iterable[str]) -> None:

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from rich.console import Console
 
+# what this bench measures is these internals alone, without a daemon (the whole path is `dsec bench burst`)
 from dsec.core.admission import Admission, AdmissionOptions, Claim
 from dsec.protocol.sandbox import Limits, State
 from dsec.store.records import new_record

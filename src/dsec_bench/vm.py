@@ -30,6 +30,8 @@ PROBE_LINE = b"dsec-probe-ok"
 
 async def bare_boot(machine: str, accel: str, samples: int) -> Json:
     """QEMU alone, booting dsec's kernel and initramfs to the first line its userspace prints."""
+    # the baseline must boot the very guest and QEMU binary the node uses: only the kind's modules build
+    # and find them (nothing public hands them out)
     from dsec.kinds.microvm import guest, qemu
     from dsec.kinds.microvm.agent_build import build_agent
     from dsec.kinds.microvm.backend import VM_CACHE
@@ -68,7 +70,7 @@ async def bare_boot(machine: str, accel: str, samples: int) -> Json:
 
 def _tsc(accel: str) -> str:
     """The same calibration hint dsec's own VMs get under TCG (without it busy hosts hang some boots)."""
-    from dsec.kinds.microvm import qemu
+    from dsec.kinds.microvm import qemu  # the hint as the kind computes it, so the baseline boots alike
 
     khz = qemu.host_tsc_khz() if accel == "tcg" else None
     return f" tsc_early_khz={khz}" if khz else ""
