@@ -34,12 +34,12 @@ from typing import Any
 from rich.console import Console
 
 from dsec import AsyncClient, AsyncSandbox, DsecError, InvalidRequest
+from dsec.isolation.mounts import is_mountpoint, mount, umount
 
 from . import accounting
 from .accounting import Known, Node
 from .common import Json, connect, host_facts, kill_leftovers, release_node, start_daemon, stop_daemon, write_json
 from .faults import FAULTS, LABELS, Burst, Requests, Target
-from .mounts import is_mountpoint, mount, umount
 from .seed import seed_repository
 from .soak import allowances, baseline, probe, settle
 

@@ -19,10 +19,9 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from dsec import AsyncClient, AsyncSandbox, DsecError
+from dsec.isolation.mounts import unmount_under
 from dsec.protocol.node import NodeStatus
 from dsec.stats import percentile as percentile
-
-from .mounts import unmount_under
 
 Json = dict[str, Any]
 

@@ -21,9 +21,9 @@ from pathlib import Path
 from rich.console import Console
 
 from dsec import AsyncClient, AsyncSandbox, DsecError, ImageSpec
+from dsec.isolation.mounts import MS_RDONLY, mount, umount
 
 from .common import IMAGES_DIR, Json, connect, kill_leftovers, phase, release_node, start_daemon, stop_daemon, summarize
-from .mounts import MS_RDONLY, mount, umount
 
 IMAGE = "dsec/bench-toolkit:1"
 TOOLKIT = ("python3-numpy", "python3-scipy", "python3-pandas", "python3-sympy", "python3-matplotlib", "gcc", "g++")
