@@ -50,7 +50,7 @@ async def fork(sandboxes: Sandboxes, sandbox_id: str, req: ForkRequest, caller: 
                     child = new_record(
                         parent.kind, parent.image, parent.image_digest, ttl, parent.limits, parent.env, labels
                     )
-                    child.runtime["forked_from"] = parent.id
+                    child.forked_from = parent.id
                     child.owner = parent.owner  # the parent's tenant's, even when the operator forks
                     sandboxes.admission.bind(child.id, claims.pop())
                     sandboxes.set_state(child, State.creating)

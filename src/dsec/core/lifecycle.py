@@ -121,9 +121,8 @@ class Lifecycle:
         admission.bind(rec.id, claim)
         rec.owner = owner
         rec.network = req.network
-        rec.runtime["node"] = self.node_name
-        if req.trajectory:
-            rec.runtime["trajectory"] = req.trajectory
+        rec.node = self.node_name
+        rec.trajectory = req.trajectory or None
         try:
             sandboxes.adopt(rec, persist=persist)
         except BaseException:
@@ -147,7 +146,7 @@ class Lifecycle:
         sandboxes, backend = self.sandboxes, self.sandboxes.backends[rec.kind]
         if rec.state != State.creating:  # killed while it waited for a create slot
             raise SandboxGone(f"sandbox {rec.id} was {rec.state.value} before it was created: {rec.reason}")
-        timings = rec.runtime["timings"] = {"queue": round(time.monotonic() - started, 6)}
+        timings = rec.timings = {"queue": round(time.monotonic() - started, 6)}
         try:
             await backend.create(rec, image)
             total = time.monotonic() - started
@@ -248,13 +247,13 @@ class Lifecycle:
             raise InvalidRequest("a command fed standard input while it runs cannot also be given stdin up front")
         rec, backend = self.sandboxes.running(sandbox_id, caller)
         req = req.model_copy(update={"env": {**rec.env, **req.env}})
-        first = "first_exec" not in rec.runtime.get("timings", {"first_exec": 0})
+        first = bool(rec.timings) and "first_exec" not in rec.timings  # (a fork's copies have no phases)
         started = time.monotonic()
         with self.sandboxes.busy(rec.id):
             result = await self.sandboxes.checked(rec, backend.exec(rec, req, on_output, io))
         if first:
             seconds = time.monotonic() - started
-            rec.runtime["timings"]["first_exec"] = round(seconds, 6)
+            rec.timings["first_exec"] = round(seconds, 6)
             self.metrics.phase.labels(rec.kind, "first_exec").observe(seconds)
         return result
 

@@ -147,7 +147,7 @@ class ProcessTable:
         live = self._live.setdefault(rec.id, {})
         if len(live) >= MAX_PER_SANDBOX:
             raise LimitExceeded(f"sandbox {rec.id} already runs {MAX_PER_SANDBOX} processes started by the API")
-        if rec.runtime.get("trajectory") and stdin:
+        if rec.trajectory and stdin:
             raise InvalidState(
                 f"sandbox {rec.id} is bound to a trajectory: standard input fed while a command runs is not "
                 "recorded in the log, so such commands are refused; pass the input in the command instead"

@@ -90,7 +90,7 @@ async def start(call: Call, req: pm.StartRequest) -> AsyncIterator[pm.StartRespo
     except ValidationError as e:
         raise RpcError("invalid_argument", validation_message(e)) from None
     stdin = bool(req.stdin)
-    if stdin and call.rec.runtime.get("trajectory"):
+    if stdin and call.rec.trajectory:
         raise InvalidState(
             f"sandbox {call.sandbox_id} is bound to a trajectory: a command fed standard input while it runs "
             "cannot be recorded; pass the input in the command (e.g. a here-document) instead"

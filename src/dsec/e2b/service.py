@@ -133,7 +133,7 @@ class E2BService:
     async def position(self, rec: SandboxRecord) -> int | None:
         """The next position for a call on ``rec``, or None if it is not bound to a trajectory. Without a
         create in this daemon's life (a restart, a connect from elsewhere), calls go on at the log's end."""
-        tid = rec.runtime.get("trajectory")
+        tid = rec.trajectory
         if not isinstance(tid, str):
             return None
         seq = self._cursors.get(rec.id)

@@ -12,6 +12,12 @@ from ..protocol import network as policy
 from ..protocol.network import NetworkSpec
 from ..protocol.sandbox import Limits, SandboxInfo, State
 
+StartedFrom = Literal["boot", "snapshot", "fork"]
+
+# The core's fields are persisted beside the kind's state, in the same JSON column, under these keys
+# (the ones every record has had: a state database from an older daemon reads the same).
+CORE_KEYS = ("node", "trajectory", "forked_from", "timings", "network", "accel", "waiting", "started_from")
+
 
 @dataclass
 class SandboxRecord:
@@ -25,21 +31,52 @@ class SandboxRecord:
     env: dict[str, str] = field(default_factory=dict)
     labels: dict[str, str] = field(default_factory=dict)
     reason: str | None = None
-    runtime: dict[str, Any] = field(default_factory=dict)  # backend-owned (bundle path, cgroup path, ...)
+    # the kind's own state (bundle, uid range, agent, ...): each kind reads and writes it through its
+    # own typed view (kinds/*/state.py); nothing outside the kind looks inside
+    runtime: dict[str, Any] = field(default_factory=dict)
     image_digest: str = ""  # the image version it runs on: a name can be freed and reused, a version cannot
     owner: str = "admin"  # the tenant it belongs to (records from before tenants: the operator's)
+    network: NetworkSpec = None  # the network policy in force
+    node: str | None = None  # the node it runs on
+    trajectory: str | None = None  # the trajectory it is bound to
+    forked_from: str | None = None
+    timings: dict[str, float] = field(default_factory=dict)  # seconds per phase of its creation
+    # reported by the kind, for its info
+    accelerator: str | None = None  # VM kinds: kvm or tcg
+    started_from: StartedFrom | None = None
+    waiting: str | None = None  # what its creation waits for (a VM boot slot, ...)
 
-    @property
-    def network(self) -> NetworkSpec:
-        """The network policy in force; kept in ``runtime`` so that it is persisted with it."""
-        return policy.from_json(self.runtime.get("network"))
+    def persisted(self) -> dict[str, Any]:
+        """The kind's state and the core's fields, as stored."""
+        core: dict[str, Any] = {
+            "node": self.node,
+            "trajectory": self.trajectory,
+            "forked_from": self.forked_from,
+            "timings": self.timings or None,
+            "network": policy.to_json(self.network) if self.network is not None else None,
+            "accel": self.accelerator,
+            "waiting": self.waiting,
+            "started_from": self.started_from,
+        }
+        return {**self.runtime, **{k: v for k, v in core.items() if v is not None}}
 
-    @network.setter
-    def network(self, value: NetworkSpec) -> None:
-        if value is None:
-            self.runtime.pop("network", None)
-        else:
-            self.runtime["network"] = policy.to_json(value)
+    def restore(self, stored: dict[str, Any]) -> None:
+        """Split what ``persisted`` stored back into the kind's state and the core's fields."""
+        runtime = dict(stored)
+        core = {k: runtime.pop(k) for k in CORE_KEYS if k in runtime}
+        self.runtime = runtime
+        self.node = _text(core.get("node"))
+        self.trajectory = _text(core.get("trajectory"))
+        self.forked_from = _text(core.get("forked_from"))
+        timings = core.get("timings")
+        self.timings = {str(k): float(v) for k, v in timings.items()} if isinstance(timings, dict) else {}
+        self.network = policy.from_json(core.get("network"))
+        self.accelerator = _text(core.get("accel"))
+        self.waiting = _text(core.get("waiting"))
+        started = core.get("started_from")
+        if started is None and "restored" in runtime:  # written by a daemon from before this field
+            started = "snapshot" if runtime.pop("restored") else "boot"
+        self.started_from = started if started in ("boot", "snapshot", "fork") else None
 
     def info(self) -> SandboxInfo:
         return SandboxInfo(
@@ -53,24 +90,20 @@ class SandboxRecord:
             limits=self.limits,
             labels=dict(self.labels),
             env=dict(self.env),
-            accelerator=self.runtime.get("accel"),
-            started_from=_started_from(self.runtime),
-            forked_from=self.runtime.get("forked_from"),
-            waiting=self.runtime.get("waiting"),
+            accelerator=self.accelerator,
+            started_from="fork" if self.forked_from else self.started_from,
+            forked_from=self.forked_from,
+            waiting=self.waiting,
             owner=self.owner,
             network=self.network,
-            trajectory=self.runtime.get("trajectory"),
-            node=self.runtime.get("node"),
-            timings=self.runtime.get("timings") or {},
+            trajectory=self.trajectory,
+            node=self.node,
+            timings=dict(self.timings),
         )
 
 
-def _started_from(runtime: dict[str, Any]) -> Literal["boot", "snapshot", "fork"] | None:
-    if runtime.get("forked_from"):
-        return "fork"
-    if "restored" in runtime:
-        return "snapshot" if runtime["restored"] else "boot"
-    return None
+def _text(value: object) -> str | None:
+    return value if isinstance(value, str) else None
 
 
 def new_record(

@@ -63,7 +63,7 @@ class SandboxStore:
                     rec.limits.model_dump_json(),
                     json.dumps(rec.env),
                     json.dumps(rec.labels),
-                    json.dumps(rec.runtime),
+                    json.dumps(rec.persisted()),
                     rec.image_digest,
                     rec.owner,
                 ),
@@ -98,7 +98,7 @@ class SandboxStore:
 
 def _row(row: tuple[object, ...]) -> SandboxRecord:
     (sid, kind, image, state, reason, created, expires, limits, env, labels, runtime, image_digest, owner) = row
-    return SandboxRecord(
+    rec = SandboxRecord(
         id=str(sid),
         kind=str(kind),
         image=str(image),
@@ -109,7 +109,8 @@ def _row(row: tuple[object, ...]) -> SandboxRecord:
         limits=Limits.model_validate_json(str(limits)),
         env=json.loads(str(env)),
         labels=json.loads(str(labels)),
-        runtime=json.loads(str(runtime)),
         image_digest=str(image_digest),
         owner=str(owner),
     )
+    rec.restore(json.loads(str(runtime)))
+    return rec

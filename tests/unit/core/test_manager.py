@@ -79,8 +79,8 @@ async def test_create_runs_and_persists(core: Core) -> None:
     assert rec is not None
     assert rec.state == State.running
     assert rec.runtime["fake"] is True  # what the backend put in runtime is persisted
-    assert set(rec.runtime["timings"]) == {"queue", "runtime", "total"}  # and the core's figures with it
-    assert rec.runtime["node"] == mgr.node_name
+    assert set(rec.timings) == {"queue", "runtime", "total"}  # and the core's figures with it
+    assert rec.node == mgr.node_name
 
 
 async def test_create_ids_are_unique(core: Core) -> None:

@@ -110,3 +110,33 @@ def test_two_connections_see_each_other(tmp_path: Path) -> None:
     finally:
         a.close()
         b.close()
+
+
+def test_the_cores_fields_are_kept_apart_from_the_kinds_state(store: SandboxStore) -> None:
+    r = rec("sb-typed")
+    r.node, r.trajectory, r.forked_from = "n1", "t-1", "sb-parent"
+    r.timings = {"queue": 0.5, "total": 1.25}
+    r.network = "full"
+    r.accelerator, r.started_from, r.waiting = "tcg", "snapshot", None
+    store.put(r)
+    got = store.get("sb-typed")
+    assert got is not None
+    assert got.runtime == {"bundle": "/run/x", "pid": 42}  # the kind's state, and only it
+    assert (got.node, got.trajectory, got.forked_from, got.network) == ("n1", "t-1", "sb-parent", "full")
+    assert got.timings == {"queue": 0.5, "total": 1.25}
+    assert (got.accelerator, got.started_from, got.waiting) == ("tcg", "snapshot", None)
+    assert got.info().started_from == "fork"  # a copy says so, whatever its kind reported
+
+
+def test_a_record_written_before_typed_fields_reads_the_same(store: SandboxStore) -> None:
+    old = rec("sb-old")
+    # what an older daemon wrote: everything in the one runtime object, a VM's start as "restored"
+    old.runtime = {"pid": 7, "node": "n0", "trajectory": "t-0", "timings": {"total": 2.0}, "restored": False}
+    old.runtime["network"] = {"allow": ["example.com:443"]}
+    store.put(old)
+    got = store.get("sb-old")
+    assert got is not None
+    assert got.runtime == {"pid": 7}
+    assert (got.node, got.trajectory, got.timings, got.started_from) == ("n0", "t-0", {"total": 2.0}, "boot")
+    network = got.info().network
+    assert network is not None and network != "full" and network.allow == ["example.com:443"]

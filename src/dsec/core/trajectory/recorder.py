@@ -245,7 +245,7 @@ class Trajectories:
         A call at a position the log already holds is answered from it, and never runs."""
         sandbox_id, op, seq = call.sandbox_id, call.action, call.seq
         rec = self.sandboxes.get(sandbox_id, call.caller)
-        tid = rec.runtime.get("trajectory")
+        tid = rec.trajectory
         if tid is None or seq is None:
             if seq is not None:  # a sound request the sandbox's state refuses: the same goes to a bound one
                 raise InvalidState(f"sandbox {sandbox_id} is not bound to a trajectory: {SEQ_HEADER} does not apply")
@@ -387,9 +387,9 @@ class Trajectories:
         while True:
             try:
                 live = {
-                    (r.owner, r.runtime["trajectory"])
+                    (r.owner, r.trajectory)
                     for r in self.sandboxes.live()
-                    if r.runtime.get("trajectory") and r.state not in TERMINAL_STATES
+                    if r.trajectory and r.state not in TERMINAL_STATES
                 }
                 cutoff = time.time() - self.options.keep_days * 86400
                 gone = await asyncio.to_thread(self.store.prune, cutoff, live)

@@ -236,8 +236,7 @@ class ContainerBackend(ContainerFiles, PolicyNetwork):
         except OSError as e:
             raise BackendError(f"cannot prepare the root filesystem: {e}") from e
         account = await asyncio.to_thread(self._account, rec, image.user)
-        if isinstance(rec.runtime.get("timings"), dict):  # the core's phase figures (worker records have none)
-            rec.runtime["timings"]["rootfs"] = round(time.monotonic() - began, 6)
+        rec.timings["rootfs"] = round(time.monotonic() - began, 6)  # the core's phase figures
         if not account.is_root:
             # the image's runtime account runs every exec and owns what the file API writes
             rec.runtime["user"] = [account.uid, account.gid]

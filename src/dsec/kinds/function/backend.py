@@ -24,6 +24,7 @@ from pathlib import Path
 
 from ...errors import InvalidRequest, KindUnavailable, SandboxGone
 from ...images.store import ImageRef
+from ...protocol import network as policy
 from ...protocol.network import NetworkSpec, describe
 from ...protocol.run import PoolInfo
 from ...protocol.sandbox import ExecRequest, ExecResult, FileEntry, Limits, NetworkStatus, State
@@ -257,7 +258,13 @@ class FunctionBackend(Backend):
             st = await self.containers.network_status(worker.rec)
             worker.denied = (st.denied_packets, st.denied_dns)
         self._lent[rec.id] = worker
-        rec.runtime["worker"] = {"id": worker.rec.id, "runtime": worker.rec.runtime, "warm": warm}
+        # the worker's own state goes with it, so a restarted daemon can find and release it
+        rec.runtime["worker"] = {
+            "id": worker.rec.id,
+            "runtime": worker.rec.runtime,
+            "network": policy.to_json(worker.rec.network) if worker.rec.network is not None else None,
+            "warm": warm,
+        }
         rec.runtime["key"] = list(self.key(rec.owner, image, rec))
 
     async def destroy(self, rec: SandboxRecord) -> None:
@@ -385,6 +392,8 @@ def _adopted_worker(rec: SandboxRecord) -> SandboxRecord | None:
         return None
     wrec = _bare_record(info["id"])
     wrec.limits = rec.limits
-    wrec.runtime = dict(info.get("runtime") or {})
+    wrec.restore(dict(info.get("runtime") or {}))  # (a daemon before typed records kept its network there)
+    if info.get("network") is not None:
+        wrec.network = policy.from_json(info["network"])
     wrec.state = State.running
     return wrec

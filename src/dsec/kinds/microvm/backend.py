@@ -195,7 +195,8 @@ class MicroVMBackend(PolicyNetwork):
             **image.env,
             **rec.env,
         }
-        rec.runtime.update({"env": env, "cwd": image.workdir or "/", "accel": self.accel, "user_spec": image.user})
+        rec.runtime.update({"env": env, "cwd": image.workdir or "/", "user_spec": image.user})
+        rec.accelerator = self.accel
         key = snapshots.template_key(spec, image.layer_digests)
         memory = self.templates / key / templates.MEMORY
         restore = TEMPLATES and await asyncio.to_thread(memory.exists)
@@ -211,7 +212,7 @@ class MicroVMBackend(PolicyNetwork):
             await self._stop_vm(rec)
             restore = False
             chan = await self._launch(rec, spec, None)
-        rec.runtime["restored"] = restore
+        rec.started_from = "snapshot" if restore else "boot"
         if not restore:
             await self._settle(chan, spec)
         await self._bound_pids(rec, chan)
@@ -245,9 +246,9 @@ class MicroVMBackend(PolicyNetwork):
             "layers": [str(p) for p in spec.layers],
         }
         if gate.locked():
-            rec.runtime["waiting"] = "a VM restore slot" if memory is not None else "a VM boot slot"
+            rec.waiting = "a VM restore slot" if memory is not None else "a VM boot slot"
         async with gate:
-            rec.runtime.pop("waiting", None)
+            rec.waiting = None
             started = time.monotonic()
             pid = qemu.start(spec, incoming=memory)
             rec.runtime["pid"] = pid
@@ -476,11 +477,10 @@ class MicroVMBackend(PolicyNetwork):
             raise BackendError(f"not a {self.kind} checkpoint: {checkpoint!r}")
         spec = dataclasses.replace(checkpoint.spec, name=rec.id, bundle=self._bundle(rec))
         await asyncio.to_thread(spec.bundle.mkdir, parents=True)
-        rec.runtime.update(
-            {k: v for k, v in parent.runtime.items() if k in ("env", "cwd", "accel", "user_spec", "user")}
-        )
+        rec.runtime.update({k: v for k, v in parent.runtime.items() if k in ("env", "cwd", "user_spec", "user")})
+        rec.accelerator = parent.accelerator
         await self._bound_pids(rec, await self._launch(rec, spec, checkpoint.memory))
-        rec.runtime["restored"] = True
+        rec.started_from = "snapshot"
 
     @contextlib.asynccontextmanager
     async def frozen_upper(self, rec: SandboxRecord) -> AsyncIterator[Path]:
