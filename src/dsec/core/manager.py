@@ -225,6 +225,11 @@ class SandboxManager:
         core's, like the E2B API: they need its owner and trajectory, not only its info)."""
         return self.sandboxes.get(sandbox_id, caller)
 
+    def default_user(self, rec: SandboxRecord) -> tuple[int, int] | None:
+        """The account (uid, gid) the sandbox's execs run as when they name none; None: root."""
+        backend = self.backends.get(rec.kind)
+        return backend.default_user(rec) if backend is not None else None
+
     def is_live(self, sandbox_id: str) -> bool:
         return self.sandboxes.is_live(sandbox_id)
 

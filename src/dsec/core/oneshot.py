@@ -42,8 +42,7 @@ class Runner:
         info = await life.create(create, caller=caller, persist=False)
         try:
             rec = life.sandboxes.get(info.id, caller)
-            worker = rec.runtime.get("worker")
-            warm = isinstance(worker, dict) and worker.get("warm") is True
+            warm = life.sandboxes.backends[rec.kind].lent_warm(rec)
             for path, data in req.file_bytes().items():
                 await self.files.write_file(
                     info.id, path, data, 0o755 if path.endswith(".sh") else 0o644, caller=caller

@@ -208,8 +208,8 @@ class E2BService:
             return Account("root", "/root")
         passwd = await self._passwd(rec, caller)
         if user is None or (user == "user" and not _has_user(passwd, "user")):
-            default = rec.runtime.get("user")
-            uid = int(default[0]) if isinstance(default, list) else 0
+            default = self.mgr.default_user(rec)
+            uid = default[0] if default is not None else 0
             entry = next((e for e in _entries(passwd) if e[2] == str(uid)), None)
             home = entry[5] if entry is not None and entry[5] else ("/root" if uid == 0 else "/")
             return Account(None, rec.env.get("HOME") or home)

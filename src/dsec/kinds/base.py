@@ -19,6 +19,7 @@ from ..protocol.run import PoolInfo
 from ..protocol.sandbox import ExecRequest, ExecResult, FileEntry, NetworkStatus
 from ..store.records import SandboxRecord
 from .execio import ExecIO
+from .state import KindState
 
 # Called with ("stdout" | "stderr", chunk) as output arrives, for streaming execs.
 OutputCallback = Callable[[str, bytes], None]
@@ -59,6 +60,14 @@ class Backend(ABC):
         usage figures; None if the kind has none of its own."""
         return None
 
+    def default_user(self, rec: SandboxRecord) -> tuple[int, int] | None:
+        """The account (uid, gid) an exec that names none runs as; None: root."""
+        return KindState(rec).user
+
+    def lent_warm(self, rec: SandboxRecord) -> bool:
+        """Handed out ready-made from a warm pool (a one-shot run's result says so)."""
+        return False
+
     def start_bound(self) -> int | None:
         """How many sandboxes of this kind boot at once, if the kind bounds it itself (VM kinds), for status."""
         return None
@@ -90,7 +99,7 @@ class Backend(ABC):
 
     @abstractmethod
     async def create(self, rec: SandboxRecord, image: ImageRef) -> None:
-        """Make the sandbox run; may fill ``rec.runtime`` with what later calls need (persisted)."""
+        """Make the sandbox run; may keep what later calls need in its state view of ``rec.runtime`` (persisted)."""
 
     @abstractmethod
     async def destroy(self, rec: SandboxRecord) -> None:

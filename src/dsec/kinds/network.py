@@ -17,6 +17,7 @@ from ..protocol.network import NetworkSpec
 from ..protocol.sandbox import NetworkStatus
 from ..store.records import SandboxRecord
 from .base import Backend
+from .state import KindState
 
 
 class PolicyNetwork(Backend):
@@ -47,36 +48,37 @@ class PolicyNetwork(Backend):
 
     async def _join_network(self, rec: SandboxRecord, policy: NetworkSpec) -> None:
         attached = await self._attach_network(rec, policy)
-        rec.runtime["net_index"] = attached.index
-        rec.runtime["net_gen"] = attached.gen
+        KindState(rec).joined(attached.index, attached.gen)
         await self._configure_sandbox_side(rec, attached)
 
     async def _leave_network(self, rec: SandboxRecord) -> None:
-        index = rec.runtime.pop("net_index", None)
-        rec.runtime.pop("net_gen", None)
-        if isinstance(index, int) and self.ctx.net is not None:
+        state = KindState(rec)
+        index = state.net_index
+        state.joined(None, None)
+        if index is not None and self.ctx.net is not None:
             await self.ctx.net.detach(rec.id, index, keep_interface=self.keep_interface)
 
     async def _adopt_network(self, rec: SandboxRecord) -> None:
         """After a daemon restart: the sandbox's rules as they were (once per daemon run)."""
-        index, gen = rec.runtime.get("net_index"), rec.runtime.get("net_gen")
-        if isinstance(index, int) and isinstance(gen, int) and self.ctx.net is not None:
+        state = KindState(rec)
+        index, gen = state.net_index, state.net_gen
+        if index is not None and gen is not None and self.ctx.net is not None:
             await self.ctx.net.adopt(rec.id, index, rec.network, gen)
 
     async def set_network(self, rec: SandboxRecord, policy: NetworkSpec) -> None:
         self.check_network(policy)
-        index = rec.runtime.get("net_index")
+        index = KindState(rec).net_index
         if policy is None:
             await self._leave_network(rec)
-        elif not isinstance(index, int):
+        elif index is None:
             await self._join_network(rec, policy)
         else:
-            rec.runtime["net_gen"] = await self.net.change(rec.id, index, policy)
+            KindState(rec).changed(await self.net.change(rec.id, index, policy))
         rec.network = policy
 
     async def network_status(self, rec: SandboxRecord) -> NetworkStatus:
-        index = rec.runtime.get("net_index")
-        if not isinstance(index, int):
+        index = KindState(rec).net_index
+        if index is None:
             return NetworkStatus(policy=rec.network)
         denied, denied_dns, allowed = await self.net.status(rec.id, index)
         return NetworkStatus(

@@ -46,6 +46,7 @@ from .agent import AgentChannel
 from .execution import ExecPlan, run_via_agent, run_via_runtime
 from .files import ContainerFiles
 from .rootfs import mount_rootfs, unmount_rootfs
+from .state import ContainerState
 
 log = logging.getLogger("dsec.container")
 
@@ -192,56 +193,65 @@ class ContainerBackend(ContainerFiles, PolicyNetwork):
         tmp_file.rename(cached)
         return base64.b64encode(data).decode()
 
-    def _layout(self) -> cgroups.CgroupLayout:
+    # ---- the host's view of a sandbox (the function kind resets its workers through these) ---------------
+
+    def cgroup_layout(self) -> cgroups.CgroupLayout:
         if self.layout is None:
             raise BackendError("container backend used before start()")
         return self.layout
 
-    def _bundle(self, rec: SandboxRecord) -> Path:
+    def bundle_dir(self, rec: SandboxRecord) -> Path:
+        """The sandbox's directory on the host: its root, its writable layer (disk/upper) and /tmp of a worker."""
         return self.sandbox_dir / rec.id
 
+    def agent_connected(self, rec: SandboxRecord) -> bool:
+        chan = self._channels.get(rec.id)
+        return chan is not None and not chan.closed
+
+    def run_next_exec_in(self, rec: SandboxRecord, group: str) -> None:
+        """The sandbox's next exec runs in ``group``, a cgroup already made under its own."""
+        ContainerState(rec).ready(group)
+
     @staticmethod
-    def _cg_path(rec: SandboxRecord) -> str:
+    def cgroup_path(rec: SandboxRecord) -> str:
         return f"/dsec/{rec.id}"
 
     def cgroup(self, rec: SandboxRecord) -> str | None:
-        return self._cg_path(rec)
+        return self.cgroup_path(rec)
 
     def _runtime_argv(self, *args: str) -> list[str]:
         return [self.runtime, "--root", str(self.run_root), *args]
 
     # ---- lifecycle ---------------------------------------------------------------------------------
 
-    async def create(self, rec: SandboxRecord, image: ImageRef) -> None:
-        bundle = self._bundle(rec)
+    async def create(self, rec: SandboxRecord, image: ImageRef, *, worker: bool = False) -> None:
+        """``worker``: a function worker, which serves one user after another (see ContainerState.worker)."""
+        bundle = self.bundle_dir(rec)
         rootfs = bundle / "rootfs"
         use_agent = self.agent_error is None
         # what later calls (and a restarted daemon) need and cannot derive from the id
-        rec.runtime.update(
-            {
-                "init": "agent" if use_agent else "catatonit",
-                "env": spec.sandbox_env(rec, image),
-                "cwd": image.workdir or "/",
-            }
-        )
+        state = ContainerState(rec)
+        if worker:
+            state.mark_worker()
+        state.init = "agent" if use_agent else "catatonit"
+        state.env = spec.sandbox_env(rec, image)
+        state.cwd = image.workdir or "/"
         began = time.monotonic()
         uid_base = None
         if self.userns_error is None:
-            uid_base = self.uid_slots.take()
-            rec.runtime["uid_base"] = uid_base
+            uid_base = state.uid_base = self.uid_slots.take()
         try:
             userns_fd = await self._userns_for(uid_base) if uid_base is not None else None
-            scratch = bool(rec.runtime.get("worker"))
-            await asyncio.to_thread(mount_rootfs, bundle, image.layers, rec.limits.disk, uid_base, userns_fd, scratch)
+            await asyncio.to_thread(mount_rootfs, bundle, image.layers, rec.limits.disk, uid_base, userns_fd, worker)
         except OSError as e:
             raise BackendError(f"cannot prepare the root filesystem: {e}") from e
         account = await asyncio.to_thread(self._account, rec, image.user)
         rec.timings["rootfs"] = round(time.monotonic() - began, 6)  # the core's phase figures
         if not account.is_root:
             # the image's runtime account runs every exec and owns what the file API writes
-            rec.runtime["user"] = [account.uid, account.gid]
+            state.user = (account.uid, account.gid)
             if "HOME" not in rec.env and "HOME" not in image.env:
-                rec.runtime["env"]["HOME"] = account.home
+                state.env["HOME"] = account.home
         init = [f"{spec.HELPER_MOUNT}/agent"] if use_agent else [f"{spec.HELPER_MOUNT}/catatonit", "-P"]
         if not use_agent:
             # the init's stdio is the runtime's log file on the host; catatonit, unlike the agent, stays
@@ -253,11 +263,11 @@ class ContainerBackend(ContainerFiles, PolicyNetwork):
             image,
             str(rootfs),
             str(self.helper_dir),
-            self._cg_path(rec),
+            self.cgroup_path(rec),
             init,
             self.seccomp_bpf,
             uid_base,
-            cgroup_v2=self._layout().mode == "v2",
+            cgroup_v2=self.cgroup_layout().mode == "v2",
         )
         await asyncio.to_thread((bundle / "config.json").write_text, json.dumps(cfg))
         argv = self._runtime_argv("run", "--detach", "--bundle", str(bundle), rec.id)
@@ -291,7 +301,7 @@ class ContainerBackend(ContainerFiles, PolicyNetwork):
             await self._join_network(rec, rec.network)
 
     async def destroy(self, rec: SandboxRecord) -> None:
-        layout = self._layout()
+        layout = self.cgroup_layout()
         chan = self._channels.pop(rec.id, None)
         if chan is not None:
             await chan.aclose()
@@ -299,7 +309,7 @@ class ContainerBackend(ContainerFiles, PolicyNetwork):
         if self.runtime:
             await run(self._runtime_argv("delete", "--force", rec.id), timeout=30)
         await self._leave_network(rec)
-        cg = layout.unified_dir(self._cg_path(rec))
+        cg = layout.unified_dir(self.cgroup_path(rec))
         await asyncio.to_thread(self._cleanup, rec, cg)
 
     def _cleanup(self, rec: SandboxRecord, cg: Path) -> None:
@@ -309,12 +319,12 @@ class ContainerBackend(ContainerFiles, PolicyNetwork):
                 if cgroups.remove_group(cg):
                     break
                 time.sleep(0.01)
-        if self._layout().mode == "hybrid":
+        if self.cgroup_layout().mode == "hybrid":
             for hier in cgroups.CGROUP_ROOT.iterdir():
                 d = hier / "dsec" / rec.id
                 if hier.name != "unified" and d.is_dir():
                     cgroups.remove_group(d)
-        bundle = self._bundle(rec)
+        bundle = self.bundle_dir(rec)
         unmount_rootfs(bundle)
         shutil.rmtree(bundle, ignore_errors=True)
         # the runtime's own record of the container: `delete` can fail (a full state file system) and
@@ -323,8 +333,8 @@ class ContainerBackend(ContainerFiles, PolicyNetwork):
         if leftover.is_dir():
             log.warning("%s: the runtime left its state directory; removing it", rec.id)
             shutil.rmtree(leftover, ignore_errors=True)
-        base = rec.runtime.get("uid_base")
-        if isinstance(base, int):
+        base = ContainerState(rec).uid_base
+        if base is not None:
             self.uid_slots.release(base)
 
     async def _running_state(self, rec: SandboxRecord) -> dict[str, object] | None:
@@ -341,8 +351,8 @@ class ContainerBackend(ContainerFiles, PolicyNetwork):
 
     async def alive(self, rec: SandboxRecord) -> bool:
         running = await self._running_state(rec) is not None
-        base = rec.runtime.get("uid_base")
-        if running and isinstance(base, int):
+        base = ContainerState(rec).uid_base
+        if running and base is not None:
             self.uid_slots.mark(base)  # re-adopted after a restart: its uid range stays taken
         if running:
             await self._adopt_network(rec)
@@ -351,19 +361,19 @@ class ContainerBackend(ContainerFiles, PolicyNetwork):
     # ---- network -----------------------------------------------------------------------------------
 
     async def _attach_network(self, rec: SandboxRecord, policy: NetworkSpec) -> Attached:
-        pid = await self._init_pid(rec)
+        pid = await self.init_pid(rec)
         if pid is None:
             raise SandboxGone(f"sandbox {rec.id} is no longer running")
         return await self.net.attach(rec.id, pid, policy)
 
     async def _configure_sandbox_side(self, rec: SandboxRecord, attached: Attached) -> None:
         resolver = await self.net.resolver_address()
-        base = rec.runtime.get("uid_base")
-        owner = (base, base) if isinstance(base, int) else None
-        fs = RootFS(str(self._bundle(rec) / "rootfs"), owner=owner)
+        base = ContainerState(rec).uid_base
+        owner = (base, base) if base is not None else None
+        fs = RootFS(str(self.bundle_dir(rec) / "rootfs"), owner=owner)
         await asyncio.to_thread(fs.write, "/etc/resolv.conf", f"nameserver {resolver}\n".encode(), 0o644)
 
-    async def _init_pid(self, rec: SandboxRecord) -> int | None:
+    async def init_pid(self, rec: SandboxRecord) -> int | None:
         state = await self._running_state(rec)
         pid = state.get("pid") if state is not None else None
         return pid if isinstance(pid, int) and pid > 0 else None
@@ -379,8 +389,7 @@ class ContainerBackend(ContainerFiles, PolicyNetwork):
     ) -> ExecResult:
         stdin = req.stdin.encode() if req.stdin is not None else None
         if req.user is None:
-            default = rec.runtime.get("user")
-            user = (int(default[0]), int(default[1])) if isinstance(default, list) else None
+            user = ContainerState(rec).user
         else:
             account = await asyncio.to_thread(self._account, rec, req.user)
             user = None if account.is_root else (account.uid, account.gid)
@@ -403,7 +412,7 @@ class ContainerBackend(ContainerFiles, PolicyNetwork):
         """A user spec resolved against the sandbox's own /etc/passwd and /etc/group."""
         if user in ("", "root", "0", "0:0"):
             return users.ROOT
-        fs = RootFS(str(self._bundle(rec) / "rootfs"))
+        fs = RootFS(str(self.bundle_dir(rec) / "rootfs"))
         texts = []
         for path in ("/etc/passwd", "/etc/group"):
             try:
@@ -413,22 +422,23 @@ class ContainerBackend(ContainerFiles, PolicyNetwork):
         return users.resolve(user, texts[0], texts[1])
 
     async def _run(self, rec: SandboxRecord, plan: ExecPlan) -> ExecResult:
-        layout = self._layout()
+        layout = self.cgroup_layout()
         chan = await self._channel(rec)
         if chan is not None:
             # a function worker's first exec of a use runs in the group its reset left ready
-            ready = rec.runtime.pop("ready_group", None)
+            state = ContainerState(rec)
+            ready = state.take_ready()
             return await run_via_agent(
                 chan,
                 layout,
-                self._cg_path(rec),
-                dict(rec.runtime.get("env") or {}),
-                str(rec.runtime.get("cwd") or "/"),
+                self.cgroup_path(rec),
+                dict(state.env),
+                state.cwd,
                 plan,
-                ready if isinstance(ready, str) else self._exec_name(rec),
-                reuse_group=isinstance(ready, str),
+                ready if ready is not None else self.exec_group_name(rec),
+                reuse_group=ready is not None,
             )
-        name = self._exec_name(rec)
+        name = self.exec_group_name(rec)
 
         async def alive() -> bool:
             return await self.alive(rec)
@@ -437,15 +447,15 @@ class ContainerBackend(ContainerFiles, PolicyNetwork):
             self._runtime_argv(),
             rec.id,
             layout,
-            self._cg_path(rec),
+            self.cgroup_path(rec),
             f"{spec.HELPER_MOUNT}/busybox",
             plan,
             name,
             alive,
         )
 
-    def _exec_name(self, rec: SandboxRecord) -> str:
-        if rec.runtime.get("worker"):
+    def exec_group_name(self, rec: SandboxRecord) -> str:
+        if ContainerState(rec).worker:
             # a function worker's next user sees its exec's cgroup name: a counter would tell it how
             # many commands ran before
             return f"exec-{_names.getrandbits(48):012x}"
@@ -453,7 +463,7 @@ class ContainerBackend(ContainerFiles, PolicyNetwork):
 
     async def _channel(self, rec: SandboxRecord) -> AgentChannel | None:
         """The sandbox's agent channel, re-attached after a daemon restart; None: use the runtime's exec."""
-        if rec.runtime.get("init") != "agent":
+        if ContainerState(rec).init != "agent":
             return None
         chan = self._channels.get(rec.id)
         if chan is not None and not chan.closed:
@@ -463,7 +473,7 @@ class ContainerBackend(ContainerFiles, PolicyNetwork):
             chan = self._channels.get(rec.id)
             if chan is not None and not chan.closed:
                 return chan
-            pid = await self._init_pid(rec)
+            pid = await self.init_pid(rec)
             if pid is None:
                 raise SandboxGone(f"sandbox {rec.id} is no longer running")
             chan = None
@@ -474,7 +484,7 @@ class ContainerBackend(ContainerFiles, PolicyNetwork):
                 if chan is not None:
                     await chan.aclose()
                 log.warning("sandbox %s: cannot re-attach its agent (%s); using the runtime's exec", rec.id, e)
-                rec.runtime["init"] = "agent-detached"
+                ContainerState(rec).init = "agent-detached"
                 return None
             self._channels[rec.id] = chan
             return chan
@@ -495,13 +505,13 @@ class ContainerBackend(ContainerFiles, PolicyNetwork):
 
     @contextlib.asynccontextmanager
     async def frozen_upper(self, rec: SandboxRecord) -> AsyncIterator[Path]:
-        bundle = self._bundle(rec)
+        bundle = self.bundle_dir(rec)
         upper = bundle / "disk" / "upper"
         await self._runtime_call(rec, "pause")
         view = bundle / "pack-view"
-        base = rec.runtime.get("uid_base")
+        base = ContainerState(rec).uid_base
         try:
-            if not isinstance(base, int):
+            if base is None:
                 yield upper
             else:
                 # the upper holds files owned by the sandbox's host range; a layer must hold the ids the

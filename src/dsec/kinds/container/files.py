@@ -15,6 +15,7 @@ from ...store.records import SandboxRecord
 from ..base import MAX_FILE_READ
 from . import spec
 from .execution import ExecPlan
+from .state import ContainerState
 
 
 class ContainerFiles:
@@ -22,25 +23,25 @@ class ContainerFiles:
 
     if TYPE_CHECKING:
 
-        def _bundle(self, rec: SandboxRecord) -> Path: ...
+        def bundle_dir(self, rec: SandboxRecord) -> Path: ...
 
         async def _run(self, rec: SandboxRecord, plan: ExecPlan) -> ExecResult: ...
 
     def _fs(self, rec: SandboxRecord, path: str = "/") -> tuple[RootFS, str]:
         """The file API's view of ``path``: the overlay root, or for a function worker's /tmp (bound
         from beside the writable layer, which the overlay does not show) that directory."""
-        base = rec.runtime.get("uid_base")
-        account = rec.runtime.get("user")
-        uid, gid = (int(account[0]), int(account[1])) if isinstance(account, list) else (0, 0)
-        if isinstance(base, int):
+        state = ContainerState(rec)
+        base = state.uid_base
+        uid, gid = state.user or (0, 0)
+        if base is not None:
             owner: tuple[int, int] | None = (base + uid, base + gid)
         else:
             owner = (uid, gid) if uid or gid else None
         clean = clean_path(path)
-        if rec.runtime.get("worker") and (clean == "tmp" or clean.startswith("tmp/")):
-            scratch = self._bundle(rec) / "disk" / "tmp"
+        if state.worker and (clean == "tmp" or clean.startswith("tmp/")):
+            scratch = self.bundle_dir(rec) / "disk" / "tmp"
             return RootFS(str(scratch), owner=owner), "/" + clean.removeprefix("tmp").lstrip("/")
-        return RootFS(str(self._bundle(rec) / "rootfs"), owner=owner), path
+        return RootFS(str(self.bundle_dir(rec) / "rootfs"), owner=owner), path
 
     async def read_file(self, rec: SandboxRecord, path: str) -> bytes:
         fs, path = self._fs(rec, path)

@@ -11,6 +11,7 @@ from ...images.store import DEFAULT_PATH, ImageRef
 from ...isolation.seccomp import oci_profile
 from ...protocol.build import BUILDER_CA, HOST_CA_BUNDLE
 from ...store.records import SandboxRecord
+from .state import ContainerState
 
 HELPER_MOUNT = "/.dsec"
 
@@ -80,7 +81,7 @@ def _cgroup_or_scratch_mounts(rec: SandboxRecord, rootfs: str) -> list[dict[str,
     """A function worker (issue 6) serves one user after another: its cgroup's counters (peak memory,
     CPU time, OOM events) would tell the next user about the last, and cannot be reset, so it has no
     cgroup file system; its /tmp is a directory beside its writable layer that the daemon empties between users."""
-    if not rec.runtime.get("worker"):
+    if not ContainerState(rec).worker:
         return [
             {
                 "destination": "/sys/fs/cgroup",

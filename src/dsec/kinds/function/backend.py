@@ -24,7 +24,6 @@ from pathlib import Path
 
 from ...errors import InvalidRequest, KindUnavailable, SandboxGone
 from ...images.store import ImageRef
-from ...protocol import network as policy
 from ...protocol.network import NetworkSpec, describe
 from ...protocol.run import PoolInfo
 from ...protocol.sandbox import ExecRequest, ExecResult, FileEntry, Limits, NetworkStatus, State
@@ -36,6 +35,7 @@ from ..execio import ExecIO
 from . import reset
 from .options import FunctionOptions
 from .pool import Pool, PoolConfig, Pools
+from .state import FunctionState
 
 log = logging.getLogger("dsec.function")
 
@@ -55,6 +55,7 @@ class Worker:
     lent_to: str | None = None  # the function sandbox using it
     denied: tuple[int, int] = (0, 0)  # the policy's counters when the current use started
     keep: str = ""  # the exec cgroup kept across uses (its first exec runs there)
+    agent_pid: int = 0  # the worker's init, the sandbox agent (the only process a reset leaves)
 
 
 class FunctionBackend(Backend):
@@ -144,24 +145,22 @@ class FunctionBackend(Backend):
             limits=limits,
             owner=pool.tenant,
         )
-        wrec.runtime["worker"] = True
         wrec.network = network
         try:
-            await self.containers.create(wrec, image)
-            pid = await self.containers._init_pid(wrec)
+            await self.containers.create(wrec, image, worker=True)
+            pid = await self.containers.init_pid(wrec)
             if pid is None:
                 raise SandboxGone("the worker's container stopped right after it started")
-            wrec.runtime["agent_pid"] = pid
             wrec.state = State.running
-            worker = Worker(rec=wrec, image=image)
+            worker = Worker(rec=wrec, image=image, agent_pid=pid)
             group = self._group(worker)
             # the group every use's first exec runs in: made once, emptied by each reset
-            worker.keep = self.containers._exec_name(wrec)
+            worker.keep = self.containers.exec_group_name(wrec)
             await asyncio.to_thread((group / worker.keep).mkdir)
-            layout, cg = self.containers._layout(), self.containers._cg_path(wrec)
+            layout, cg = self.containers.cgroup_layout(), self.containers.cgroup_path(wrec)
             worker.clean = await asyncio.to_thread(reset.fingerprint, layout, cg, self._upper(worker), pid)
             worker.before = await asyncio.to_thread(reset.counters, layout, cg)
-            wrec.runtime["ready_group"] = worker.keep
+            self.containers.run_next_exec_in(wrec, worker.keep)
         except BaseException:
             with contextlib.suppress(Exception):
                 await self.containers.destroy(wrec)
@@ -169,31 +168,30 @@ class FunctionBackend(Backend):
         return worker
 
     def _group(self, w: Worker) -> Path:
-        layout = self.containers._layout()
-        return layout.unified_dir(self.containers._cg_path(w.rec))
+        layout = self.containers.cgroup_layout()
+        return layout.unified_dir(self.containers.cgroup_path(w.rec))
 
     def _upper(self, w: Worker) -> Path:
-        return self.containers._bundle(w.rec) / "disk" / "upper"
+        return self.containers.bundle_dir(w.rec) / "disk" / "upper"
 
     async def _reset(self, w: Worker) -> str | None:
         assert w.clean is not None and w.before is not None
-        chan = self.containers._channels.get(w.rec.id)
-        if chan is None or chan.closed:
+        if not self.containers.agent_connected(w.rec):
             return "the worker's agent channel is closed"
-        group, pid = self._group(w), int(w.rec.runtime["agent_pid"])
-        tmp = self.containers._bundle(w.rec) / "disk" / "tmp"
+        group, pid = self._group(w), w.agent_pid
+        tmp = self.containers.bundle_dir(w.rec) / "disk" / "tmp"
         return await asyncio.to_thread(self._reset_on_host, group, tmp, pid, w)
 
     def _reset_on_host(self, group: Path, tmp: Path, pid: int, w: Worker) -> str | None:
         assert w.clean is not None and w.before is not None
-        layout, cg = self.containers._layout(), self.containers._cg_path(w.rec)
+        layout, cg = self.containers.cgroup_layout(), self.containers.cgroup_path(w.rec)
         why = reset.kill_users(group, pid, w.keep)
         if why is None:
             why = reset.wipe_and_verify(layout, cg, self._upper(w), tmp, pid, w.clean, w.before)
         if why is None:
             # the next use is measured from here: its own OOM kills and pid-limit hits only
             w.before = reset.counters(layout, cg)
-            w.rec.runtime["ready_group"] = w.keep
+            self.containers.run_next_exec_in(w.rec, w.keep)
         return why
 
     async def _destroy_worker(self, w: Worker) -> None:
@@ -258,24 +256,17 @@ class FunctionBackend(Backend):
             st = await self.containers.network_status(worker.rec)
             worker.denied = (st.denied_packets, st.denied_dns)
         self._lent[rec.id] = worker
-        # the worker's own state goes with it, so a restarted daemon can find and release it
-        rec.runtime["worker"] = {
-            "id": worker.rec.id,
-            "runtime": worker.rec.runtime,
-            "network": policy.to_json(worker.rec.network) if worker.rec.network is not None else None,
-            "warm": warm,
-        }
-        rec.runtime["key"] = list(self.key(rec.owner, image, rec))
+        FunctionState(rec).lent(worker.rec, warm, self.key(rec.owner, image, rec))
 
     async def destroy(self, rec: SandboxRecord) -> None:
         worker = self._lent.pop(rec.id, None)
         if worker is None:
-            adopted = _adopted_worker(rec)
+            adopted = FunctionState(rec).adopted_worker(rec.limits)
             if adopted is not None:  # after a restart, never lent again: its pool is gone
                 await self.containers.destroy(adopted)
             return
         worker.lent_to = None
-        pool = self.pools.pools.get(tuple(rec.runtime.get("key") or ()))
+        pool = self.pools.pools.get(FunctionState(rec).pool)
         if pool is None:
             await self._destroy_worker(worker)
             return
@@ -284,7 +275,7 @@ class FunctionBackend(Backend):
     async def alive(self, rec: SandboxRecord) -> bool:
         """After a daemon restart a lent worker keeps serving its sandbox, and is destroyed (not pooled)
         when that sandbox ends."""
-        wrec = _adopted_worker(rec)
+        wrec = FunctionState(rec).adopted_worker(rec.limits)
         if wrec is None:
             return False
         if not await self.containers.alive(wrec):
@@ -292,6 +283,13 @@ class FunctionBackend(Backend):
         image = ImageRef(name=rec.image, layers=(), digest=rec.image_digest)
         self._lent[rec.id] = Worker(rec=wrec, image=image, tainted="re-adopted after a daemon restart")
         return True
+
+    def default_user(self, rec: SandboxRecord) -> tuple[int, int] | None:
+        worker = self._lent.get(rec.id)
+        return self.containers.default_user(worker.rec) if worker is not None else None
+
+    def lent_warm(self, rec: SandboxRecord) -> bool:
+        return FunctionState(rec).warm
 
     def _worker(self, rec: SandboxRecord) -> Worker:
         worker = self._lent.get(rec.id)
@@ -384,16 +382,3 @@ def _bare_record(wid: str) -> SandboxRecord:
     return SandboxRecord(
         id=wid, kind="container", image="", state=State.stopping, created_at=0, expires_at=0, limits=Limits()
     )
-
-
-def _adopted_worker(rec: SandboxRecord) -> SandboxRecord | None:
-    info = rec.runtime.get("worker")
-    if not isinstance(info, dict) or not isinstance(info.get("id"), str):
-        return None
-    wrec = _bare_record(info["id"])
-    wrec.limits = rec.limits
-    wrec.restore(dict(info.get("runtime") or {}))  # (a daemon before typed records kept its network there)
-    if info.get("network") is not None:
-        wrec.network = policy.from_json(info["network"])
-    wrec.state = State.running
-    return wrec

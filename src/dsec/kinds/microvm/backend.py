@@ -40,6 +40,7 @@ from . import accel, guest, jail, launcher_build, network, pack, qemu, snapshots
 from .agent_build import build_agent
 from .channel import GuestChannel, connect_agent
 from .files import GuestFiles
+from .state import VMState
 
 log = logging.getLogger("dsec.microvm")
 
@@ -195,7 +196,8 @@ class MicroVMBackend(PolicyNetwork):
             **image.env,
             **rec.env,
         }
-        rec.runtime.update({"env": env, "cwd": image.workdir or "/", "user_spec": image.user})
+        state = VMState(rec)
+        state.env, state.cwd, state.user_spec = env, image.workdir or "/", image.user
         rec.accelerator = self.accel
         key = snapshots.template_key(spec, image.layer_digests)
         memory = self.templates / key / templates.MEMORY
@@ -222,7 +224,7 @@ class MicroVMBackend(PolicyNetwork):
         if image.user not in ("", "root"):
             account = await self._account(rec, chan, image.user)
             if not account.is_root:
-                rec.runtime["user"] = [account.uid, account.gid]
+                state.user = (account.uid, account.gid)
                 if "HOME" not in rec.env and "HOME" not in image.env:
                     env["HOME"] = account.home
         if rec.network is not None:
@@ -240,7 +242,7 @@ class MicroVMBackend(PolicyNetwork):
         """Start QEMU (booting, or restoring ``memory``) and wait for its agent. Boots and restores queue
         for separate slots, so restores never wait behind boots; the wait shows in the sandbox's info."""
         gate = self._restores if memory is not None else self._boots
-        rec.runtime["spec"] = {
+        VMState(rec).shape = {
             "memory_mib": spec.memory_mib,
             "cpus": spec.cpus,
             "layers": [str(p) for p in spec.layers],
@@ -251,7 +253,7 @@ class MicroVMBackend(PolicyNetwork):
             rec.waiting = None
             started = time.monotonic()
             pid = qemu.start(spec, incoming=memory)
-            rec.runtime["pid"] = pid
+            VMState(rec).pid = pid
             self._watch(rec.id, pid)
             try:
                 if memory is not None:
@@ -268,7 +270,7 @@ class MicroVMBackend(PolicyNetwork):
                 raise BackendError(
                     f"the VM did not come up ({why}); QEMU said: {qlog[-600:] or '-'}; console ends with: {tail[-800:]}"
                 ) from e
-            rec.runtime["boot_s"] = round(time.monotonic() - started, 3)
+            VMState(rec).boot_took(time.monotonic() - started)
         return chan
 
     async def _settle(self, chan: GuestChannel, spec: qemu.VMSpec) -> None:
@@ -388,8 +390,8 @@ class MicroVMBackend(PolicyNetwork):
         chan = self._channels.pop(rec.id, None)
         if chan is not None:
             await chan.aclose()
-        pid = rec.runtime.get("pid")
-        if isinstance(pid, int) and qemu.is_ours(pid, rec.id):
+        pid = VMState(rec).pid
+        if pid is not None and qemu.is_ours(pid, rec.id):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
             for _ in range(100):
@@ -405,9 +407,9 @@ class MicroVMBackend(PolicyNetwork):
             log.warning("the VM of %s would not leave its cgroup", rec.id)
 
     async def alive(self, rec: SandboxRecord) -> bool:
-        pid = rec.runtime.get("pid")
-        ok = isinstance(pid, int) and rec.id not in self._exited and qemu.is_ours(pid, rec.id)
-        if ok and isinstance(pid, int) and rec.id not in self._stops:
+        pid = VMState(rec).pid
+        ok = pid is not None and rec.id not in self._exited and qemu.is_ours(pid, rec.id)
+        if ok and pid is not None and rec.id not in self._stops:
             # a VM adopted after a daemon restart: a console nobody drains stalls the guest's writes
             self._watch(rec.id, pid)
         if ok:
@@ -431,8 +433,8 @@ class MicroVMBackend(PolicyNetwork):
 
     def _spec_of(self, rec: SandboxRecord) -> qemu.VMSpec:
         """The VMSpec a running sandbox was started with (what a copy of it must match)."""
-        shape = rec.runtime.get("spec")
-        if not isinstance(shape, dict):
+        shape = VMState(rec).shape
+        if shape is None:
             raise BackendError(f"sandbox {rec.id} has no recorded VM shape (started by an older dsec?)")
         layers = tuple(Path(p) for p in shape["layers"])
         return self._vm_spec(rec, int(shape["memory_mib"]), int(shape["cpus"]), layers)
@@ -477,7 +479,7 @@ class MicroVMBackend(PolicyNetwork):
             raise BackendError(f"not a {self.kind} checkpoint: {checkpoint!r}")
         spec = dataclasses.replace(checkpoint.spec, name=rec.id, bundle=self._bundle(rec))
         await asyncio.to_thread(spec.bundle.mkdir, parents=True)
-        rec.runtime.update({k: v for k, v in parent.runtime.items() if k in ("env", "cwd", "user_spec", "user")})
+        VMState(rec).inherit(VMState(parent))
         rec.accelerator = parent.accelerator
         await self._bound_pids(rec, await self._launch(rec, spec, checkpoint.memory))
         rec.started_from = "snapshot"
@@ -492,10 +494,6 @@ class MicroVMBackend(PolicyNetwork):
 
     # ---- exec and files ----------------------------------------------------------------------------
 
-    def _user(self, rec: SandboxRecord) -> tuple[int, int] | None:
-        account = rec.runtime.get("user")
-        return (int(account[0]), int(account[1])) if isinstance(account, list) else None
-
     async def exec(
         self,
         rec: SandboxRecord,
@@ -504,16 +502,17 @@ class MicroVMBackend(PolicyNetwork):
         io: ExecIO | None = None,
     ) -> ExecResult:
         chan = await self._channel(rec)
-        user = self._user(rec)
+        state = VMState(rec)
+        user = state.user
         if req.user is not None:
             account = await self._account(rec, chan, req.user)
             user = None if account.is_root else (account.uid, account.gid)
-        env = {**dict(rec.runtime.get("env") or {}), **req.env}
+        env = {**state.env, **req.env}
         try:
             result = await chan.run(
                 req.argv(),
                 env=env,
-                cwd=req.cwd or str(rec.runtime.get("cwd") or "/"),
+                cwd=req.cwd or state.cwd,
                 stdin=req.stdin.encode() if req.stdin is not None else None,
                 timeout=req.timeout,
                 output_limit=req.output_limit,
@@ -542,8 +541,8 @@ class MicroVMBackend(PolicyNetwork):
 
     async def _kill_vm(self, rec: SandboxRecord, why: str) -> None:
         self._exited[rec.id] = why
-        pid = rec.runtime.get("pid")
-        if isinstance(pid, int) and qemu.is_ours(pid, rec.id):
+        pid = VMState(rec).pid
+        if pid is not None and qemu.is_ours(pid, rec.id):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
 
@@ -559,7 +558,7 @@ class MicroVMBackend(PolicyNetwork):
     def _files(self, rec: SandboxRecord) -> GuestFiles:
         async def runner(argv: list[str], stdin: bytes | None, timeout: float) -> tuple[int, bytes, str]:
             chan = await self._channel(rec)
-            return await chan.run_bytes(argv, stdin, timeout, user=self._user(rec))
+            return await chan.run_bytes(argv, stdin, timeout, user=VMState(rec).user)
 
         return GuestFiles(runner)
 
