@@ -26,7 +26,8 @@ from typing import Any
 import pytest
 
 import dsec
-from dsec.cluster.runner import RayOptions, run_ray
+from dsec.cluster.options import RayOptions
+from dsec.cluster.runner import run_ray
 
 from ..pg import PgServer, pg_unavailable, start_postgres
 from .conftest import IMAGES_DIR, free_port, shut_down, start_daemon

@@ -80,7 +80,8 @@ def up(
 
     import uvloop
 
-    from ..cluster.runner import RayOptions, ensure_token, listen_address, run_ray
+    from ..cluster.options import RayOptions
+    from ..cluster.runner import ensure_token, listen_address, run_ray
 
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     token_path = token_file or state_root / "token"

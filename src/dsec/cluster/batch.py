@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from pydantic import ValidationError
 
@@ -19,13 +19,22 @@ from ..errors import DaemonUnreachable, InvalidRequest, validation_message
 from ..protocol.node import BatchCreate, BatchEvent
 from ..protocol.run import RunBatch, RunBatchResult, RunOutcome
 from ..protocol.sandbox import ErrorBody
-from .nodes import Node
+from .directory import Directory
+from .nodes import Node, NodeSet
 from .placement import Demand, chunks, split
-from .proxy import NDJSON_TYPE, Failure, Receive, Scope, Send, answer_json, read_body
+from .proxy import NDJSON_TYPE, Failure, Receive, Scope, Send, answer_json, control_headers, read_body
 from .wire import Broken, Reply
 
-if TYPE_CHECKING:
-    from .gateway import Gateway
+
+class Gateway(Protocol):
+    """What a batch needs of the gateway that runs it."""
+
+    nodes: NodeSet
+    directory: Directory
+
+    def nudge(self, node: Node) -> None:
+        """Check the node's health now: it refused a connection."""
+
 
 RETRYABLE = frozenset({"overloaded", "daemon_unreachable"})
 LOOKUPS_AT_ONCE = 16  # trajectory lookups of one batch in flight
@@ -70,7 +79,6 @@ class _Merge:
 
 
 async def create_batch(gw: Gateway, scope: Scope, receive: Receive, send: Send) -> None:
-    from .gateway import control_headers
 
     try:
         req = BatchCreate.model_validate_json(await read_body(receive))
@@ -227,7 +235,6 @@ async def _homes(gw: Gateway, trajectories: list[str]) -> dict[int, Node]:
 async def run_batch(gw: Gateway, scope: Scope, receive: Receive, send: Send) -> None:
     """One-shot runs split over the nodes; outcomes in the order given. A share is sent to the next
     node only when the previous one refused it or was never reached (a run is not run twice)."""
-    from .gateway import control_headers
 
     try:
         req = RunBatch.model_validate_json(await read_body(receive))

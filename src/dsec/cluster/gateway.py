@@ -62,11 +62,11 @@ from .proxy import (
     answer_json,
     bearer,
     body_of,
+    control_headers,
     fail,
     forward,
     query,
     read_body,
-    request_headers,
 )
 from .wire import Broken, NodeClient, Reply
 
@@ -87,11 +87,6 @@ def unreachable(node: Node, sent: bool) -> Failure:
 
 def sandbox_gone(node: Node) -> Failure:
     return Failure(SandboxGone, node.lost_reason())
-
-
-def control_headers(scope: Scope) -> list[tuple[bytes, bytes]]:
-    """The caller's headers for a call the gateway makes with a body of its own making."""
-    return [(k, v) for k, v in request_headers(scope) if k != b"content-length"]
 
 
 class Gateway:

@@ -85,6 +85,11 @@ def request_headers(scope: Scope) -> list[tuple[bytes, bytes]]:
     return [(k, v) for k, v in scope["headers"] if k not in REQUEST_DROP]
 
 
+def control_headers(scope: Scope) -> list[tuple[bytes, bytes]]:
+    """The caller's headers for a call the gateway makes with a body of its own making."""
+    return [(k, v) for k, v in request_headers(scope) if k != b"content-length"]
+
+
 async def read_body(receive: Receive) -> bytes:
     parts = []
     while True:

@@ -25,12 +25,10 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ..errors import InvalidRequest
-
-if TYPE_CHECKING:
-    from .runner import RayOptions
+from .options import RayOptions
 
 try:
     import ray

@@ -14,8 +14,6 @@ import logging
 import os
 import secrets
 import signal
-from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
@@ -23,6 +21,7 @@ from urllib.parse import urlparse
 from ..errors import InvalidRequest
 from .gateway import Gateway
 from .nodes import NodeSet
+from .options import RayOptions
 
 log = logging.getLogger("dsec.cluster")
 
@@ -133,26 +132,6 @@ def serve_static(
         nodes.add(url)
     srv, sockets = servers(Gateway(nodes, token), listen, e2b_listen, log_level="info")
     srv.run(sockets=sockets)
-
-
-@dataclass
-class RayOptions:
-    """What ``dsec cluster up`` was asked for (see cli/cluster.py for each option's meaning)."""
-
-    listen: str
-    state_root: Path
-    token: str
-    repository: str | None = None
-    address: str | None = None
-    local_nodes: int = 0
-    node_args: tuple[str, ...] = ()
-    trajectory_db: str | None = None
-    label: str | None = None  # KEY=VALUE: only Ray nodes with this label get a daemon
-    interval: float = 1.0
-    misses: int = 3
-    keep_sandboxes: bool = False
-    ready: Callable[[str], None] | None = None  # called with the gateway's URL once it serves
-    e2b_listen: str | None = None  # the cluster's E2B API; every node then serves one on its own address
 
 
 async def follow(gateway: Gateway, fleet: Any, stop: asyncio.Event, every: float = 2.0) -> None:

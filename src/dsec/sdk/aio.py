@@ -204,7 +204,7 @@ class AsyncSandbox:
     def __init__(self, info: SandboxInfo, client: AsyncClient) -> None:
         self._info = info
         self._client = client
-        self.files = AsyncFiles(self)
+        self.files = AsyncFiles(info.id, lambda: self._t, self._call)
         # A sandbox created with a trajectory numbers its calls and has them logged. One attached by id
         # (``connect``) is outside the trajectory: it may read and kill, not change the sandbox.
         self.trajectory: Trajectory | None = None
