@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import logging
 import os
-import secrets
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -26,6 +25,7 @@ from .isolation.network.options import NetworkOptions
 from .protocol.version import __version__
 from .server.app import create_app
 from .store.audit import DEFAULT_KEEP_DAYS, DEFAULT_MAX_RECORDS, AuditLog
+from .web import tokens
 from .web.listeners import ByListener
 
 if TYPE_CHECKING:
@@ -34,7 +34,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("dsec.server")
 
 DEFAULT_STATE_DIR = Path("/var/lib/dsec")
-KEEP_ALIVE_S = 120
 
 
 def default_listen(state_dir: Path) -> str:
@@ -43,16 +42,7 @@ def default_listen(state_dir: Path) -> str:
 
 def ensure_token(state_dir: Path) -> str:
     """The operator's bearer token, created with mode 0600 at first start (tenants get theirs from it)."""
-    path = state_dir / "token"
-    try:
-        return path.read_text().strip()
-    except FileNotFoundError:
-        pass
-    token = secrets.token_urlsafe(32)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(token + "\n")
-    return token
+    return tokens.ensure_token(state_dir / "token")
 
 
 def parse_listen(listen: str) -> dict[str, Any]:
@@ -126,7 +116,7 @@ def serve(
         "log_level": log_level,
         "access_log": False,
         "timeout_graceful_shutdown": 5,
-        "timeout_keep_alive": KEEP_ALIVE_S,
+        "timeout_keep_alive": tokens.KEEP_ALIVE_S,
     }
     sockets = None
     if e2b is not None and e2b_where is not None:

@@ -81,7 +81,8 @@ def up(
     import uvloop
 
     from ..cluster.options import RayOptions
-    from ..cluster.runner import ensure_token, listen_address, run_ray
+    from ..cluster.runner import listen_address, run_ray
+    from ..web.tokens import ensure_token
 
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     token_path = token_file or state_root / "token"
@@ -140,7 +141,8 @@ def gateway(
     """A gateway over node daemons started some other way (no Ray), in the foreground."""
     import logging
 
-    from ..cluster.runner import read_token, serve_static
+    from ..cluster.runner import serve_static
+    from ..web.tokens import read_token
 
     logging.basicConfig(level="INFO", format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:

@@ -11,21 +11,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
-import secrets
 import signal
-from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
 from ..errors import InvalidRequest
+from ..web.tokens import KEEP_ALIVE_S
 from .gateway import Gateway
 from .nodes import NodeSet
 from .options import RayOptions
 
 log = logging.getLogger("dsec.cluster")
-
-KEEP_ALIVE_S = 120  # as the daemon's: the SDK's pooled connections expire first (30 s)
 
 
 def listen_address(listen: str) -> tuple[str, int]:
@@ -92,28 +88,6 @@ def servers(
     app = ByListener(api, e2b_api, actual)
     log.info("E2B-compatible API of the cluster on http://%s:%d", e2b_host, actual)
     return uvicorn.Server(_config(app, host, port, log_level)), sockets
-
-
-def read_token(path: Path) -> str:
-    try:
-        token = path.read_text().strip()
-    except OSError as e:
-        raise InvalidRequest(f"cannot read the cluster token from {path}: {e}") from None
-    if not token:
-        raise InvalidRequest(f"the token file {path} is empty")
-    return token
-
-
-def ensure_token(path: Path) -> str:
-    """The cluster's operator token: read from ``path``, or made there (mode 0600) at first use."""
-    if path.exists():
-        return read_token(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    token = secrets.token_urlsafe(32)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(token + "\n")
-    return token
 
 
 def serve_static(
