@@ -217,6 +217,36 @@ class CallInterrupted(InvalidState):
     http_status = 409
 
 
+class RegistryError(DsecError, RuntimeError):
+    """An OCI registry (or its mirror, or its token service) answered something a pull cannot use: a server
+    error that outlasted the retries, a rate limit, a malformed manifest. The message names the registry."""
+
+    code = "registry_error"
+    http_status = 502
+
+
+class RegistryUnreachable(RegistryError, ConnectionError):
+    """An OCI registry could not be reached (connection refused, TLS failure, timeout) after the retries;
+    the message names the host."""
+
+    code = "registry_unreachable"
+
+
+class RegistryAuthFailed(RegistryError, PermissionError):
+    """An OCI registry refused the node's credentials for it (or anonymous access): not dsec's own token,
+    which is ``Unauthorized``. The message names the registry and whose credentials were tried."""
+
+    code = "registry_auth_failed"
+    http_status = 403
+
+
+class DigestMismatch(RegistryError, ValueError):
+    """Content from a registry does not match the digest that names it (a pinned digest, a descriptor's, or
+    the registry's own Docker-Content-Digest): it was not used."""
+
+    code = "digest_mismatch"
+
+
 ERRORS_BY_CODE: dict[str, type[DsecError]] = {
     cls.code: cls
     for cls in (
@@ -247,6 +277,10 @@ ERRORS_BY_CODE: dict[str, type[DsecError]] = {
         ResidueFound,
         TrajectoryDiverged,
         CallInterrupted,
+        RegistryError,
+        RegistryUnreachable,
+        RegistryAuthFailed,
+        DigestMismatch,
     )
 }
 
