@@ -30,6 +30,10 @@ from ...fakes.backend import make_image
         ("a/b/c", "a/b/c:latest"),
         ("my-org/my_img.v2:Tag_1.0-rc", "my-org/my_img.v2:Tag_1.0-rc"),
         ("x:latest", "x:latest"),
+        # a registry's (issue 21): a host with a port first, a digest last
+        ("host:5000/img", "host:5000/img:latest"),
+        ("registry.example/org/task:v1", "registry.example/org/task:v1"),
+        ("busybox@sha256:" + "a" * 64, "busybox@sha256:" + "a" * 64),
     ],
 )
 def test_normalize(name: str, norm: str) -> None:
@@ -58,7 +62,9 @@ def test_normalize(name: str, norm: str) -> None:
         "x:" + "t" * 129,
         "a" * (MAX_STORED + 1),
         "x\0y",
-        "host:5000/img",
+        "org/host:5000/img",  # a port only on the first component, which then is a host
+        "x@sha256:abc",
+        "x@sha512:" + "a" * 128,
     ],
 )
 def test_normalize_rejects(name: str) -> None:
