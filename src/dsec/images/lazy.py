@@ -10,9 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import errno
-import fcntl
 import json
 import os
 import re
@@ -23,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import BackendError, InvalidRequest
+from ..isolation.loop import attach_loop
 from ..isolation.mounts import MS_NODEV, MS_NOSUID, MS_RDONLY, is_mountpoint, mount, umount
 from .cache import DEFAULT_FETCH_TIMEOUT
 
@@ -244,38 +243,6 @@ def _alive(pid: int) -> bool:
 
 # -- EROFS mounts of layer files
 
-_LOOP_CTL_GET_FREE = 0x4C82
-_LOOP_CONFIGURE = 0x4C0A
-_LO_FLAGS_READ_ONLY = 1
-_LO_FLAGS_AUTOCLEAR = 4  # the device detaches itself when the mount (its last user) goes away
-
-
-class _LoopInfo64(ctypes.Structure):
-    _fields_ = [
-        ("lo_device", ctypes.c_uint64),
-        ("lo_inode", ctypes.c_uint64),
-        ("lo_rdevice", ctypes.c_uint64),
-        ("lo_offset", ctypes.c_uint64),
-        ("lo_sizelimit", ctypes.c_uint64),
-        ("lo_number", ctypes.c_uint32),
-        ("lo_encrypt_type", ctypes.c_uint32),
-        ("lo_encrypt_key_size", ctypes.c_uint32),
-        ("lo_flags", ctypes.c_uint32),
-        ("lo_file_name", ctypes.c_uint8 * 64),
-        ("lo_crypt_name", ctypes.c_uint8 * 64),
-        ("lo_encrypt_key", ctypes.c_uint8 * 32),
-        ("lo_init", ctypes.c_uint64 * 2),
-    ]
-
-
-class _LoopConfig(ctypes.Structure):
-    _fields_ = [
-        ("fd", ctypes.c_uint32),
-        ("block_size", ctypes.c_uint32),
-        ("info", _LoopInfo64),
-        ("reserved", ctypes.c_uint64 * 8),
-    ]
-
 
 def mount_layer(source: Path, target: Path, *, method: str = "auto") -> str:
     """Mount the EROFS image ``source`` read-only at ``target``; returns how: "file" or "loop".
@@ -294,7 +261,7 @@ def mount_layer(source: Path, target: Path, *, method: str = "auto") -> str:
             # ENOTBLK: this kernel's EROFS only mounts block devices
             if method == "file" or e.errno != errno.ENOTBLK:
                 raise BackendError(f"cannot mount layer {source} at {target}: {e.strerror}") from e
-    loop_fd, device = _attach_loop(source)
+    loop_fd, device = attach_loop(source)
     try:
         mount(device, target, "erofs", flags)
     except OSError as e:
@@ -302,35 +269,6 @@ def mount_layer(source: Path, target: Path, *, method: str = "auto") -> str:
     finally:
         os.close(loop_fd)  # after a mount it holds the device; after a failure this detaches it (autoclear)
     return "loop"
-
-
-def _attach_loop(source: Path) -> tuple[int, str]:
-    """A read-only, self-detaching loop device over ``source``: (open fd on it, its path)."""
-    file_fd = os.open(source, os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        ctl = os.open("/dev/loop-control", os.O_RDWR | os.O_CLOEXEC)
-        try:
-            for _ in range(16):  # another process may take the free device between the two calls
-                number = fcntl.ioctl(ctl, _LOOP_CTL_GET_FREE)
-                device = f"/dev/loop{number}"
-                loop_fd = os.open(device, os.O_RDONLY | os.O_CLOEXEC)
-                config = _LoopConfig(fd=file_fd)
-                config.info.lo_flags = _LO_FLAGS_READ_ONLY | _LO_FLAGS_AUTOCLEAR
-                try:
-                    fcntl.ioctl(loop_fd, _LOOP_CONFIGURE, config)
-                except OSError as e:
-                    os.close(loop_fd)
-                    if e.errno == errno.EBUSY:
-                        continue
-                    raise
-                return loop_fd, device
-        finally:
-            os.close(ctl)
-    except OSError as e:
-        raise BackendError(f"cannot attach a loop device to {source}: {e.strerror}") from e
-    finally:
-        os.close(file_fd)  # the loop device holds its own reference
-    raise BackendError(f"cannot attach a loop device to {source}: every free device was taken meanwhile")
 
 
 def unmount_layer(target: Path, *, lazy: bool = False) -> None:

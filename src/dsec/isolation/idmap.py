@@ -110,19 +110,27 @@ def _write_maps(pid: int, line: str) -> None:
             os.close(fd)
 
 
-def idmapped_bind(source: Path, target: Path, userns_fd: int) -> None:
-    """Mount ``source`` read-only at ``target``, its ids shifted by the user namespace's mapping."""
+def idmapped_bind(source: Path, target: Path, userns_fd: int | None, *, read_only: bool = True) -> None:
+    """Mount ``source`` at ``target`` (read-only unless told), its ids shifted by the user namespace's
+    mapping (``userns_fd`` None: a plain bind, ids as they are)."""
     tree = _check(
         _libc.syscall(_SYS_OPEN_TREE, _AT_FDCWD, str(source).encode(), _OPEN_TREE_CLONE | os.O_CLOEXEC), "open_tree"
     )
     try:
-        attr = _MountAttr(_MOUNT_ATTR_IDMAP | _MOUNT_ATTR_RDONLY, 0, 0, userns_fd)
-        _check(
-            _libc.syscall(
-                _SYS_MOUNT_SETATTR, tree, b"", _AT_EMPTY_PATH, ctypes.byref(attr), ctypes.c_size_t(ctypes.sizeof(attr))
-            ),
-            f"idmapping {source}",
-        )
+        flags = (_MOUNT_ATTR_IDMAP if userns_fd is not None else 0) | (_MOUNT_ATTR_RDONLY if read_only else 0)
+        if flags:
+            attr = _MountAttr(flags, 0, 0, userns_fd if userns_fd is not None else 0)
+            _check(
+                _libc.syscall(
+                    _SYS_MOUNT_SETATTR,
+                    tree,
+                    b"",
+                    _AT_EMPTY_PATH,
+                    ctypes.byref(attr),
+                    ctypes.c_size_t(ctypes.sizeof(attr)),
+                ),
+                f"idmapping {source}",
+            )
         _check(
             _libc.syscall(_SYS_MOVE_MOUNT, tree, b"", _AT_FDCWD, str(target).encode(), _MOVE_MOUNT_F_EMPTY_PATH),
             f"mounting {source} at {target}",
