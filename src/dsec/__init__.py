@@ -41,6 +41,9 @@ from .errors import (
     TenantExists,
     TrajectoryDiverged,
     Unauthorized,
+    VolumeExists,
+    VolumeInUse,
+    VolumeNotFound,
 )
 from .protocol.build import BuildSpec, ImageSpec
 from .protocol.grade import GradeResult
@@ -49,6 +52,7 @@ from .protocol.run import PoolInfo, RunResult
 from .protocol.sandbox import ExecResult, FileEntry, ImageInfo, NetworkStatus, SandboxInfo, State
 from .protocol.trajectory import RecordedCall, TrajectoryInfo
 from .protocol.version import __version__
+from .protocol.volumes import VolumeInfo
 
 if TYPE_CHECKING:
     from .sdk.aio import AsyncClient, AsyncSandbox
@@ -115,6 +119,10 @@ __all__ = [
     "TrajectoryDiverged",
     "TrajectoryInfo",
     "Unauthorized",
+    "VolumeExists",
+    "VolumeInUse",
+    "VolumeInfo",
+    "VolumeNotFound",
     "__version__",
     "run",
 ]

@@ -122,6 +122,25 @@ class ImageInUse(InvalidState):
     code = "image_in_use"
 
 
+class VolumeNotFound(NotFound):
+    """No volume with this name (or another tenant's)."""
+
+    code = "volume_not_found"
+
+
+class VolumeExists(DsecError, FileExistsError):
+    """A volume with this name exists on the node."""
+
+    code = "volume_exists"
+    http_status = 409
+
+
+class VolumeInUse(InvalidState):
+    """The volume is mounted by a live sandbox: it cannot be removed, or mounted read-write by a second."""
+
+    code = "volume_in_use"
+
+
 class QuotaExceeded(DsecError):
     """A limit on the number or size of sandboxes was reached."""
 
@@ -260,6 +279,9 @@ ERRORS_BY_CODE: dict[str, type[DsecError]] = {
         ImageNotFound,
         ImageExists,
         ImageInUse,
+        VolumeNotFound,
+        VolumeExists,
+        VolumeInUse,
         IdempotencyConflict,
         TenantExists,
         FileNotFoundInSandbox,

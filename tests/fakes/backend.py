@@ -32,6 +32,7 @@ class FakeBackend(Backend):
     """
 
     kind = "container"
+    volumes_unsupported = None  # mounts nothing, but takes what the core grants (rec.volumes)
 
     def __init__(self, ctx: BackendContext) -> None:
         super().__init__(ctx)

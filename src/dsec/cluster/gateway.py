@@ -177,6 +177,12 @@ class Gateway:
                 "tenants are kept per node and cannot be managed through the cluster gateway: "
                 "use the cluster's operator token",
             )
+        elif route == "volumes":
+            raise Failure(
+                InvalidRequest,
+                "named volumes are kept on one node's disk and cannot be managed through the cluster gateway: "
+                "use the node's own API (docs/volumes.md)",
+            )
         elif route == "images" and parts[2:] == ["gc"]:
             raise Failure(
                 InvalidState,

@@ -33,6 +33,7 @@ from ..tenancy import OPERATOR, Caller
 from .admission import Claim
 from .metrics import NodeMetrics
 from .sandboxes import LIVE_STATES, Sandboxes, gone
+from .volumes import Volumes
 
 log = logging.getLogger("dsec.core")
 
@@ -108,6 +109,10 @@ class Lifecycle:
         sandboxes, admission = self.sandboxes, self.sandboxes.admission
         backend = sandboxes.backends[req.kind]
         backend.check_network(req.network)
+        caller = OPERATOR if owner == OPERATOR.tenant else Caller(owner)
+        if req.volumes:
+            backend.check_volumes(req.volumes)
+            self._volumes().check(req.volumes, caller)  # refused now, not after a wait in the queue
         started = time.monotonic()
         claim = Claim(owner, req.limits.cpu, req.limits.mem_request())
         waited = await admission.admit(claim, req.queue_timeout)
@@ -124,8 +129,12 @@ class Lifecycle:
         rec.node = self.node_name
         rec.trajectory = req.trajectory or None
         try:
+            if req.volumes:  # taken again: the queue may have let another writer in meanwhile
+                rec.volumes = self._volumes().claim(rec.id, req.volumes, caller)
             sandboxes.adopt(rec, persist=persist)
         except BaseException:
+            if sandboxes.volumes is not None:
+                sandboxes.volumes.release(rec.id)
             admission.release(rec.id)
             raise
         # VM kinds bound their boots (and restores) themselves, by the accelerator a first use finds
@@ -148,6 +157,8 @@ class Lifecycle:
             raise SandboxGone(f"sandbox {rec.id} was {rec.state.value} before it was created: {rec.reason}")
         timings = rec.timings = {"queue": round(time.monotonic() - started, 6)}
         try:
+            if rec.volumes:
+                await self._volumes().mount(rec.volumes)
             await backend.create(rec, image)
             total = time.monotonic() - started
             timings["runtime"] = round(total - timings["queue"] - timings.get("rootfs", 0.0), 6)
@@ -161,6 +172,11 @@ class Lifecycle:
                 raise
             raise environment_error(e) or BackendError(f"creating sandbox failed: {failure(e)}") from e
         return timings
+
+    def _volumes(self) -> Volumes:
+        if self.sandboxes.volumes is None:
+            raise InvalidRequest("this node keeps no named volumes")
+        return self.sandboxes.volumes
 
     # ---- end -----------------------------------------------------------------------------------------
 

@@ -38,10 +38,12 @@ from ..protocol.sandbox import (
     SandboxInfo,
     SnapshotRequest,
 )
+from ..protocol.volumes import VolumeCreate, VolumeInfo
 from ..store.audit import AuditLog
 from ..store.records import SandboxRecord
 from ..store.sqlite import SandboxStore
 from ..store.tenants import TenantStore
+from ..store.volumes import VolumeStore
 from ..tenancy import OPERATOR, Caller
 from . import forks
 from .actions import Actions
@@ -58,6 +60,7 @@ from .record_writes import RecordWrites
 from .sandboxes import Sandboxes
 from .trajectory.recorder import Trajectories, TrajectoryOptions
 from .usage import DEFAULT_EVICT_AT, UsageMonitor
+from .volumes import Volumes
 
 log = logging.getLogger("dsec.core")
 
@@ -91,7 +94,8 @@ class SandboxManager:
         self.kinds = list(kinds) if kinds is not None else registry.available()  # the kinds to start
         self.admission = Admission(admission or AdmissionOptions(), quota_of=self.tenants.quota)
         self.node_name = self.admission.options.node_name or os.uname().nodename
-        self.sandboxes = Sandboxes(self.store, self.records, self.admission, self.backends)
+        self.volumes = Volumes(state_dir / "volumes", VolumeStore(state_dir / "state.db"))
+        self.sandboxes = Sandboxes(self.store, self.records, self.admission, self.backends, self.volumes)
         self.metrics = NodeMetrics(self.sandboxes)
         self.lifecycle = Lifecycle(
             self.sandboxes,
@@ -146,6 +150,7 @@ class SandboxManager:
                 continue
             self.backends[kind] = backend
         await self.lifecycle.readopt()
+        self.notes += await self.volumes.start()  # in-use counts rebuilt by the re-adoption
         await self.trajectories.start()
         for backend in self.backends.values():
             await backend.readopted()
@@ -183,9 +188,11 @@ class SandboxManager:
                     await backend.release()
         except (DsecError, OSError) as e:
             log.error("releasing the node's mounts: %s", e)
+        await self.volumes.close()
         await self.trajectories.close()
         await self.audit.close()
         self.tenants.close()
+        self.volumes.store.close()
         self.records.flush()
         self.store.close()
 
@@ -313,6 +320,20 @@ class SandboxManager:
 
     async def rename(self, sandbox_id: str, source: str, destination: str, *, caller: Caller = OPERATOR) -> None:
         await self.files.rename(sandbox_id, source, destination, caller=caller)
+
+    # ---- named volumes -------------------------------------------------------------------------------
+
+    async def create_volume(self, req: VolumeCreate, *, caller: Caller = OPERATOR) -> VolumeInfo:
+        return await self.volumes.create(req, caller)
+
+    def list_volumes(self, *, caller: Caller = OPERATOR) -> builtins.list[VolumeInfo]:
+        return self.volumes.list(caller)
+
+    def volume(self, name: str, *, caller: Caller = OPERATOR) -> VolumeInfo:
+        return self.volumes.info(name, caller)
+
+    async def remove_volume(self, name: str, *, caller: Caller = OPERATOR) -> None:
+        await self.volumes.remove(name, caller)
 
     # ---- images and grading --------------------------------------------------------------------------
 

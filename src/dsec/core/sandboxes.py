@@ -23,6 +23,7 @@ from ..store.sqlite import SandboxStore
 from ..tenancy import OPERATOR, Caller
 from .admission import Admission
 from .record_writes import RecordWrites
+from .volumes import Volumes
 
 log = logging.getLogger("dsec.core")
 T = TypeVar("T")
@@ -33,11 +34,17 @@ MAX_ID = 64
 
 class Sandboxes:
     def __init__(
-        self, store: SandboxStore, records: RecordWrites, admission: Admission, backends: dict[str, Backend]
+        self,
+        store: SandboxStore,
+        records: RecordWrites,
+        admission: Admission,
+        backends: dict[str, Backend],
+        volumes: Volumes | None = None,
     ) -> None:
         self.store = store
         self.records = records
         self.admission = admission
+        self.volumes = volumes  # named volumes the sandboxes hold: given back as each one ends
         self.backends = backends  # kind -> backend, filled as the kinds start
         # Records of live sandboxes, kept in memory (written through to the store): the hot path of
         # every exec and file call reads them without touching SQLite.
@@ -72,8 +79,11 @@ class Sandboxes:
         self._live[rec.id] = rec
 
     def readopt(self, rec: SandboxRecord) -> None:
-        """A recorded sandbox found live after a restart enters the table as the store holds it."""
+        """A recorded sandbox found live after a restart enters the table as the store holds it, with
+        the volumes it holds."""
         self._live[rec.id] = rec
+        if self.volumes is not None:
+            self.volumes.readopt(rec)
 
     def save(self, rec: SandboxRecord) -> None:
         """Write a changed record through (an ephemeral sandbox's stays in memory)."""
@@ -118,6 +128,8 @@ class Sandboxes:
             self._ephemeral.discard(rec.id)
             self._live.pop(rec.id, None)
             self.admission.release(rec.id)
+            if self.volumes is not None:
+                self.volumes.release(rec.id)
         else:
             self._live[rec.id] = rec
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import posixpath
 from abc import ABC, abstractmethod
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
@@ -47,6 +47,8 @@ class Backend(ABC):
     """
 
     kind: ClassVar[str]
+    # why the kind cannot mount named volumes (None: it can)
+    volumes_unsupported: ClassVar[str | None] = "this kind does not mount them"
 
     def __init__(self, ctx: BackendContext) -> None:
         self.ctx = ctx
@@ -165,6 +167,15 @@ class Backend(ABC):
         """The sandbox's writable layer in overlayfs format, ids as the sandbox sees them, while every
         process in it is frozen (pack_diff). Kinds that cannot snapshot yet keep this default."""
         raise InvalidRequest(f"sandboxes of kind {self.kind!r} cannot be snapshotted yet")
+
+    def check_volumes(self, volumes: Mapping[str, object]) -> None:
+        """Refuse named volumes this kind cannot mount, before anything is made. A kind that mounts them
+        finds them in ``rec.volumes`` at ``create``: each volume's host mount, to show at its path."""
+        if volumes and self.volumes_unsupported is not None:
+            raise InvalidRequest(
+                f"named volumes are not supported for {self.kind} sandboxes: {self.volumes_unsupported}; "
+                "use kind='container'"
+            )
 
     def check_network(self, policy: NetworkSpec) -> None:
         """Refuse a network policy this kind cannot enforce, before anything is made."""

@@ -12,8 +12,8 @@ from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from .sandbox import TRAJECTORY_ID, ErrorBody, SandboxInfo, SandboxSpec, Size
-from .types import int_range, on_type
+from .sandbox import TRAJECTORY_ID, ErrorBody, SandboxInfo, SandboxSpec
+from .types import Size, int_range, on_type
 
 MAX_SANDBOXES = 10_000  # in one batch creation
 MAX_TOP = 10_000  # GET /v1/node?top=N: at most this many of the caller's sandboxes

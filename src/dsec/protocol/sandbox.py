@@ -4,16 +4,16 @@ from __future__ import annotations
 
 from datetime import datetime
 from enum import StrEnum
-from typing import Annotated, Literal
+from typing import Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from ..units import parse_size
 from .build import BuildSpec
 from .names import ImageName, TenantName
 from .network import NetworkSpec
 from .residue import MAX_CANARIES, Canaries, ScrubRule
-from .types import MAX_COMMAND, USER_SPEC, AbsPath, Command, Env, Labels, int_range
+from .types import MAX_COMMAND, USER_SPEC, AbsPath, Command, Env, Labels, Size, int_range
+from .volumes import VOLUMES_DOC, MountedVolume, Volumes
 
 Kind = Literal["container", "function", "microvm", "vm"]
 KINDS: tuple[str, ...] = ("container", "function", "microvm", "vm")
@@ -29,16 +29,6 @@ MIN_DISK, MAX_DISK = 1 << 20, 16 << 40
 # the runtime writes files of its own under the sandbox's RLIMIT_FSIZE before the sandbox starts (crun
 # its seccomp filter, several KiB): below this a sandbox could not start
 MIN_FILE_SIZE = 1 << 20
-
-
-def _size(value: object) -> object:
-    if value is None or isinstance(value, int | str):
-        return None if value is None else parse_size(value)
-    return value
-
-
-# the bound before the parser: after it, pydantic states it as "ge", which JSON Schema does not know
-Size = Annotated[int, Field(ge=0), BeforeValidator(_size)]
 
 
 class State(StrEnum):
@@ -161,6 +151,7 @@ class SandboxSpec(_Strict):
         description="Seconds the creation may wait in the node's queue for capacity before it is answered 429 "
         "with Retry-After (0: answer at once). Default: the node's --queue-timeout.",
     )
+    volumes: Volumes = Field(default_factory=dict, description=VOLUMES_DOC)
 
 
 class CreateSandbox(SandboxSpec):
@@ -203,6 +194,7 @@ class SandboxInfo(BaseModel):
         "that resumes fast-forwards through them.",
     )
     node: str | None = Field(default=None, description="The node the sandbox runs on.")
+    volumes: list[MountedVolume] = Field(default_factory=list, description="The named volumes it mounts.")
     timings: dict[str, float] = Field(
         default_factory=dict,
         description="Seconds the creation spent in each phase: queue (waiting for capacity and a start slot), "

@@ -13,7 +13,9 @@ import re
 from collections.abc import Callable
 from typing import Annotated, Any
 
-from pydantic import AfterValidator, WithJsonSchema
+from pydantic import AfterValidator, BeforeValidator, Field, WithJsonSchema
+
+from ..units import parse_size
 
 PATH_MAX = 4096  # Linux's PATH_MAX: the bound of every path on the wire
 NO_NUL = r"^[^\x00]*$"
@@ -177,3 +179,16 @@ TIME_SCHEMA = {"anyOf": [{"type": "string", "format": "date-time"}, {"type": "nu
 
 # a user in an image: name or uid, optionally :group or :gid (resolved against the image's own files)
 USER_SPEC = r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,31}(:[A-Za-z0-9_][A-Za-z0-9_.-]{0,31})?$"
+
+
+# ---- sizes -------------------------------------------------------------------------------------------
+
+
+def _size(value: object) -> object:
+    if value is None or isinstance(value, int | str):
+        return None if value is None else parse_size(value)
+    return value
+
+
+# the bound before the parser: after it, pydantic states it as "ge", which JSON Schema does not know
+Size = Annotated[int, Field(ge=0), BeforeValidator(_size)]

@@ -11,12 +11,46 @@ from typing import Any, Literal
 from ..protocol import network as policy
 from ..protocol.network import NetworkSpec
 from ..protocol.sandbox import Limits, SandboxInfo, State
+from ..protocol.volumes import MountedVolume
 
 StartedFrom = Literal["boot", "snapshot", "fork"]
 
 # The core's fields are persisted beside the kind's state, in the same JSON column, under these keys
 # (the ones every record has had: a state database from an older daemon reads the same).
-CORE_KEYS = ("node", "trajectory", "forked_from", "timings", "network", "accel", "waiting", "started_from")
+CORE_KEYS = (
+    "node",
+    "trajectory",
+    "forked_from",
+    "timings",
+    "network",
+    "accel",
+    "waiting",
+    "started_from",
+    "volumes",
+)
+
+
+@dataclass(frozen=True)
+class VolumeMount:
+    """A named volume in a sandbox: where it sees it, how, and the volume's mount on the host that the
+    kind binds from (the core's choice; a kind never names volumes' places itself)."""
+
+    path: str
+    name: str
+    read_only: bool
+    source: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {"path": self.path, "name": self.name, "read_only": self.read_only, "source": self.source}
+
+    @staticmethod
+    def from_json(value: object) -> VolumeMount | None:
+        if not isinstance(value, dict):
+            return None
+        path, name, source = value.get("path"), value.get("name"), value.get("source")
+        if not (isinstance(path, str) and isinstance(name, str) and isinstance(source, str)):
+            return None
+        return VolumeMount(path, name, value.get("read_only") is True, source)
 
 
 @dataclass
@@ -45,6 +79,7 @@ class SandboxRecord:
     accelerator: str | None = None  # VM kinds: kvm or tcg
     started_from: StartedFrom | None = None
     waiting: str | None = None  # what its creation waits for (a VM boot slot, ...)
+    volumes: list[VolumeMount] = field(default_factory=list)  # named volumes it mounts, by the core's grant
 
     def persisted(self) -> dict[str, Any]:
         """The kind's state and the core's fields, as stored."""
@@ -57,6 +92,7 @@ class SandboxRecord:
             "accel": self.accelerator,
             "waiting": self.waiting,
             "started_from": self.started_from,
+            "volumes": [v.to_json() for v in self.volumes] or None,
         }
         return {**self.runtime, **{k: v for k, v in core.items() if v is not None}}
 
@@ -77,6 +113,9 @@ class SandboxRecord:
         if started is None and "restored" in runtime:  # written by a daemon from before this field
             started = "snapshot" if runtime.pop("restored") else "boot"
         self.started_from = started if started in ("boot", "snapshot", "fork") else None
+        volumes = core.get("volumes")
+        mounts = [VolumeMount.from_json(v) for v in volumes] if isinstance(volumes, list) else []
+        self.volumes = [m for m in mounts if m is not None]
 
     def info(self) -> SandboxInfo:
         return SandboxInfo(
@@ -99,6 +138,7 @@ class SandboxRecord:
             trajectory=self.trajectory,
             node=self.node,
             timings=dict(self.timings),
+            volumes=[MountedVolume(path=v.path, name=v.name, mode="ro" if v.read_only else "rw") for v in self.volumes],
         )
 
 

@@ -70,8 +70,9 @@ class _Bound:
 
 
 def _create_params(req: CreateSandbox) -> dict[str, object]:
-    """What a create is, for its digest: how long it may queue for capacity is not part of the sandbox."""
-    return req.model_dump(mode="json", exclude={"queue_timeout"})
+    """What a create is, for its digest: how long it may queue for capacity is not part of the sandbox.
+    No volumes is left out, so a create logged before volumes existed digests the same."""
+    return req.model_dump(mode="json", exclude={"queue_timeout"} | ({"volumes"} if not req.volumes else set()))
 
 
 class Trajectories:

@@ -45,7 +45,7 @@ from . import agent, spec
 from .agent import AgentChannel
 from .execution import ExecPlan, run_via_agent, run_via_runtime
 from .files import ContainerFiles
-from .rootfs import mount_rootfs, unmount_rootfs
+from .rootfs import bind_volumes, mount_rootfs, unmount_rootfs
 from .state import ContainerState
 
 log = logging.getLogger("dsec.container")
@@ -75,6 +75,7 @@ def _repair_host_devices() -> list[str]:
 
 class ContainerBackend(ContainerFiles, PolicyNetwork):
     kind = "container"
+    volumes_unsupported = None  # bound in at create (volumes.py)
 
     def __init__(self, ctx: BackendContext) -> None:
         super().__init__(ctx)
@@ -243,6 +244,7 @@ class ContainerBackend(ContainerFiles, PolicyNetwork):
         try:
             userns_fd = await self._userns_for(uid_base) if uid_base is not None else None
             await asyncio.to_thread(mount_rootfs, bundle, image.layers, rec.limits.disk, uid_base, userns_fd, worker)
+            await asyncio.to_thread(bind_volumes, bundle, rec.volumes, userns_fd)
         except OSError as e:
             raise BackendError(f"cannot prepare the root filesystem: {e}") from e
         account = await asyncio.to_thread(self._account, rec, image.user)

@@ -2,7 +2,7 @@
 
 Layout in the bundle: ``lower-N/`` (the image's layers, idmapped when the sandbox has its own user
 namespace), ``disk/`` (the tmpfs holding ``upper/`` and ``work/``, and a function worker's ``tmp/``),
-``rootfs/`` (the overlay).
+``rootfs/`` (the overlay), ``volume-N/`` (the named volumes it mounts, bound in by the runtime).
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from pathlib import Path
 
 from ...isolation.idmap import idmapped_bind
 from ...isolation.mounts import MS_NODEV, MS_NOSUID, mount, umount
+from ...store.records import VolumeMount
 
 
 def mount_rootfs(
@@ -61,9 +62,21 @@ def mount_rootfs(
     return rootfs
 
 
+def bind_volumes(bundle: Path, volumes: Sequence[VolumeMount], userns_fd: int | None) -> None:
+    """Each named volume's host mount shown at ``volume-N`` in the bundle (N its place in ``volumes``),
+    read-only where the sandbox mounts it so, through the sandbox's id mapping: the volume's files
+    keep the ids the sandboxes see (root's are host root's on disk), whichever sandbox wrote them.
+    The runtime binds these at their paths (spec.py); the read-only flag is locked in the sandbox's
+    user namespace, so its root cannot remount them writable."""
+    for i, volume in enumerate(volumes):
+        target = bundle / f"volume-{i}"
+        target.mkdir()
+        idmapped_bind(Path(volume.source), target, userns_fd, read_only=volume.read_only)
+
+
 def unmount_rootfs(bundle: Path) -> None:
-    """Undo mount_rootfs, overlay first; a missing mount is fine (half-created sandboxes)."""
-    targets = [bundle / "rootfs", *sorted(bundle.glob("lower-*")), bundle / "disk"]
+    """Undo mount_rootfs and bind_volumes, overlay first; a missing mount is fine (half-created sandboxes)."""
+    targets = [bundle / "rootfs", *sorted(bundle.glob("lower-*")), *sorted(bundle.glob("volume-*")), bundle / "disk"]
     for target in targets:
         try:
             umount(target)

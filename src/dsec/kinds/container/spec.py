@@ -200,6 +200,22 @@ def _mounts(rec: SandboxRecord, rootfs: str, helper_dir: str) -> list[dict[str, 
             "options": ["rbind", "ro", "nosuid", "nodev"],
         },
         *_full_network_mounts(rec),
+        *_volume_mounts(rec, rootfs),
+    ]
+
+
+def _volume_mounts(rec: SandboxRecord, rootfs: str) -> list[dict[str, Any]]:
+    """Named volumes, bound from their views in the bundle (rootfs.bind_volumes), after every other
+    mount: the protocol keeps their paths off /proc, /sys, /dev and the helper mount."""
+    bundle = Path(rootfs).parent
+    return [
+        {
+            "destination": v.path,
+            "type": "bind",
+            "source": str(bundle / f"volume-{i}"),
+            "options": ["bind", "ro" if v.read_only else "rw", "nosuid", "nodev"],
+        }
+        for i, v in enumerate(rec.volumes)
     ]
 
 

@@ -60,6 +60,8 @@ class Worker:
 
 class FunctionBackend(Backend):
     kind = "function"
+    # a worker's mounts were made when the pool started it, before any request named a volume
+    volumes_unsupported = "they are lent from a pool of workers started before the request, with their mounts made"
 
     def __init__(self, ctx: BackendContext) -> None:
         super().__init__(ctx)

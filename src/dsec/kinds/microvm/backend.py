@@ -78,6 +78,9 @@ TEMPLATES = os.environ.get("DSEC_VM_TEMPLATES", "1") != "0"
 class MicroVMBackend(PolicyNetwork):
     kind: ClassVar[str] = "microvm"
     machine: ClassVar[str] = "microvm"
+    # the guest kernel has no 9p, virtiofsd is not on the node, and an ext4 image shared as a disk
+    # cannot have a writer and readers in other kernels at once (docs/volumes.md)
+    volumes_unsupported = "a VM's guest would need the volume shared into it (virtio-fs), which dsec does not do yet"
     keep_interface = True  # the tap is QEMU's: a lifted policy leaves it down and empty
 
     def __init__(self, ctx: BackendContext) -> None:
