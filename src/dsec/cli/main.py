@@ -1,5 +1,5 @@
-"""``dsec``: serve, run, ps, exec, rm, pause, resume, fork, snapshot, top, image, tenant, trajectory, version,
-demo, bench."""
+"""``dsec``: serve, run, ps, exec, rm, pause, resume, fork, snapshot, top, image, volume, tenant, trajectory,
+version, demo, bench."""
 
 from __future__ import annotations
 
@@ -26,6 +26,7 @@ from .serve import serve
 from .tenant import audit, tenant_app
 from .top import top
 from .trajectory import trajectory_app
+from .volume import VolumeOpt, parse_volumes, volume_app
 
 app = typer.Typer(help="dsec: elastic sandboxes for training and evaluating AI agents.", no_args_is_help=True)
 app.add_typer(bench_app, name="bench")
@@ -33,6 +34,7 @@ app.add_typer(cluster_app, name="cluster")
 app.add_typer(image_app, name="image")
 app.add_typer(tenant_app, name="tenant")
 app.add_typer(trajectory_app, name="trajectory")
+app.add_typer(volume_app, name="volume")
 
 
 @app.command()
@@ -65,6 +67,7 @@ def run(
     kind: Annotated[str, typer.Option(help="Sandbox kind.")] = "container",
     timeout: Annotated[float, typer.Option(help="Exec timeout in seconds.")] = 60.0,
     memory: Annotated[str | None, typer.Option(help="Memory limit, e.g. 512Mi.")] = None,
+    volume: VolumeOpt = [],  # noqa: B006
     url: UrlOpt = None,
     token: TokenOpt = None,
 ) -> None:
@@ -73,7 +76,10 @@ def run(
 
     try:
         client = _client(url, token)
-        with Sandbox.create(image=image, kind=kind, memory=memory, client=client, timeout=timeout + 60) as sb:
+        volumes = parse_volumes(volume)
+        with Sandbox.create(
+            image=image, kind=kind, memory=memory, client=client, timeout=timeout + 60, volumes=volumes
+        ) as sb:
             cmd: str | list[str] = command[0] if len(command) == 1 else command
             res = sb.exec(cmd, timeout=timeout)
     except DsecError as e:

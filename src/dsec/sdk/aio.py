@@ -6,31 +6,23 @@ import asyncio
 import base64
 import builtins
 import contextlib
-import io
-import tarfile
 import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable
-from pathlib import Path
 from types import TracebackType
 from typing import Any, TypeVar
 
 from ..errors import DsecError, InvalidRequest, error_from_wire, validation_message
-from ..protocol.build import BuildSpec, ImageSpec, load_spec
 from ..protocol.grade import GRADE_DIR, GradeRequest, GradeResult
 from ..protocol.network import NetworkSpec
 from ..protocol.sandbox import (
     DEFAULT_OUTPUT_CAP,
-    BuildResult,
     ExecEvent,
     ExecRequest,
     ExecResult,
     ForkRequest,
     ForkResult,
-    GcResult,
     Health,
     ImageInfo,
-    ImageList,
-    ImageStats,
     NetworkStatus,
     SandboxInfo,
     SandboxList,
@@ -47,32 +39,18 @@ from .creating import (
     stream_batch,
 )
 from .files import AsyncFiles
+from .images import ImageClient
 from .node import NodeClient
 from .oneshot import RunClient
 from .tenants import TenantClient
 from .trajectory import Params, Trajectory, TrajectoryClient, canonical_params, exec_result, model_result, replay
 from .transport import Transport
+from .volumes import VolumeClient
 
 T = TypeVar("T")
 
-BUILD_TIMEOUT = 6 * 3600.0
 
-
-def _tar_of(src: Path) -> bytes:
-    """A copy step's source as a tar: a directory's contents, or one file."""
-    if not src.exists():
-        raise InvalidRequest(f"copy source {src} does not exist")
-    buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w") as tar:
-        if src.is_dir():
-            for child in sorted(src.iterdir()):
-                tar.add(child, arcname=child.name)
-        else:
-            tar.add(src, arcname=src.name)
-    return buf.getvalue()
-
-
-class AsyncClient(RunClient, TrajectoryClient, TenantClient, NodeClient):
+class AsyncClient(ImageClient, VolumeClient, RunClient, TrajectoryClient, TenantClient, NodeClient):
     """A connection to a dsec daemon (``DSEC_URL`` / ``DSEC_TOKEN``, or the local daemon's defaults)."""
 
     def __init__(self, url: str | None = None, token: str | None = None) -> None:
@@ -85,86 +63,6 @@ class AsyncClient(RunClient, TrajectoryClient, TenantClient, NodeClient):
     async def health(self) -> Health:
         reply = await self._transport.request("GET", "/v1/health", timeout=10)
         return Health.model_validate_json(reply.content)
-
-    async def images(self) -> list[ImageInfo]:
-        reply = await self._transport.request("GET", "/v1/images")
-        return ImageList.model_validate_json(reply.content).images
-
-    async def build_image(self, name: str) -> ImageInfo:
-        reply = await self._transport.request("POST", "/v1/images/build", params={"name": name}, timeout=CREATE_TIMEOUT)
-        return ImageInfo.model_validate_json(reply.content)
-
-    async def image(self, name: str) -> ImageInfo:
-        reply = await self._transport.request("GET", "/v1/image", params={"name": name})
-        return ImageInfo.model_validate_json(reply.content)
-
-    async def image_history(self, name: str) -> list[ImageInfo]:
-        """The version ``name`` points at, then its ancestors (lineage), newest first."""
-        reply = await self._transport.request("GET", "/v1/image/history", params={"name": name})
-        return ImageList.model_validate_json(reply.content).images
-
-    async def image_stats(self, name: str) -> ImageStats:
-        """Bytes this node fetched of the image versus its size, chunk hit rate, time waited on fetches."""
-        reply = await self._transport.request("GET", "/v1/image/stats", params={"name": name})
-        return ImageStats.model_validate_json(reply.content)
-
-    async def remove_image(self, name: str) -> None:
-        """Free the name (refused while a live sandbox runs on it); ``gc_images`` reclaims the space."""
-        await self._transport.request("DELETE", "/v1/image", params={"name": name})
-
-    async def gc_images(self) -> GcResult:
-        reply = await self._transport.request("POST", "/v1/images/gc", timeout=CREATE_TIMEOUT)
-        return GcResult.model_validate_json(reply.content)
-
-    async def build(
-        self,
-        spec: BuildSpec | ImageSpec | str | Path,
-        name: str | None = None,
-        *,
-        args: dict[str, str] | None = None,
-        secrets: dict[str, str] | None = None,
-        canaries: builtins.list[str] | None = None,
-    ) -> BuildResult:
-        """Build an image from a spec file (TOML), a ``BuildSpec`` or an ``ImageSpec`` builder.
-
-        Copy steps' sources are read here and uploaded; steps run on the daemon's node in builder
-        sandboxes. ``secrets`` reach only the steps that name them and are never packed into a layer.
-        ``canaries``: strings (8+ bytes) no layer of the image may hold; the build is refused if one does.
-        """
-        resolved: BuildSpec
-        if isinstance(spec, ImageSpec):
-            if name is None:
-                raise InvalidRequest("building an ImageSpec needs the name of the image to publish")
-            resolved = spec.spec(name)  # noqa: ASYNC240 - an ImageSpec (ruff sees the Path in the union)
-        elif isinstance(spec, BuildSpec):
-            resolved = spec
-        else:
-            resolved = await asyncio.to_thread(load_spec, Path(spec))
-        if name is not None:
-            resolved = resolved.model_copy(update={"name": name})
-        resolved = resolved.model_copy(deep=True)
-        for step in resolved.steps:
-            if step.copy_ is not None and step.copy_.context is None:
-                data = await asyncio.to_thread(_tar_of, Path(step.copy_.src))
-                reply = await self._transport.request("PUT", "/v1/build-contexts", content=data)
-                step.copy_.context = str(reply.json()["context"])
-        body = {
-            "spec": resolved.model_dump(mode="json", by_alias=True),
-            "args": args or {},
-            "secrets": secrets or {},
-            "canaries": canaries or [],
-        }
-        reply = await self._transport.request("POST", "/v1/images/builds", json=body, timeout=BUILD_TIMEOUT)
-        return BuildResult.model_validate_json(reply.content)
-
-    async def import_image(
-        self, path: str | Path, name: str, reference: str | None = None, *, canaries: builtins.list[str] | None = None
-    ) -> ImageInfo:
-        """Import an OCI layout directory or `docker save` tarball that is on the daemon's node
-        (refused if a layer holds one of ``canaries``)."""
-        body = {"path": str(path), "name": name, "reference": reference, "canaries": canaries or []}
-        reply = await self._transport.request("POST", "/v1/images/import", json=body, timeout=CREATE_TIMEOUT)
-        return ImageInfo.model_validate_json(reply.content)
 
     async def list(self, labels: dict[str, str] | None = None, include_finished: bool = False) -> list[SandboxInfo]:
         params: list[tuple[str, str]] = [("label", f"{k}={v}") for k, v in (labels or {}).items()]
@@ -261,6 +159,7 @@ class AsyncSandbox:
         trajectory: str | None = None,
         queue_timeout: float | None = None,
         wait_for_capacity: float = DEFAULT_WAIT_FOR_CAPACITY,
+        volumes: dict[str, str | tuple[str, str]] | None = None,
         client: AsyncClient | None = None,
     ) -> AsyncSandbox:
         """Create a sandbox and wait until it runs. ``timeout`` is its time to live in seconds.
@@ -277,6 +176,10 @@ class AsyncSandbox:
 
         ``network``: None (loopback only), ``"full"``, or ``{"allow": ["10.1.2.0/24:443", "pypi.org:443"]}``
         (container kind); see ``set_network``.
+
+        ``volumes``: named volumes (``client.create_volume``) to mount, by path: ``{"/data": "name"}``
+        read-write, ``{"/data": ("name", "ro")}`` read-only (container kind). One live sandbox at a time
+        may mount a volume read-write, any number read-only.
         """
         client = client or default_client()
         limits = {
@@ -289,7 +192,7 @@ class AsyncSandbox:
             "nofile": nofile,
             "file_size": file_size,
         }
-        body = create_body(image, kind, limits, timeout, env, labels, network, trajectory, queue_timeout)
+        body = create_body(image, kind, limits, timeout, env, labels, network, trajectory, queue_timeout, volumes)
         return cls(await post_create(client._transport, body, wait_for_capacity), client)
 
     @classmethod
@@ -311,20 +214,22 @@ class AsyncSandbox:
         network: NetworkSpec | dict[str, Any] = None,
         trajectories: builtins.list[str] | None = None,
         queue_timeout: float | None = None,
+        volumes: dict[str, str | tuple[str, str]] | None = None,
         client: AsyncClient | None = None,
     ) -> AsyncIterator[AsyncSandbox | DsecError]:
         """Create ``n`` sandboxes alike in one request, yielding each as soon as it runs, in the order they
         become ready. A creation that failed is yielded as the error it would have raised alone (with
         ``.index``; ``Overloaded`` if the node had no capacity before ``queue_timeout``); the others are
         not affected. Each sandbox's ``batch_index`` says which of the ``n`` it is. ``trajectories``: one
-        id per sandbox. Leaving the loop early kills the sandboxes not yet yielded.
+        id per sandbox. Leaving the loop early kills the sandboxes not yet yielded. ``volumes``: as for
+        ``create``; every sandbox mounts them, so read-only (a second writer is refused).
 
         ``async for sb in AsyncSandbox.create_many(100, "dsec/busybox"): ...``
         """
         client = client or default_client()
         limits = {"cpu": cpu, "cpu_limit": cpu_limit, "memory": memory, "memory_request": memory_request}
         limits |= {"disk": disk, "pids": pids}
-        body = create_body(image, kind, limits, timeout, env, labels, network, None, queue_timeout)
+        body = create_body(image, kind, limits, timeout, env, labels, network, None, queue_timeout, volumes)
         async for event in stream_batch(client._transport, body, n, trajectories):
             if event.sandbox is not None:
                 sb = cls(event.sandbox, client)

@@ -13,7 +13,7 @@ import asyncio
 import logging
 import random
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
 from ..errors import DsecError, InvalidRequest, Overloaded, error_from_wire, validation_message
@@ -49,6 +49,7 @@ def create_body(
     network: NetworkSpec | dict[str, Any],
     trajectory: str | None,
     queue_timeout: float | None,
+    volumes: Mapping[str, str | tuple[str, str]] | None = None,
 ) -> dict[str, Any]:
     """The JSON of a CreateSandbox, validated locally for a clear error before the round trip."""
     limits = {k: v for k, v in limits.items() if v is not None}
@@ -61,6 +62,8 @@ def create_body(
         body["queue_timeout"] = queue_timeout
     if limits:
         body["limits"] = limits
+    if volumes:
+        body["volumes"] = {path: ref if isinstance(ref, str) else list(ref) for path, ref in volumes.items()}
     try:
         CreateSandbox.model_validate({**body, "limits": Limits.model_validate(limits)})
     except ValueError as e:

@@ -50,6 +50,7 @@ from ..protocol.sandbox import (
     TenantRemoved,
 )
 from ..protocol.trajectory import RecordedCall, TrajectoryInfo
+from ..protocol.volumes import VolumeInfo
 from .files import LoggedCall
 from .transport import Transport
 """

@@ -33,8 +33,12 @@ PAIRS = [(AsyncSandbox, dsec.Sandbox), (AsyncFiles, sync.Files), (AsyncClient, d
 
 
 def public_async_members(cls: type) -> dict[str, Any]:
+    """Its own and its mixins' (AsyncClient's images, volumes, tenants, ...), as sync.synchronize sees them."""
     members = {}
-    for name, value in vars(cls).items():
+    own: dict[str, Any] = {}
+    for base in reversed(cls.__mro__[:-1]):
+        own.update(vars(base))
+    for name, value in own.items():
         if name.startswith("_"):
             continue
         func = value.__func__ if isinstance(value, classmethod) else value
@@ -49,6 +53,7 @@ def test_the_async_classes_have_members_to_mirror() -> None:
     )
     assert {"read", "write", "list", "remove", "mkdir", "upload_dir"} <= set(public_async_members(AsyncFiles))
     assert {"health", "images", "list", "create", "aclose"} <= set(public_async_members(AsyncClient))
+    assert {"create_volume", "volumes", "volume", "remove_volume"} <= set(public_async_members(AsyncClient))
 
 
 @pytest.mark.parametrize(("async_cls", "sync_cls"), PAIRS, ids=lambda c: c.__name__)
