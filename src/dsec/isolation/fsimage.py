@@ -14,7 +14,7 @@ from pathlib import Path
 
 from ..errors import BackendError
 from ..proc import run
-from .loop import attach_loop
+from .loop import attach_loop, attached_loop
 from .mounts import MS_NODEV, MS_NOSUID, mount, umount
 
 MKFS_TIMEOUT = 300.0
@@ -59,9 +59,11 @@ def _sparse_file(path: Path, size: int) -> None:
 
 
 def mount_ext4(image: Path, target: Path) -> None:
-    """Mount ``image`` read-write at ``target`` through a self-detaching loop device."""
+    """Mount ``image`` read-write at ``target`` through a self-detaching loop device: the one already
+    attached to it if its file system outlived its last host mount (never a second file system over
+    the same file), else a new one."""
     target.mkdir(parents=True, exist_ok=True)
-    loop_fd, device = attach_loop(image, read_only=False)
+    loop_fd, device = attached_loop(image) or attach_loop(image, read_only=False)
     try:
         # noinit_itable: no background thread zeroing inode tables into the sparse file
         mount(device, target, "ext4", MS_NOSUID | MS_NODEV, "noinit_itable")

@@ -17,6 +17,7 @@ from ..errors import BackendError
 
 _LOOP_CTL_GET_FREE = 0x4C82
 _LOOP_CONFIGURE = 0x4C0A
+_LOOP_GET_STATUS64 = 0x4C05
 _LO_FLAGS_READ_ONLY = 1
 _LO_FLAGS_AUTOCLEAR = 4  # the device detaches itself when the mount (its last user) goes away
 
@@ -76,3 +77,33 @@ def attach_loop(source: Path, *, read_only: bool = True) -> tuple[int, str]:
     finally:
         os.close(file_fd)  # the loop device holds its own reference
     raise BackendError(f"cannot attach a loop device to {source}: every free device was taken meanwhile")
+
+
+def attached_loop(source: Path) -> tuple[int, str] | None:
+    """A loop device already attached to ``source``, held open (so it cannot detach and be given to
+    another file meanwhile), or None. A file system on it may still be alive without any mount on the
+    host (a sandbox's mount namespace that has not gone yet holds it): mounting that device again
+    reaches the same file system, where a second device over the file would make a second one and
+    each would overwrite the other's writes."""
+    try:
+        st = os.stat(source)
+    except FileNotFoundError:
+        return None
+    for backing in sorted(Path("/sys/block").glob("loop*/loop/backing_file")):
+        try:
+            if backing.read_text().strip().removesuffix(" (deleted)") != str(source):
+                continue
+            device = f"/dev/{backing.parts[3]}"
+            fd = os.open(device, os.O_RDWR | os.O_CLOEXEC)
+        except OSError:
+            continue  # detached meanwhile
+        info = _LoopInfo64()
+        try:
+            fcntl.ioctl(fd, _LOOP_GET_STATUS64, info)  # now that it is held: is it still this file?
+        except OSError:
+            os.close(fd)
+            continue
+        if (info.lo_device, info.lo_inode) == (st.st_dev, st.st_ino) and not info.lo_flags & _LO_FLAGS_READ_ONLY:
+            return fd, device
+        os.close(fd)
+    return None
