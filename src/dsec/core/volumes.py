@@ -258,12 +258,22 @@ class Volumes:
     # ---- the daemon's start and stop -----------------------------------------------------------------
 
     async def start(self) -> builtins.list[str]:
-        """After re-adoption: mount what live sandboxes use, unmount what nobody does, drop half-made images."""
+        """After re-adoption: mount what live sandboxes use, unmount what nobody does, and finish what a
+        daemon that died in a creation or a removal left: a record without its image, an image without
+        its record."""
         notes = []
         names = {v.name for v in self.store.all()}
         if self.images.is_dir():
-            for leftover in self.images.glob("*.new"):  # a creation the daemon died in
+            for leftover in self.images.glob("*.new"):
                 leftover.unlink(missing_ok=True)
+            for image in self.images.glob("*.ext4"):
+                if image.stem not in names:  # its removal was cut short after the record went
+                    image.unlink(missing_ok=True)
+        for name in sorted(names):
+            if not self.image(name).exists() and not self._users.get(name):
+                self.store.delete(name)
+                names.discard(name)
+                notes.append(f"volume {name} had no image (its creation was cut short): removed")
         for name in sorted(names):
             target = self.mount_point(name)
             mounted = await asyncio.to_thread(self.host.is_mounted, target)

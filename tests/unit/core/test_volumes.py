@@ -191,9 +191,9 @@ async def test_holds_are_rebuilt_after_a_restart(workdir: Path) -> None:
         await again.close()
 
 
-async def test_a_volume_in_use_is_mounted_again_at_start(workdir: Path) -> None:
+async def test_start_mounts_what_is_used_and_finishes_cut_short_work(workdir: Path) -> None:
     """A host reboot under running sandboxes is not survivable, but a mount lost some other way is made
-    again for the file API of the sandboxes that hold it."""
+    again for the file API of the sandboxes that hold it; half-made volumes and half-removed ones go."""
     host = FakeHost()
     mgr, _ = new_manager(workdir)
     await with_host(mgr, host).start()
@@ -201,12 +201,16 @@ async def test_a_volume_in_use_is_mounted_again_at_start(workdir: Path) -> None:
     await mgr.create(req({"/data": "v"}))
     await mgr.close()
     host.mounted.clear()
-    (mgr.volumes.images / "half.ext4.new").write_bytes(b"")  # a creation the daemon died in
+    # what a daemon that died in a creation or a removal leaves
+    (mgr.volumes.images / "half.ext4.new").write_bytes(b"")
+    (mgr.volumes.images / "orphan.ext4").write_bytes(b"")
     again, _ = reopen(workdir)
+    again.volumes.store.add("unmade", None, 1 << 30)
     await with_host(again, host).start()
     try:
         assert host.mounted == {again.volumes.mount_point("v")}
-        assert not (again.volumes.images / "half.ext4.new").exists()
+        assert sorted(p.name for p in again.volumes.images.iterdir()) == ["v.ext4"]
+        assert [v.name for v in again.list_volumes()] == ["v"]
     finally:
         await again.close()
 
@@ -224,3 +228,19 @@ def test_records_keep_their_mounts() -> None:
     assert [(v.path, v.name, v.mode) for v in back.info().volumes] == [("/data", "v", "ro")]
     back.restore({"volumes": [{"path": 1}, "junk"]})  # a damaged entry is dropped, not trusted
     assert back.volumes == []
+
+
+async def test_batches_mount_them_too(node: Node) -> None:
+    from dsec.core import batch
+    from dsec.protocol.node import BatchCreate
+
+    mgr, _, _ = node
+    await mgr.create_volume(VolumeCreate(name="v"))
+    readers = BatchCreate.model_validate({"count": 3, "sandbox": {"image": IMAGE, "volumes": {"/d": ["v", "ro"]}}})
+    events = [e async for e in batch.create_many(mgr, readers, OPERATOR)]
+    assert sum(1 for e in events if e.sandbox is not None) == 3
+    writers = BatchCreate.model_validate({"count": 2, "sandbox": {"image": IMAGE, "volumes": {"/d": "v"}}})
+    events = [e async for e in batch.create_many(mgr, writers, OPERATOR)]
+    assert sum(1 for e in events if e.sandbox is not None) == 1  # one writer at a time
+    assert [e.error.code for e in events if e.error is not None] == ["volume_in_use"]
+    assert sorted(u.mode for u in mgr.volume("v").users) == ["ro", "ro", "ro", "rw"]
