@@ -6,10 +6,12 @@ that no volume's mount or loop device is left on the host.
 
 from __future__ import annotations
 
+import io
 import os
 import shutil
 import signal
 import subprocess
+import tarfile
 import tempfile
 import time
 from collections.abc import Iterator
@@ -136,6 +138,29 @@ def test_read_only_mount_refuses_writes(client: dsec.Client, volume: str) -> Non
                 attempt()
         assert sb.files.read("/ro/kept.txt") == b"kept"
         assert sb.exec("ls /ro").stdout.split() == ["kept.txt", "lost+found"]
+
+
+def _tar(files: dict[str, bytes]) -> bytes:
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tar:
+        for name, data in files.items():
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    return buf.getvalue()
+
+
+def test_archives_in_and_out_of_volumes(client: dsec.Client, volume: str) -> None:
+    """Archives are packed and unpacked inside the sandbox, so they see the volume as it does."""
+    with dsec.Sandbox.create(IMAGE, volumes={"/data": volume}, client=client) as sb:
+        sb.files.upload_tar("/data/in", _tar({"a.txt": b"A", "sub/b.txt": b"B"}))
+        assert sb.exec("cat /data/in/a.txt /data/in/sub/b.txt").stdout == "AB"
+        with tarfile.open(fileobj=io.BytesIO(sb.files.download_tar("/data/in"))) as tar:
+            assert sorted(m.name for m in tar.getmembers() if m.isfile()) == ["./a.txt", "./sub/b.txt"]
+    with dsec.Sandbox.create(IMAGE, volumes={"/ro": (volume, "ro")}, client=client) as ro:
+        with pytest.raises(dsec.InvalidRequest, match="Read-only file system"):
+            ro.files.upload_tar("/ro/in", _tar({"c.txt": b"C"}))
+        assert ro.exec("ls /ro/in").stdout.split() == ["a.txt", "sub"]
 
 
 def test_one_writer_at_a_time_many_readers(client: dsec.Client, volume: str) -> None:
