@@ -19,7 +19,18 @@ from pydantic import BaseModel, ValidationError
 
 from ..errors import BackendError, ImageExists, ImageInUse, ImageNotFound
 from .chunks import ChunkStore, PutStats
-from .model import CachedStep, ImageVersion, LayerManifest, Tag, image_key, layer_key, tag_key, trace_key
+from .model import (
+    REGISTRY_LAYERS,
+    CachedStep,
+    ImageVersion,
+    LayerManifest,
+    RegistryLayer,
+    Tag,
+    image_key,
+    layer_key,
+    tag_key,
+    trace_key,
+)
 from .repository import LayerRepository, ObjectNotFound
 
 log = logging.getLogger("dsec.images")
@@ -100,13 +111,16 @@ class Catalog:
 
     # ---- versions and tags -------------------------------------------------------------------------
 
-    async def publish(self, version: ImageVersion, owner: str | None = None) -> str:
-        """Store a version and point its name at it (owned by tenant ``owner``); returns the version digest."""
+    async def publish(self, version: ImageVersion, owner: str | None = None, *, move: bool = False) -> str:
+        """Store a version and point its name at it (owned by tenant ``owner``); returns the version digest.
+
+        ``move``: the name may point at another version already and is moved (a registry reference whose
+        tag moved in the registry; the caller checks that the name is a pulled one)."""
         digest = version.digest
         if self.before_publish is not None:
             await self.before_publish(version)
         current = await self.tag(version.name)
-        if current is not None and current.digest != digest:
+        if current is not None and current.digest != digest and not move:
             raise ImageExists(
                 f"image {version.name} already exists (version {current.digest[:12]}); "
                 "published images are immutable: choose another tag or `dsec image rm` it first"
@@ -196,6 +210,17 @@ class Catalog:
 
     # ---- gc ----------------------------------------------------------------------------------------
 
+    async def _gc_registry_layers(self, keep_layers: set[str]) -> None:
+        """Forget which EROFS layer a registry layer became once that layer goes: the next pull converts
+        it again instead of trusting a record whose layer is gone."""
+        for key in await self.repo.list(REGISTRY_LAYERS):
+            try:
+                layer = RegistryLayer.model_validate_json(await self.repo.get(key)).layer
+            except (ObjectNotFound, ValidationError):
+                layer = None
+            if layer not in keep_layers:
+                await self.repo.delete(key)
+
     async def gc(self, in_use_versions: set[str], in_use_layers: set[str]) -> GcReport:
         """Delete versions, layers and chunks nothing references; never anything in use.
 
@@ -245,6 +270,7 @@ class Catalog:
                     await self.repo.delete(trace_key(digest))
                     self._layers.pop(digest, None)
                     report.layers_deleted += 1
+            await self._gc_registry_layers(keep_layers)
             for key in await self.repo.list("buildcache/"):
                 try:
                     cached = CachedStep.model_validate_json(await self.repo.get(key))

@@ -37,6 +37,15 @@ class TreeScan:
     dropped: list[str] = field(default_factory=list)  # sockets (meaningless outside the sandbox), dropped devices
 
 
+@dataclass
+class StagedLayer:
+    """A packed layer on the node's disk, not yet published (ImageStore.pack)."""
+
+    blob: Path
+    scan: TreeScan
+    seconds: float
+
+
 def _is_whiteout(st: os.stat_result) -> bool:
     return stat.S_ISCHR(st.st_mode) and st.st_rdev == 0
 

@@ -9,7 +9,8 @@ named by the blake3 digest of its canonical JSON, so a published version can nev
 - ``images/<digest>.json``: an image version;
 - ``tags/<hex of repo:tag>.json``: which version a name points at (a long name's hex split in 250-character
   directory levels);
-- ``traces/<layer digest>.json``: chunk access order recorded on first runs, used to prefetch.
+- ``traces/<layer digest>.json``: chunk access order recorded on first runs, used to prefetch;
+- ``registry/layers/<sha256 hex>-<scrub rules>.json``: the EROFS layer a registry layer became (pull.py).
 """
 
 from __future__ import annotations
@@ -65,6 +66,17 @@ class LayerRef(BaseModel):
     created_by: str = ""  # the build step, "snapshot of sb-…", "import of …"
 
 
+class ImageSource(BaseModel):
+    """Where a pulled version came from: the registry reference and what it resolved to then."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    reference: str  # canonical, as parse_reference prints it
+    digest: str  # what the reference resolved to: the index (manifest list) if it was one, else the manifest
+    manifest: str  # the platform's image manifest
+    platform: str = "linux/amd64"
+
+
 class ImageVersion(BaseModel):
     """One immutable version of an image."""
 
@@ -78,9 +90,15 @@ class ImageVersion(BaseModel):
     description: str = ""
     scrubbed: list[str] = Field(default_factory=list)  # residue removed before packing (paths)
     created_at: datetime = Field(default_factory=_now)
+    # set on versions pulled from a registry. Left out of the canonical form when unset, so the digests of
+    # versions from before it existed stay what they were.
+    source: ImageSource | None = None
 
     def canonical(self) -> bytes:
-        return json.dumps(self.model_dump(mode="json"), sort_keys=True, separators=(",", ":")).encode()
+        data = self.model_dump(mode="json")
+        if data.get("source") is None:
+            data.pop("source", None)
+        return json.dumps(data, sort_keys=True, separators=(",", ":")).encode()
 
     @property
     def digest(self) -> str:
@@ -98,6 +116,31 @@ class CachedStep(BaseModel):
 
     layer: LayerRef
     scrubbed: list[str] = Field(default_factory=list)
+
+
+REGISTRY_LAYERS = "registry/layers/"
+
+
+class RegistryLayer(BaseModel):
+    """Which EROFS layer a registry layer became, for every node sharing the repository (pull.py).
+
+    Keyed by the blob's sha256 and the scrub rules it was packed with: a node with other rules must not
+    take a layer that still holds what its rules leave out."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    digest: str = Field(pattern=r"^sha256:[0-9a-f]{64}$")  # the blob as the registry serves it
+    diff_id: str | None = None  # sha256 of its uncompressed tar, from the image config
+    size: int = Field(ge=0)  # the blob's
+    layer: str = Field(pattern=r"^[0-9a-f]{64}$")  # the EROFS layer
+    layer_size: int = Field(ge=0)
+    scrub: str  # fingerprint of the scrub rules
+    scrubbed: list[str] = Field(default_factory=list)
+    created_at: datetime = Field(default_factory=_now)
+
+
+def registry_layer_key(digest: str, scrub: str) -> str:
+    return f"{REGISTRY_LAYERS}{digest.removeprefix('sha256:')}-{scrub}.json"
 
 
 class Tag(BaseModel):

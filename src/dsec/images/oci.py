@@ -41,7 +41,7 @@ from .model import DEFAULT_PATH, ImageConfig
 from .oci_source import DirStore, Store, TarStore, norm
 from .tar_extract import ExtractStats, extract_tar
 
-__all__ = ["ExtractStats", "LayerSource", "OciImage", "extract_layer", "read_image"]
+__all__ = ["LAYER_TYPES", "ExtractStats", "LayerSource", "OciImage", "extract_layer", "image_config", "read_image"]
 
 PLATFORM = ("linux", "amd64")  # what dsec's sandboxes run
 MAX_JSON = 8 << 20  # manifests, indexes and configs are small; refuse to buffer anything bigger
@@ -332,6 +332,12 @@ def _image_config(cfg: _ConfigFile, what: str) -> ImageConfig:
         user=rc.user or "root",
         entrypoint=argv or None,
     )
+
+
+def image_config(data: bytes, what: str) -> ImageConfig:
+    """An image config blob (as a layout or a registry holds it) as the version's config: the one mapping
+    of env, working directory, user and entrypoint + cmd for imports and pulls alike."""
+    return _image_config(_parse(_ConfigFile, data, what), what)
 
 
 def _diff_ids(cfg: _ConfigFile, count: int, what: str) -> list[str | None]:

@@ -15,7 +15,7 @@ import logging
 import secrets
 import shutil
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -28,9 +28,13 @@ from . import erofs
 from .builtin import BUILTIN
 from .canary import ResidueGuard
 from .catalog import Catalog
+from .erofs import StagedLayer
 from .layers import NodeLayers
 from .lazy import Fetcher
 from .model import DEFAULT_PATH, ImageConfig, ImageVersion, LayerRef, Tag
+from .pull import Puller, PullPolicy
+from .pull_progress import PullProgress
+from .registry import Reference, RegistryOptions, parse_reference
 from .repository import open_repository
 from .scrub import ScrubRules
 
@@ -52,15 +56,6 @@ class ImageRef:
     user: str = "root"
     layer_files: tuple[Path, ...] = ()  # each layer's EROFS image as a file (VMs attach them as disks)
     owner: str | None = None  # the tenant whose image it is; None: public
-
-
-@dataclass
-class StagedLayer:
-    """A packed layer on the node's disk, not yet published."""
-
-    blob: Path
-    scan: erofs.TreeScan
-    seconds: float
 
 
 def _not_found(name: str) -> ImageNotFound:
@@ -101,6 +96,7 @@ class ImageStore:
         mount: bool = True,
         scrub: ScrubRules | None = None,
         canaries: Iterable[str] = (),
+        registry: RegistryOptions | None = None,
     ) -> None:
         self.root = root
         root.mkdir(parents=True, exist_ok=True)
@@ -117,6 +113,7 @@ class ImageStore:
         self._refs: dict[str, ImageRef] = {}
         self._traced: set[str] = set()
         self._fetcher_lock = asyncio.Lock()
+        self.puller = Puller(self, registry if registry is not None else RegistryOptions())
 
     async def start(self) -> list[str]:
         notes = []
@@ -136,6 +133,7 @@ class ImageStore:
         """The daemon stops. With no sandbox left running nothing of the image side stays behind: the
         layer mounts are detached and the fetcher stopped. Sandboxes that outlive the daemon (the next
         one adopts them) keep both, and the note says so."""
+        await self.puller.close()
         if not self.mount:
             return []
         if survivors:
@@ -392,6 +390,35 @@ class ImageStore:
             await asyncio.to_thread(shutil.rmtree, work, True)
             for packed, _, _ in staged:
                 packed.blob.unlink(missing_ok=True)  # published ones were moved to blobs/ already
+
+    # ---- registries --------------------------------------------------------------------------------
+
+    async def pull(
+        self,
+        ref: str | Reference,
+        *,
+        owner: str | None = None,
+        policy: PullPolicy = "if-not-present",
+        progress: Callable[[PullProgress], None] | None = None,
+    ) -> ImageInfo:
+        """A registry image as a version named by its canonical reference (pull.py says how).
+
+        The name is public whoever pulls it: its content is what the registry serves to this node's
+        credentials, which any tenant of the node may name; ``owner`` (who asked) goes in the description."""
+        name, digest, version = await self.puller.pull(ref, owner=owner, policy=policy, progress=progress)
+        cached = self._refs.get(name)
+        if cached is not None and cached.digest != digest:
+            del self._refs[name]  # the name moved with its registry tag
+        return _info(name, digest, version)
+
+    def pulling(self, ref: str | Reference) -> PullProgress | None:
+        """The pull of ``ref`` in progress on this node, if any: ``.waiting_for()`` says what it waits for."""
+        try:
+            name = normalize(str(ref if isinstance(ref, Reference) else parse_reference(ref)))
+        except DsecError:
+            return None
+        found = self.puller.active.get(name)
+        return found.snapshot() if found is not None else None
 
     # ---- listing, history, removal, gc, stats ------------------------------------------------------
 

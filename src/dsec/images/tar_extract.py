@@ -56,6 +56,7 @@ class ExtractStats:
     opaque_dirs: int = 0
     skipped: list[str] = field(default_factory=list)  # "member: reason"
     bytes: int = 0
+    sparse_bytes: int = 0  # the sizes sparse members claim, holes included (a bomb is small on the wire)
 
 
 # ---- extraction ----------------------------------------------------------------------------------------
@@ -268,6 +269,7 @@ class _Extractor:
                 self._copy(src, fd, offset, size, m.name)
             if m.issparse():
                 os.ftruncate(fd, m.size)  # the holes after the last data: a hole, never zeros written out
+                self.stats.sparse_bytes += m.size
             self._attrs(fd, m)
             self._utime(m, fd)
         finally:

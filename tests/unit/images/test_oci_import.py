@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 
 from dsec.errors import InvalidRequest
+from dsec.images import layer_stream
 from dsec.images.model import DEFAULT_PATH, ImageConfig
 from dsec.images.oci import LayerSource, OciImage, extract_layer, read_image
 
@@ -699,7 +700,9 @@ def test_missing_blob_refused(tmp_path: Path) -> None:
         read_image(write_tar(tmp_path / "oci.tar", files))
 
 
-def test_zstd_layer_refused(tmp_path: Path) -> None:
+def test_zstd_layer_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # a node without the zstandard module (it is a dependency of dsec: imported as absent here)
+    monkeypatch.setattr(layer_stream, "zstd_module", lambda: None)
     # refused on its media type, before the blob is even read
     img = build(layers=[L3], gz=(False,), layer_types=["application/vnd.oci.image.layer.v1.tar+zstd"])
     files = layout([img.descriptor()], img)
@@ -783,3 +786,12 @@ def test_huge_extended_header_refused(tmp_path: Path) -> None:
     data = make_tar([reg("a", b"a", pax_headers={"comment": "x" * (17 << 20)})])
     with pytest.raises(InvalidRequest, match=r"extended header of \d+ bytes is over the limit"):
         extract_layer(raw_layer(tmp_path, data), tmp_path / "dest")
+
+
+@needs_root
+def test_zstd_layer_imported(tmp_path: Path) -> None:
+    zstandard = pytest.importorskip("zstandard")  # a dependency of dsec: under CI this must not skip
+    tar = make_tar([reg("etc/zstd.txt", b"squeezed\n" * 100)])
+    layer = raw_layer(tmp_path, zstandard.ZstdCompressor().compress(tar), "zstd")
+    extract_layer(layer, tmp_path / "dest")
+    assert (tmp_path / "dest/etc/zstd.txt").read_bytes() == b"squeezed\n" * 100

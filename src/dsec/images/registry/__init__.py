@@ -7,6 +7,7 @@
 - ``transport``: one authorised, redirected, retried request with a deadline.
 - ``blobs``: blobs streamed and verified, resumed after a dropped connection, downloaded atomically.
 - ``client``: ``RegistryClient``, which puts them together.
+- ``options``: ``RegistryOptions``, a node's registry configuration, which makes its clients.
 """
 
 from .auth import Credentials, CredentialStore
@@ -14,6 +15,7 @@ from .blobs import BlobDownload, BlobProgress
 from .client import FetchedManifest, RegistryClient, ResolvedImage
 from .hosts import RegistryHosts
 from .manifest import LINUX_AMD64, Descriptor, ImageConfigFile, ImageIndex, ImageManifest, Platform
+from .options import RegistryOptions
 from .reference import Reference, parse_reference
 from .transport import RetryPolicy, Timeouts
 
@@ -32,6 +34,7 @@ __all__ = [
     "Reference",
     "RegistryClient",
     "RegistryHosts",
+    "RegistryOptions",
     "ResolvedImage",
     "RetryPolicy",
     "Timeouts",

@@ -175,9 +175,12 @@ class RegistryClient:
         pinned = Reference(ref.registry, ref.repository, ref.tag, digest)
         return FetchedManifest(pinned, digest, document.media_type, data, document, endpoint.label())
 
-    async def resolve(self, ref: Reference, platform: Platform = LINUX_AMD64) -> ResolvedImage:
-        """``ref``'s image for ``platform``: the manifest (chosen from an index if need be) and its config."""
-        fetched = await self.fetch_manifest(ref)
+    async def resolve(
+        self, ref: Reference, platform: Platform = LINUX_AMD64, *, top: FetchedManifest | None = None
+    ) -> ResolvedImage:
+        """``ref``'s image for ``platform``: the manifest (chosen from an index if need be) and its config.
+        ``top``: ``ref``'s own manifest or index, fetched already (a pull that first checked whether it moved)."""
+        fetched = top if top is not None else await self.fetch_manifest(ref)
         index_digest: str | None = None
         for _ in range(_MAX_NESTING):
             index = fetched.document.index
