@@ -18,6 +18,7 @@ import hashlib
 import io
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -208,6 +209,9 @@ class TokenService:
 # ---- the registry -----------------------------------------------------------------------------------------
 
 
+_ACCESS = re.compile(r'"(GET|HEAD|PUT|POST|PATCH|DELETE) (\S+) HTTP/[0-9.]+"')
+
+
 @dataclass
 class Registry:
     directory: Path
@@ -226,6 +230,15 @@ class Registry:
     @property
     def log(self) -> Path:
         return self.directory / "registry.log"
+
+    def requests(self) -> list[str]:
+        """``METHOD /path`` of every request logged so far (with ``access_log``), in order."""
+        found = []
+        for line in self.log.read_text(errors="replace").splitlines():
+            m = _ACCESS.search(line)
+            if m is not None:
+                found.append(f"{m[1]} {m[2]}")
+        return found
 
     def blob_file(self, digest: str) -> Path:
         """Where the registry stores a blob (to damage it on purpose)."""
@@ -270,8 +283,11 @@ class Registry:
                 self.kill()
 
 
-def start_registry(directory: Path, *, tls: Tls | None = None, auth: Mapping[str, object] | None = None) -> Registry:
-    """A registry on a free loopback port, storing under ``directory``; ``auth`` is the config's auth section."""
+def start_registry(
+    directory: Path, *, tls: Tls | None = None, auth: Mapping[str, object] | None = None, access_log: bool = False
+) -> Registry:
+    """A registry on a free loopback port, storing under ``directory``; ``auth`` is the config's auth section.
+    ``access_log``: one line per request in ``registry.log`` (``Registry.requests`` reads them)."""
     need(REGISTRY_BIN)
     directory.mkdir(parents=True, exist_ok=True)
     registry = Registry(directory, free_port(), tls)
@@ -280,7 +296,7 @@ def start_registry(directory: Path, *, tls: Tls | None = None, auth: Mapping[str
         http["tls"] = {"certificate": str(tls.cert), "key": str(tls.key)}
     config: dict[str, object] = {
         "version": "0.1",
-        "log": {"level": "warn", "accesslog": {"disabled": True}},
+        "log": {"level": "warn", "accesslog": {"disabled": not access_log}},
         "storage": {
             "filesystem": {"rootdirectory": str(directory / "storage")},
             "delete": {"enabled": True},
