@@ -67,7 +67,7 @@ class LayerStore(Protocol):
     async def publish_layer(self, staged: StagedLayer, role: LayerRole, created_by: str) -> LayerRef: ...
 
 
-__all__ = ["LayerStore", "PullPolicy", "Puller", "scrub_fingerprint"]
+__all__ = ["LayerStore", "PullPolicy", "Pulled", "Puller", "scrub_fingerprint"]
 
 log = logging.getLogger("dsec.images")
 
@@ -95,6 +95,16 @@ class _Conversion:
                 listener.phase()
             else:
                 listener.bytes()
+
+
+@dataclass(frozen=True)
+class Pulled:
+    """A name's version as a pull leaves it (or finds it)."""
+
+    name: str
+    digest: str
+    version: ImageVersion
+    owner: str | None = None  # the tenant of a name a tenant published (a pulled name has none)
 
 
 def _check_pulled(name: str, version: ImageVersion) -> None:
@@ -135,13 +145,13 @@ class Puller:
         owner: str | None = None,
         policy: PullPolicy = "if-not-present",
         progress: Callable[[PullProgress], None] | None = None,
-    ) -> tuple[str, str, ImageVersion]:
-        """(name, version digest, version) of ``reference`` pulled under its canonical name."""
+    ) -> Pulled:
+        """``reference`` pulled under its canonical name (by ``owner``, the tenant asking, if any)."""
         if policy not in POLICIES:
             raise InvalidRequest(f"pull policy {policy!r}: expected one of {', '.join(POLICIES)}")
         ref = reference if isinstance(reference, Reference) else parse_reference(reference)
         name = normalize(str(ref))
-        if policy == "if-not-present" and (found := await self._present(name)) is not None:
+        if policy == "if-not-present" and (found := await self._present(name, owner)) is not None:
             return found  # not a single request to the registry
         # one pull of a name at a time on the node: the second finds the first's tag (a lock is kept per
         # name pulled, a few dozen bytes each)
@@ -157,25 +167,29 @@ class Puller:
             finally:
                 self.active.pop(name, None)
 
-    async def _present(self, name: str) -> tuple[str, str, ImageVersion] | None:
+    async def _present(self, name: str, owner: str | None) -> Pulled | None:
+        """What the name holds now. Another tenant's image under it (a snapshot named like a registry
+        reference) is neither handed out nor replaced: the name is taken, as for any publish."""
         tag = await self.store.catalog.tag(name)
         if tag is None:
             return None
-        return name, tag.digest, await self.store.catalog.version(tag.digest)
+        if tag.owner is not None and owner is not None and tag.owner != owner:
+            raise ImageExists(f"image {name} already exists on this node and was not pulled from a registry")
+        return Pulled(name, tag.digest, await self.store.catalog.version(tag.digest), tag.owner)
 
     async def _pull(
         self, ref: Reference, name: str, policy: PullPolicy, owner: str | None, reporter: PullReporter
-    ) -> tuple[str, str, ImageVersion]:
+    ) -> Pulled:
         catalog = self.store.catalog
         reporter.phase()
-        current = await self._present(name)  # another pull of the name may have finished while this one waited
+        current = await self._present(name, owner)  # another pull of the name may have finished while this one waited
         if current is not None and policy == "if-not-present":
             return current
         if current is not None:
-            _check_pulled(name, current[2])
+            _check_pulled(name, current.version)
         client = self.client()
         top = await client.fetch_manifest(ref)
-        if current is not None and current[2].source is not None and current[2].source.digest == top.digest:
+        if current is not None and current.version.source is not None and current.version.source.digest == top.digest:
             log.info("pull %s: unchanged in the registry (%s)", name, top.digest)
             return current
         image = await client.resolve(ref, LINUX_AMD64, top=top)  # what dsec's sandboxes run
@@ -185,14 +199,14 @@ class Puller:
             reporter.progress.phase = "publishing"
             reporter.phase()
             version = self._version(name, ref, image, top.digest, config, records, owner)
-            now = await self._present(name)  # a pull on another node may have published it meanwhile
+            now = await self._present(name, owner)  # a pull on another node may have published it meanwhile
             if now is not None:
-                _check_pulled(name, now[2])
+                _check_pulled(name, now.version)
             digest = await catalog.publish(version, move=True)
         reporter.progress.phase = "done"
         reporter.phase()
         log.info("pulled %s (%s): %d layers", name, top.digest, len(records))
-        return name, digest, version
+        return Pulled(name, digest, version)
 
     def _version(
         self,

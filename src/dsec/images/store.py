@@ -404,12 +404,13 @@ class ImageStore:
         """A registry image as a version named by its canonical reference (pull.py says how).
 
         The name is public whoever pulls it: its content is what the registry serves to this node's
-        credentials, which any tenant of the node may name; ``owner`` (who asked) goes in the description."""
-        name, digest, version = await self.puller.pull(ref, owner=owner, policy=policy, progress=progress)
-        cached = self._refs.get(name)
-        if cached is not None and cached.digest != digest:
-            del self._refs[name]  # the name moved with its registry tag
-        return _info(name, digest, version)
+        credentials, which any tenant of the node may name; ``owner`` (the tenant asking) goes in the
+        description, and a name another tenant published is not handed to it (``image_exists``)."""
+        got = await self.puller.pull(ref, owner=owner, policy=policy, progress=progress)
+        cached = self._refs.get(got.name)
+        if cached is not None and cached.digest != got.digest:
+            del self._refs[got.name]  # the name moved with its registry tag
+        return _info(got.name, got.digest, got.version, got.owner)
 
     def pulling(self, ref: str | Reference) -> PullProgress | None:
         """The pull of ``ref`` in progress on this node, if any: ``.waiting_for()`` says what it waits for."""

@@ -203,13 +203,18 @@ async def test_a_progress_callback_that_raises_does_not_fail_the_pull(tmp_path: 
     assert info.layers and calls == ["resolving"]  # called once, then no more
 
 
-async def test_a_local_name_is_not_replaced(tmp_path: Path) -> None:
-    store = store_for(tmp_path, Fake())
+async def test_a_local_name_is_not_replaced_nor_given_to_another_tenant(tmp_path: Path) -> None:
+    fake = Fake()
+    store = store_for(tmp_path, fake)
     local = ImageVersion(name=f"{HOST}/org/local:1", layers=[])
     async with store.catalog.publishing():
-        await store.catalog.publish(local)
+        await store.catalog.publish(local, owner="alice")  # a snapshot named like a registry reference
     with pytest.raises(ImageExists, match="was not pulled from a registry"):
         await store.pull(f"{HOST}/org/local:1", policy="always")
+    with pytest.raises(ImageExists, match="was not pulled from a registry"):
+        await store.pull(f"{HOST}/org/local:1", owner="bob")
+    mine = await store.pull(f"{HOST}/org/local:1", owner="alice")  # present: hers, used as it is
+    assert (mine.digest, mine.owner) == (local.digest, "alice") and fake.requests == []
 
 
 # ---- records, versions, moves -------------------------------------------------------------------------------
