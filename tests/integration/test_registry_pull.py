@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from dsec.errors import RegistryAuthFailed
 from dsec.images.model import REGISTRY_LAYERS
 from dsec.images.pull_progress import PullProgress
 from dsec.images.registry import parse_reference
@@ -32,7 +33,7 @@ from .pull_images import (
     new_store,
     tar_of,
 )
-from .registry import Layer, OciLayout, Registry, push, start_registry
+from .registry import Layer, OciLayout, Registry, htpasswd, make_tls, push, start_registry
 
 FAMILY = 20
 
@@ -231,6 +232,28 @@ async def test_a_zstd_layer(registry: Registry, workdir: Path, store: ImageStore
     info = await store.pull(parse_reference(f"{registry.host}/org/zstd:1"))
     async with mounted(store, info.layers[1].digest, tmp_path / "z") as tree:
         assert (tree / "etc/zstd.txt").read_bytes() == b"squeezed\n" * 1000
+
+
+async def test_tls_and_credentials_from_the_nodes_options(workdir: Path, tmp_path: Path) -> None:
+    tls = make_tls(workdir / "tls")
+    users = htpasswd(workdir, {"alice": "correct horse"})
+    secure = start_registry(workdir / "secure", tls=tls, auth={"htpasswd": {"realm": "dsec", "path": str(users)}})
+    try:
+        layout = OciLayout(workdir / "secure-layout")
+        layout.name(layout.image([files_layer({"etc/secret": b"private\n"})]), "s")
+        push(layout, "s", secure, "private/app:1", creds="alice:correct horse")
+        name = f"{secure.host}/private/app:1"
+        store = new_store(
+            tmp_path / "node", ca_files={secure.host: tls.ca}, credentials={secure.host: "alice:correct horse"}
+        )
+        info = await store.pull(name)
+        assert len(info.layers) == 1
+        anonymous = new_store(tmp_path / "anonymous", ca_files={secure.host: tls.ca})
+        with pytest.raises(RegistryAuthFailed, match=f"registry {secure.host} requires credentials"):
+            await anonymous.pull(name)
+        assert await anonymous.catalog.tags() == []
+    finally:
+        secure.stop()
 
 
 async def test_docker_hub_names_are_canonical(store: ImageStore) -> None:

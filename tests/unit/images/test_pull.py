@@ -163,6 +163,16 @@ async def test_shared_layers_convert_once_and_the_policies(tmp_path: Path) -> No
 
 
 @needs_root
+async def test_a_layer_twice_in_one_image_is_fetched_once(tmp_path: Path) -> None:
+    fake = Fake()
+    empty = tar_gz({})  # real images repeat the empty layer
+    fake.image("org/twice", "1", [empty, tar_gz({"f": b"x"}), empty])
+    info = await store_for(tmp_path, fake).pull(f"{HOST}/org/twice:1")
+    assert fake.count(f"/blobs/{sha(empty[0])}") == 1
+    assert len(info.layers) == 3 and info.layers[0].digest == info.layers[2].digest
+
+
+@needs_root
 async def test_a_wrong_diff_id_leaves_nothing(tmp_path: Path) -> None:
     fake = Fake()
     layer = tar_gz({"f": b"x"})
