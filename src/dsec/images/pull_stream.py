@@ -46,6 +46,7 @@ class ByteBridge:
         self._eof = False
         self._aborted = False  # the writer failed: the reader stops at its next read
         self._reader_gone = False  # the reader stopped: further bytes are not wanted
+        self._writer_waiting = False  # put() waits for room: the reader wakes it once there is some
         self._space = asyncio.Event()
         self._space.set()
 
@@ -63,6 +64,7 @@ class ByteBridge:
                     self._cond.notify()
                     return True
                 self._space.clear()
+                self._writer_waiting = True
             await self._space.wait()
 
     def finish(self) -> None:
@@ -88,7 +90,8 @@ class ByteBridge:
             if not self._chunks:
                 return b""
             out = self._take(size)
-            if self._buffered < self._limit:
+            if self._writer_waiting and self._buffered < self._limit:
+                self._writer_waiting = False  # one wake-up per wait, not one callback per read
                 self._loop.call_soon_threadsafe(self._space.set)
             return out
 
