@@ -21,7 +21,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from dsec.errors import ImageExists, InvalidRequest
+from dsec.errors import ImageExists, InvalidRequest, StorageFull
 from dsec.images.model import REGISTRY_LAYERS, ImageSource, ImageVersion, LayerRef, RegistryLayer, registry_layer_key
 from dsec.images.pull import scrub_fingerprint
 from dsec.images.pull_progress import LayerProgress, PullProgress, PullReporter
@@ -183,6 +183,28 @@ async def test_a_wrong_diff_id_leaves_nothing(tmp_path: Path) -> None:
         await store.pull(f"{HOST}/org/bad:1")
     assert await keys(store) == before and os.listdir(store.layers.tmp) == []
     assert store.pulling(f"{HOST}/org/bad:1") is None
+
+
+@needs_root
+async def test_a_full_repository_leaves_no_layer_record_or_tag(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    fake = Fake()
+    fake.image("org/big", "1", [tar_gz({"a": os.urandom(3 << 20)})])
+    store = store_for(tmp_path, fake)
+    put = store.catalog.repo.put
+    stored: list[str] = []
+
+    async def full_after_two(key: str, data: bytes) -> None:
+        if len(stored) >= 2:
+            raise StorageFull(f"no space left in the repository for {key}")
+        stored.append(key)
+        await put(key, data)
+
+    monkeypatch.setattr(store.catalog.repo, "put", full_after_two)
+    with pytest.raises(StorageFull):
+        await store.pull(f"{HOST}/org/big:1")
+    # the two chunks that went in are pieces any layer may share: gc takes them once nothing holds them
+    assert all(k.startswith("chunks/") for k in stored) and [k for k in await keys(store) if "chunks/" not in k] == []
+    assert os.listdir(store.layers.tmp) == [] and os.listdir(store.layers.blobs) == []
 
 
 @needs_root
