@@ -132,6 +132,12 @@ class Puller:
         return self._client
 
     async def close(self) -> None:
+        """The daemon stops: conversions still running are cancelled (each removes its temporary files and
+        records nothing), then the registry client is closed."""
+        running = [c.task for c in self._conversions.values() if c.task is not None and not c.task.done()]
+        for task in running:
+            task.cancel()
+        await asyncio.gather(*running, return_exceptions=True)
         if self._client is not None:
             await self._client.aclose()
             self._client = None
@@ -310,9 +316,15 @@ class Puller:
             conversion.progress.shared = True
             reporter.progress.layers[i] = conversion.progress
         conversion.listeners.append(reporter)
-        assert conversion.task is not None
+        task = conversion.task
+        assert task is not None
         try:
-            return await asyncio.shield(conversion.task)
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            me = asyncio.current_task()
+            if task.cancelled() and (me is None or not me.cancelling()):  # not this pull that was cancelled
+                raise BackendError(f"pulling layer {desc.digest} stopped: the node's image store is closing") from None
+            raise
         finally:
             with contextlib.suppress(ValueError):
                 conversion.listeners.remove(reporter)

@@ -21,7 +21,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from dsec.errors import ImageExists, InvalidRequest, StorageFull
+from dsec.errors import BackendError, ImageExists, InvalidRequest, StorageFull
 from dsec.images.model import REGISTRY_LAYERS, ImageSource, ImageVersion, LayerRef, RegistryLayer, registry_layer_key
 from dsec.images.pull import scrub_fingerprint
 from dsec.images.pull_progress import LayerProgress, PullProgress, PullReporter
@@ -51,13 +51,16 @@ def tar_gz(files: dict[str, bytes]) -> tuple[bytes, bytes]:
 
 
 class Body(httpx.AsyncByteStream):
-    """A blob as a registry streams it, in pieces."""
+    """A blob as a registry streams it, in pieces; ``stall`` stops it half-way until the test ends."""
 
-    def __init__(self, data: bytes) -> None:
+    def __init__(self, data: bytes, stall: asyncio.Event | None = None) -> None:
         self.data = data
+        self.stall = stall
 
     async def __aiter__(self) -> AsyncIterator[bytes]:
         for i in range(0, len(self.data), 4096):
+            if self.stall is not None and i >= len(self.data) // 2:
+                await self.stall.wait()
             yield self.data[i : i + 4096]
 
 
@@ -68,6 +71,7 @@ class Fake:
     manifests: dict[tuple[str, str], bytes] = field(default_factory=dict)
     blobs: dict[str, bytes] = field(default_factory=dict)
     requests: list[str] = field(default_factory=list)
+    stall: asyncio.Event | None = None
 
     def image(
         self, repo: str, tag: str, layers: list[tuple[bytes, bytes]], *, diff_ids: list[str] | None = None
@@ -114,7 +118,7 @@ class Fake:
         blob = self.blobs.get(m[3])
         if blob is None:
             return httpx.Response(404, json={"errors": [{"code": "BLOB_UNKNOWN"}]})
-        return httpx.Response(200, headers={"Content-Length": str(len(blob))}, stream=Body(blob))
+        return httpx.Response(200, headers={"Content-Length": str(len(blob))}, stream=Body(blob, self.stall))
 
     def count(self, what: str) -> int:
         return sum(1 for r in self.requests if what in r)
@@ -205,6 +209,27 @@ async def test_a_full_repository_leaves_no_layer_record_or_tag(tmp_path: Path, m
     # the two chunks that went in are pieces any layer may share: gc takes them once nothing holds them
     assert all(k.startswith("chunks/") for k in stored) and [k for k in await keys(store) if "chunks/" not in k] == []
     assert os.listdir(store.layers.tmp) == [] and os.listdir(store.layers.blobs) == []
+
+
+@needs_root
+async def test_closing_the_store_cancels_a_conversion_cleanly(tmp_path: Path) -> None:
+    fake = Fake(stall=asyncio.Event())
+    fake.image("org/slow", "1", [tar_gz({"a": os.urandom(1 << 20)})])
+    store = store_for(tmp_path, fake)
+    name = f"{HOST}/org/slow:1"
+    pull = asyncio.ensure_future(store.pull(name))
+    for _ in range(200):
+        now = store.pulling(name)
+        if now is not None and now.layers and now.layers[0].phase == "fetching":
+            break
+        await asyncio.sleep(0.01)
+    before = [k for k in await keys(store) if not k.startswith("chunks/")]
+    await store.close(0)
+    with pytest.raises(BackendError, match="the node's image store is closing"):
+        await pull
+    assert os.listdir(store.layers.tmp) == [] and await store.catalog.tags() == [] and before == []
+    assert [k for k in await keys(store) if not k.startswith("chunks/")] == []
+    fake.stall.set()
 
 
 @needs_root
