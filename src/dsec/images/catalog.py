@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
@@ -59,6 +60,8 @@ class Catalog:
         self._publishing = 0
         self._no_publish = asyncio.Event()
         self._no_publish.set()
+        # set inside publishing(), and seen by the tasks started there (they copy the context)
+        self._in_publish: contextvars.ContextVar[bool] = contextvars.ContextVar(f"publishing-{id(self)}", default=False)
         # Every version passes this check before it is stored (the node's canary residue scan, set by
         # ImageStore): a refused publish writes no version record and no tag.
         self.before_publish: Callable[[ImageVersion], Awaitable[None]] | None = None
@@ -79,14 +82,22 @@ class Catalog:
 
     @contextlib.asynccontextmanager
     async def publishing(self) -> AsyncIterator[None]:
-        """Hold off gc while chunks and layers are uploaded but not yet referenced by a tag."""
+        """Hold off gc while chunks and layers are uploaded but not yet referenced by a tag.
+
+        A publish waits out a gc that runs (or waits for publishes to end) before it counts itself, so a
+        waiting gc never waits for a publish that waits for it. One started inside another (a pull's layer
+        conversions, tasks made inside the pull's publish, or a pull inside a build) enters at once while
+        any publish is counted: gc cannot be running then, and the outer one may be waiting for it."""
+        if not (self._in_publish.get() and self._publishing):
+            async with self._gc_lock:
+                pass  # no await between this and the count below: a gc cannot slip in
         self._publishing += 1
         self._no_publish.clear()
+        token = self._in_publish.set(True)
         try:
-            async with self._gc_lock:
-                pass  # wait out a running gc; a new one waits until no publish is in flight
             yield
         finally:
+            self._in_publish.reset(token)
             self._publishing -= 1
             if not self._publishing:
                 self._no_publish.set()

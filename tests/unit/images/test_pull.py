@@ -413,3 +413,39 @@ async def test_either_side_stopping_stops_the_other() -> None:
     assert not waiting.done()
     await asyncio.to_thread(bridge.reader_gone)  # the extraction ended (a hostile member, say)
     assert await asyncio.wait_for(waiting, 1) is False
+
+
+# ---- publishes and gc --------------------------------------------------------------------------------------
+
+
+async def test_a_gc_waiting_for_a_publish_never_deadlocks_with_later_ones(tmp_path: Path) -> None:
+    catalog = ImageStore(tmp_path, lazy=False, mount=False).catalog
+    order: list[str] = []
+    release = asyncio.Event()
+
+    async def outer() -> None:
+        async with catalog.publishing():
+            order.append("outer in")
+            await release.wait()
+
+            async def nested() -> None:  # a layer conversion the outer publish waits for
+                async with catalog.publishing():
+                    order.append("nested in")
+
+            await asyncio.ensure_future(nested())
+        order.append("outer out")
+
+    async def independent() -> None:
+        async with catalog.publishing():
+            order.append("independent in")
+
+    first = asyncio.ensure_future(outer())
+    await asyncio.sleep(0)
+    gc = asyncio.ensure_future(catalog.gc(set(), set()))
+    await asyncio.sleep(0.01)  # the gc holds its lock and waits for the outer publish
+    later = asyncio.ensure_future(independent())
+    await asyncio.sleep(0.01)
+    assert not gc.done() and "independent in" not in order  # it waits for the gc, uncounted
+    release.set()
+    await asyncio.wait_for(asyncio.gather(first, gc, later), 5)
+    assert order == ["outer in", "nested in", "outer out", "independent in"]
