@@ -53,6 +53,10 @@ from .registry import (
 from .repository import ObjectNotFound
 from .scrub import ScrubRules
 
+__all__ = ["LayerStore", "PullPolicy", "Pulled", "Puller", "scrub_fingerprint"]
+
+log = logging.getLogger("dsec.images")
+
 
 class LayerStore(Protocol):
     """What a pull needs of the ImageStore (which owns the Puller): its catalog, its node's layers, its
@@ -66,10 +70,6 @@ class LayerStore(Protocol):
 
     async def publish_layer(self, staged: StagedLayer, role: LayerRole, created_by: str) -> LayerRef: ...
 
-
-__all__ = ["LayerStore", "PullPolicy", "Pulled", "Puller", "scrub_fingerprint"]
-
-log = logging.getLogger("dsec.images")
 
 PullPolicy = Literal["if-not-present", "always"]
 POLICIES: tuple[str, ...] = get_args(PullPolicy)
