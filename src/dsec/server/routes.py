@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import logging
 import re
-from collections.abc import AsyncIterator
+from collections.abc import Callable
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Body, Depends, Header, Query, Request, Response
@@ -14,7 +12,7 @@ from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, BeforeValidator, WithJsonSchema
 
 from ..core.manager import SandboxManager
-from ..errors import DsecError, InvalidRequest, environment_error
+from ..errors import InvalidRequest
 from ..images.canary import call_canaries
 from ..kinds.output import StreamForwarder
 from ..protocol import network as policy
@@ -25,7 +23,6 @@ from ..protocol.sandbox import (
     BuildRequest,
     BuildResult,
     CreateSandbox,
-    ErrorBody,
     ErrorResponse,
     ExecEvent,
     ExecRequest,
@@ -50,6 +47,7 @@ from ..protocol.version import __version__
 from ..web.audit import note
 from ..web.disconnect import GONE, gone_response, unless_gone
 from .auth import CallerDep, OperatorDep, authorize
+from .streaming import event_stream
 
 log = logging.getLogger("dsec.server")
 
@@ -195,47 +193,22 @@ async def exec_stream(
     """Newline-delimited ExecEvent JSON: output chunks as they come, then one ``result`` (or ``error``)."""
     note(request.scope, command=body.cmd)
     mgr.info(sandbox_id, caller=caller)  # a 404 before the stream starts, not inside it
-    queue: asyncio.Queue[ExecEvent | None] = asyncio.Queue()
     forwarders = {s: StreamForwarder(body.output_limit) for s in ("stdout", "stderr")}
 
-    def on_output(stream: str, data: bytes) -> None:
-        text = forwarders[stream].take(data)
-        if text:
-            queue.put_nowait(ExecEvent(type=stream, data=text))
+    async def work(send: Callable[[ExecEvent], None]) -> None:
+        def on_output(stream: str, data: bytes) -> None:
+            text = forwarders[stream].take(data)
+            if text:
+                send(ExecEvent(type=stream, data=text))
 
-    async def run() -> None:
-        try:
-            result, replayed = await mgr.actions.call(
-                sandbox_id, "exec", body, seq=seq, caller=caller, on_output=on_output
-            )
-            if replayed:  # the recorded output, as one chunk per stream
-                for stream in ("stdout", "stderr"):
-                    if text := getattr(result, stream):
-                        queue.put_nowait(ExecEvent(type=stream, data=text))
-            queue.put_nowait(ExecEvent(type="result", result=result))
-        except DsecError as e:
-            queue.put_nowait(ExecEvent(type="error", error=ErrorBody(code=e.code, message=e.message, detail=e.detail)))
-        except Exception as e:  # the stream must always end with a result or an error
-            if (known := environment_error(e)) is not None:
-                queue.put_nowait(ExecEvent(type="error", error=ErrorBody(code=known.code, message=known.message)))
-                return
-            log.exception("streamed exec failed")
-            queue.put_nowait(ExecEvent(type="error", error=ErrorBody(code="internal", message=f"internal error: {e}")))
-        finally:
-            queue.put_nowait(None)
+        result, replayed = await mgr.actions.call(sandbox_id, "exec", body, seq=seq, caller=caller, on_output=on_output)
+        if replayed:  # the recorded output, as one chunk per stream
+            for stream in ("stdout", "stderr"):
+                if text := getattr(result, stream):
+                    send(ExecEvent(type=stream, data=text))
+        send(ExecEvent(type="result", result=result))
 
-    async def events() -> AsyncIterator[bytes]:
-        task = asyncio.create_task(run())
-        try:
-            while (event := await queue.get()) is not None:
-                yield event.model_dump_json(exclude_none=True).encode() + b"\n"
-        finally:
-            if not task.done():
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError, Exception):
-                    await task
-
-    return StreamingResponse(events(), media_type="application/x-ndjson")
+    return event_stream(work, lambda error: ExecEvent(type="error", error=error), "streamed exec")
 
 
 PathQ = Annotated[AbsPath, Query(description="Absolute path inside the sandbox")]
