@@ -220,7 +220,7 @@ class MicroVMBackend(PolicyNetwork):
         rec.started_from = "snapshot" if restore else "boot"
         if not restore:
             await self._settle(chan, spec)
-        await self._bound_pids(rec, chan)
+        await self._prepare_guest(rec, chan, state.cwd)
         if TEMPLATES and not restore and key not in self._building:
             self._building.add(key)
             self._background(self._build_template(key, spec, image.layer_digests))
@@ -233,13 +233,14 @@ class MicroVMBackend(PolicyNetwork):
         if rec.network is not None:
             await self._join_network(rec, rec.network)
 
-    async def _bound_pids(self, rec: SandboxRecord, chan: GuestChannel) -> None:
-        """``limits.pids`` for everything the sandbox runs: the guest's cgroup that holds every exec's own."""
-        status, _, err = await chan.run_bytes(
-            ["/.dsec/busybox", "sh", "-c", guest.BOUND_PIDS, "bound-pids", str(rec.limits.pids)], None, 30.0
-        )
-        if status != 0:
-            raise BackendError(f"cannot apply the pids limit in the guest: {err.strip()[-300:]}")
+    async def _prepare_guest(self, rec: SandboxRecord, chan: GuestChannel, cwd: str = "/") -> None:
+        """``limits.pids`` for everything the sandbox runs (the guest's cgroup that holds every exec's own),
+        and the image's working directory, made if the image lacks it, as a container runtime does."""
+        pids = ["/.dsec/busybox", "sh", "-c", guest.BOUND_PIDS, "bound-pids", str(rec.limits.pids)]
+        for argv, what in ((pids, "apply the pids limit"), (["/.dsec/busybox", "mkdir", "-p", cwd], f"make {cwd}")):
+            status, _, err = await chan.run_bytes(argv, None, 30.0)
+            if status != 0:
+                raise BackendError(f"cannot {what} in the guest: {err.strip()[-300:]}")
 
     async def _launch(self, rec: SandboxRecord, spec: qemu.VMSpec, memory: Path | None) -> GuestChannel:
         """Start QEMU (booting, or restoring ``memory``) and wait for its agent. Boots and restores queue
@@ -484,7 +485,7 @@ class MicroVMBackend(PolicyNetwork):
         await asyncio.to_thread(spec.bundle.mkdir, parents=True)
         VMState(rec).inherit(VMState(parent))
         rec.accelerator = parent.accelerator
-        await self._bound_pids(rec, await self._launch(rec, spec, checkpoint.memory))
+        await self._prepare_guest(rec, await self._launch(rec, spec, checkpoint.memory))
         rec.started_from = "snapshot"
 
     @contextlib.asynccontextmanager
