@@ -48,6 +48,7 @@ from .errors import (
 from .protocol.build import BuildSpec, ImageSpec
 from .protocol.grade import GradeResult
 from .protocol.network import NetworkAllow
+from .protocol.pull import PullProgress
 from .protocol.run import PoolInfo, RunResult
 from .protocol.sandbox import ExecResult, FileEntry, ImageInfo, NetworkStatus, SandboxInfo, State
 from .protocol.trajectory import RecordedCall, TrajectoryInfo
@@ -100,6 +101,7 @@ __all__ = [
     "NotFound",
     "Overloaded",
     "PoolInfo",
+    "PullProgress",
     "QuotaExceeded",
     "RecordedCall",
     "RegistryAuthFailed",

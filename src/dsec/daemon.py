@@ -19,6 +19,7 @@ from .core.manager import SandboxManager
 from .core.trajectory.recorder import TrajectoryOptions
 from .core.usage import DEFAULT_EVICT_AT
 from .errors import InvalidRequest
+from .images.registry import RegistryOptions
 from .images.scrub import ScrubRules
 from .images.store import ImageStore
 from .isolation.network.options import NetworkOptions
@@ -66,6 +67,7 @@ class ImageOptions:
     lazy: bool = True
     scrub: tuple[str, ...] = ()  # residue rules on top of the defaults, for every layer this node packs
     canaries: tuple[str, ...] = ()  # strings no image this node publishes may contain, in any layer
+    registry: RegistryOptions | None = None  # how registries are reached (default: anonymous, ~/.docker)
 
 
 @dataclass(frozen=True)
@@ -143,6 +145,7 @@ def _manager(
         cache_max=images.cache_max,
         scrub=ScrubRules.of(images.scrub),
         canaries=images.canaries,
+        registry=images.registry,
     )
     audit_log = AuditLog(state_dir / "audit.db", keep_days=audit.keep_days, max_records=audit.max_records)
     kind_options = {"function": function} if function is not None else None

@@ -1,4 +1,4 @@
-"""``dsec image …``: list, inspect, history, stats, remove, gc, import, build."""
+"""``dsec image …``: list, inspect, history, stats, remove, gc, import, pull, build."""
 
 from __future__ import annotations
 
@@ -7,9 +7,11 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
+from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn
 from rich.table import Table
 
 from ..errors import DsecError, InvalidRequest
+from ..protocol.pull import PullPolicy, PullProgress
 from ..protocol.sandbox import ImageInfo
 from ..units import format_size
 from .common import TokenOpt, UrlOpt, client, console, fail, ident, show
@@ -156,6 +158,39 @@ def import_(
     except DsecError as e:
         fail(e)
     console.print(_table([info]))
+
+
+@image_app.command("pull")
+def pull(
+    reference: Annotated[str, typer.Argument(help="registry.example:5000/org/task:1, python:3.11, ...@sha256:...")],
+    always: Annotated[
+        bool, typer.Option("--always", help="Ask the registry even if the node has the image (pull if it moved).")
+    ] = False,
+    url: UrlOpt = None,
+    token: TokenOpt = None,
+) -> None:
+    """Pull a registry image onto the node: each layer fetched and converted once, shared by every image
+    that has it."""
+    with Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        DownloadColumn(),
+        TextColumn("{task.fields[layers]}"),
+        console=console,
+        transient=True,
+    ) as bar:
+        task = bar.add_task(f"pulling {reference}", total=None, layers="")
+
+        def shown(p: PullProgress) -> None:
+            layers = f"layers {p.layers_done}/{p.layers} ({p.layers_reused} shared)" if p.layers else p.phase
+            bar.update(task, total=p.bytes_total or None, completed=p.bytes_fetched, layers=layers)
+
+        try:
+            policy: PullPolicy = "always" if always else "if-not-present"
+            info = client(url, token).pull(reference, policy=policy, on_progress=shown)
+        except DsecError as e:
+            fail(e)
+    console.print(f"{info.name} {_short(info.digest)} {format_size(info.size)}")
 
 
 @image_app.command("build")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, cast, get_args
 
 import typer
 from rich.table import Table
@@ -14,7 +14,8 @@ from rich.table import Table
 # the benchmarks are a package of their own (src/dsec_bench); the CLI is the one part of dsec that imports it
 from dsec_bench.cli import bench_app
 
-from ..errors import DsecError
+from ..errors import DsecError, InvalidRequest
+from ..protocol.names import PullPolicy
 from ..protocol.version import __version__
 from .cluster import cluster_app
 from .common import TokenOpt, UrlOpt, console, err, ident, show
@@ -63,8 +64,13 @@ app.command()(serve)
 @app.command()
 def run(
     command: Annotated[list[str], typer.Argument(help="Command; one argument runs under /bin/sh -c.")],
-    image: Annotated[str, typer.Option(help="Image name.")] = "dsec/debian:12",
+    image: Annotated[
+        str, typer.Option(help="Image: the node's (dsec/debian:12) or a registry's (registry.example/org/task:1).")
+    ] = "dsec/debian:12",
     kind: Annotated[str, typer.Option(help="Sandbox kind.")] = "container",
+    pull: Annotated[
+        str, typer.Option(help="For a registry image: if-not-present (the node's copy if it has one) or always.")
+    ] = "if-not-present",
     timeout: Annotated[float, typer.Option(help="Exec timeout in seconds.")] = 60.0,
     memory: Annotated[str | None, typer.Option(help="Memory limit, e.g. 512Mi.")] = None,
     volume: VolumeOpt = [],  # noqa: B006
@@ -77,8 +83,11 @@ def run(
     try:
         client = _client(url, token)
         volumes = parse_volumes(volume)
+        if pull not in get_args(PullPolicy):
+            raise InvalidRequest(f"--pull {pull!r}: expected if-not-present or always")
+        policy = cast(PullPolicy, pull)
         with Sandbox.create(
-            image=image, kind=kind, memory=memory, client=client, timeout=timeout + 60, volumes=volumes
+            image=image, kind=kind, memory=memory, client=client, timeout=timeout + 60, volumes=volumes, pull=policy
         ) as sb:
             cmd: str | list[str] = command[0] if len(command) == 1 else command
             res = sb.exec(cmd, timeout=timeout)

@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     from ..core.trajectory.recorder import TrajectoryOptions
     from ..daemon import ImageOptions
     from ..e2b.service import E2BOptions
+    from ..images.registry import RegistryOptions
     from ..isolation.network.options import NetworkOptions
 
 StateDirOpt = Annotated[Path, typer.Option(help="Where state, images and sandboxes live.")]
@@ -56,6 +57,28 @@ ResolveOpt = Annotated[
         help="NAME=IP: the platform resolver answers NAME with IP for sandboxes that may resolve it "
         "(repeatable; like curl's --resolve).",
     ),
+]
+RegistryAuthOpt = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--registry-auth",
+        help="HOST=USER:PASSWORD for a registry (repeatable), or the path of a Docker config.json to read "
+        "instead of ~/.docker/config.json.",
+    ),
+]
+RegistryMirrorOpt = Annotated[
+    list[str] | None,
+    typer.Option("--registry-mirror", help="REGISTRY=URL, tried before the registry (repeatable, in order)."),
+]
+RegistryInsecureOpt = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--registry-insecure",
+        help="A registry HOST[:PORT] or CIDR that may be spoken to in plain HTTP (loopback ones always may).",
+    ),
+]
+RegistryCaOpt = Annotated[
+    list[str] | None, typer.Option("--registry-ca", help="HOST=PATH: a CA bundle for that registry (repeatable).")
 ]
 FullDenyOpt = Annotated[
     list[str] | None,
@@ -176,6 +199,10 @@ def serve(
     scrub: ScrubOpt = None,
     canary: CanaryOpt = None,
     eager_layers: EagerLayersOpt = False,
+    registry_auth: RegistryAuthOpt = None,
+    registry_mirror: RegistryMirrorOpt = None,
+    registry_insecure: RegistryInsecureOpt = None,
+    registry_ca: RegistryCaOpt = None,
     resolve: ResolveOpt = None,
     full_deny: FullDenyOpt = None,
     audit_keep_days: AuditKeepDaysOpt = 90.0,
@@ -210,6 +237,9 @@ def serve(
 
     try:
         options = _image_options(repository, image_cache, scrub, canary, eager_layers)
+        options = dataclasses.replace(
+            options, registry=_registry_options(registry_auth, registry_mirror, registry_insecure, registry_ca)
+        )
         # bad entries fail here, not in the daemon's log
         network = _network_options(resolve, full_deny)
         audit = AuditOptions(keep_days=audit_keep_days, max_records=audit_max_records)
@@ -245,6 +275,39 @@ def _image_options(
         lazy=not eager_layers,
         scrub=tuple(scrub or ()),
         canaries=tuple(check_canaries(canary or ())),
+    )
+
+
+def _registry_options(
+    auth: list[str] | None, mirrors: list[str] | None, insecure: list[str] | None, cas: list[str] | None
+) -> RegistryOptions:
+    from ..images.registry import RegistryOptions
+
+    credentials: dict[str, str] = {}
+    docker_config: Path | None = None
+    for entry in auth or ():
+        host, eq, secret = entry.partition("=")
+        if eq and ":" in secret and host.strip():
+            credentials[host.strip()] = secret
+        elif not eq and Path(entry).is_file():
+            docker_config = Path(entry)
+        else:
+            raise InvalidRequest(
+                f"--registry-auth {entry.split(':', 1)[0]!r}...: expected HOST=USER:PASSWORD or a file"
+            )
+    ca_files: dict[str, Path] = {}
+    for entry in cas or ():
+        host, eq, path = entry.partition("=")
+        if not eq or not host.strip() or not Path(path).is_file():
+            raise InvalidRequest(f"--registry-ca {entry!r}: expected HOST=PATH of a CA bundle that exists")
+        ca_files[host.strip()] = Path(path)
+    # bad mirrors and hosts fail here, not at the first pull
+    return RegistryOptions(
+        credentials=credentials,
+        docker_config=docker_config,
+        mirrors=tuple(mirrors or ()),
+        insecure=tuple(insecure or ()),
+        ca_files=ca_files,
     )
 
 

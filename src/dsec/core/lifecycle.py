@@ -96,7 +96,7 @@ class Lifecycle:
             raise InvalidRequest(f"memory limit {req.limits.memory} exceeds this node's {host_memory()} bytes")
         # refused now (too big for the node or the tenant's quota) rather than after an image build
         self.sandboxes.admission.check(Claim(caller.tenant, req.limits.cpu, req.limits.mem_request()))
-        image = await self.images.resolve(req.image, caller=caller)
+        image = await self.images.resolve(req.image, caller=caller, pull=req.pull)
         return (await self.create_on(req, image, owner=caller.tenant, persist=persist)).info()
 
     async def create_on(

@@ -27,13 +27,13 @@ import shutil
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal, Protocol, get_args
+from typing import Protocol, get_args
 
 from pydantic import ValidationError
 
 from ..errors import BackendError, ImageExists, ImageNotFound, InvalidRequest
 from ..protocol.build import LayerRole
-from ..protocol.names import normalize
+from ..protocol.names import PullPolicy, normalize
 from . import oci
 from .catalog import Catalog
 from .erofs import StagedLayer
@@ -71,7 +71,6 @@ class LayerStore(Protocol):
     async def publish_layer(self, staged: StagedLayer, role: LayerRole, created_by: str) -> LayerRef: ...
 
 
-PullPolicy = Literal["if-not-present", "always"]
 POLICIES: tuple[str, ...] = get_args(PullPolicy)
 
 

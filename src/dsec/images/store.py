@@ -19,9 +19,9 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..errors import DsecError, Forbidden, ImageExists, ImageNotFound, InvalidRequest
+from ..errors import DsecError, Forbidden, ImageExists, ImageNotFound, InvalidRequest, RegistryUnreachable
 from ..protocol.build import LayerRole
-from ..protocol.names import normalize
+from ..protocol.names import PullPolicy, is_registry_reference, normalize
 from ..protocol.sandbox import GcResult, ImageInfo, ImageStats, LayerInfo, LayerStats
 from ..tenancy import OPERATOR, Caller
 from . import erofs
@@ -32,7 +32,7 @@ from .erofs import StagedLayer
 from .layers import NodeLayers
 from .lazy import Fetcher
 from .model import DEFAULT_PATH, ImageConfig, ImageVersion, LayerRef, Tag
-from .pull import Puller, PullPolicy
+from .pull import Puller
 from .pull_progress import PullProgress
 from .registry import Reference, RegistryOptions, parse_reference
 from .repository import open_repository
@@ -56,6 +56,9 @@ class ImageRef:
     user: str = "root"
     layer_files: tuple[Path, ...] = ()  # each layer's EROFS image as a file (VMs attach them as disks)
     owner: str | None = None  # the tenant whose image it is; None: public
+
+
+OWN_NAMESPACE = "dsec/"  # dsec's own images: a name under it never means Docker Hub's
 
 
 def _not_found(name: str) -> ImageNotFound:
@@ -165,9 +168,16 @@ class ImageStore:
                 await self.layers.start(fetcher_restarted=True)
 
     async def resolve(
-        self, name: str, *, build: bool = True, caller: Caller = OPERATOR, version: str | None = None
+        self,
+        name: str,
+        *,
+        build: bool = True,
+        caller: Caller = OPERATOR,
+        version: str | None = None,
+        pull: PullPolicy = "if-not-present",
     ) -> ImageRef:
-        """The image's layers, ready to use; a built-in image is built on first use. ``version``: that
+        """The image's layers, ready to use; a built-in image is built on first use, a registry image
+        pulled as ``pull`` says (protocol/names.py: which names are a registry's). ``version``: that
         version of the name (a trajectory's rebuild runs on what the lost sandbox ran on), not its newest."""
         await self._check_fetcher()
         norm = normalize(name)
@@ -180,15 +190,20 @@ class ImageStore:
             except DsecError as e:
                 raise ImageNotFound(f"image {name!r} no longer has version {version[:16]}: {e}") from None
             return await self._ref(norm, version, current.owner)
+        if is_registry_reference(norm):
+            return await self._pulled(norm, caller, pull, build)
         if norm in self._refs:
             cached = self._refs[norm]
             if not caller.sees(cached.owner):
                 raise _not_found(norm)
             return cached
         tag = await self.catalog.tag(norm)
+        hidden = tag is not None and not caller.sees(tag.owner)
+        if (tag is None or hidden) and norm not in BUILTIN and not norm.startswith(OWN_NAMESPACE):
+            # a name the caller has no image by is Docker Hub's, as `docker run python:3.11` reads it; one
+            # another tenant holds goes there too, so that what others hold cannot be probed
+            return await self._pulled(norm, caller, pull, build, short=True)
         if tag is None:
-            if norm not in BUILTIN:
-                raise _not_found(norm)
             if not build:
                 raise ImageNotFound(f"image {name!r} is not built yet") from None
             # the build outlives the creation that asked for it: that caller may go away (and its
@@ -202,6 +217,30 @@ class ImageStore:
         if not caller.sees(tag.owner):
             raise _not_found(norm)
         ref = self._refs[norm] = await self._ref(norm, tag.digest, tag.owner)
+        return ref
+
+    async def _pulled(
+        self, name: str, caller: Caller, policy: PullPolicy, build: bool, *, short: bool = False
+    ) -> ImageRef:
+        """A registry image's layers, pulled first unless the node has it and ``policy`` lets it stand."""
+        canonical = str(parse_reference(name))
+        if policy == "if-not-present" and canonical in self._refs:
+            return self._refs[canonical]
+        if not build and await self.catalog.tag(canonical) is None:
+            raise ImageNotFound(f"image {name!r} is not pulled yet")
+        try:
+            info = await self.pull(canonical, owner=caller.owner, policy=policy)
+        except (ImageNotFound, RegistryUnreachable) as e:
+            if not short:
+                raise
+            # a short name found nowhere the node can look: not found, whatever the reason (logged)
+            log.info("%s is not on this node and Docker Hub did not give it: %s", name, e.message)
+            reached = "or on Docker Hub" if isinstance(e, ImageNotFound) else "(Docker Hub could not be reached)"
+            raise ImageNotFound(f"image {name!r} not found on this node {reached}") from e
+        tag = await self.catalog.tag(canonical)
+        if tag is None or tag.digest != info.digest:
+            raise _not_found(canonical)  # removed again between the pull and now
+        ref = self._refs[canonical] = await self._ref(canonical, tag.digest, tag.owner)
         return ref
 
     async def _ref(self, norm: str, digest: str, owner: str | None) -> ImageRef:

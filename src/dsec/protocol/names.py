@@ -15,7 +15,7 @@ registry reference at Docker's limits (a 255-character name, a 128-character tag
 from __future__ import annotations
 
 import re
-from typing import Annotated
+from typing import Annotated, Literal
 
 from pydantic import AfterValidator, WithJsonSchema
 
@@ -27,6 +27,13 @@ DIGEST_LENGTH = len("@sha256:") + 64
 MAX_REFERENCE = MAX_REPOSITORY + 1 + MAX_TAG + DIGEST_LENGTH  # 456
 DEFAULT_TAG = "latest"
 MAX_STORED = MAX_REFERENCE + 1 + len(DEFAULT_TAG)  # a longest name without a tag, as the store keeps it
+
+PullPolicy = Literal["if-not-present", "always"]
+PULL_POLICY_DOC = (
+    "When the image is a registry's: if-not-present (default) uses the node's copy when it has one and asks "
+    "no registry; always asks the registry which version the tag names now and pulls it when it moved. A "
+    "reference with a digest is that version either way."
+)
 
 # a registry host and port are allowed only as the first of several components
 _HOST = r"(?:[a-z0-9][a-z0-9.-]*:[0-9]{1,5}/)?"

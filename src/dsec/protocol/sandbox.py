@@ -9,7 +9,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from .build import BuildSpec
-from .names import ImageName, TenantName
+from .names import PULL_POLICY_DOC, ImageName, PullPolicy, TenantName
 from .network import NetworkSpec
 from .residue import MAX_CANARIES, Canaries, ScrubRule
 from .types import MAX_COMMAND, USER_SPEC, AbsPath, Command, Env, Labels, Size, int_range
@@ -152,6 +152,7 @@ class SandboxSpec(_Strict):
         "with Retry-After (0: answer at once). Default: the node's --queue-timeout.",
     )
     volumes: Volumes = Field(default_factory=dict, description=VOLUMES_DOC)
+    pull: PullPolicy = Field("if-not-present", description=PULL_POLICY_DOC)
 
 
 class CreateSandbox(SandboxSpec):

@@ -13,6 +13,7 @@ from typing import Any, TypeVar
 
 from ..errors import DsecError, InvalidRequest, error_from_wire, validation_message
 from ..protocol.grade import GRADE_DIR, GradeRequest, GradeResult
+from ..protocol.names import PullPolicy
 from ..protocol.network import NetworkSpec
 from ..protocol.sandbox import (
     DEFAULT_OUTPUT_CAP,
@@ -158,6 +159,7 @@ class AsyncSandbox:
         network: NetworkSpec | dict[str, Any] = None,
         trajectory: str | None = None,
         queue_timeout: float | None = None,
+        pull: PullPolicy = "if-not-present",
         wait_for_capacity: float = DEFAULT_WAIT_FOR_CAPACITY,
         volumes: dict[str, str | tuple[str, str]] | None = None,
         client: AsyncClient | None = None,
@@ -180,6 +182,10 @@ class AsyncSandbox:
         ``volumes``: named volumes (``client.create_volume``) to mount, by path: ``{"/data": "name"}``
         read-write, ``{"/data": ("name", "ro")}`` read-only (container kind). One live sandbox at a time
         may mount a volume read-write, any number read-only.
+
+        ``image``: a name the node has (``dsec/debian:12``, a build, a snapshot) or a registry image
+        (``registry.example:5000/org/task:1``, ``python:3.11``), pulled onto the node as ``pull`` says:
+        ``"if-not-present"`` uses the node's copy when it has one, ``"always"`` asks the registry.
         """
         client = client or default_client()
         limits = {
@@ -192,7 +198,7 @@ class AsyncSandbox:
             "nofile": nofile,
             "file_size": file_size,
         }
-        body = create_body(image, kind, limits, timeout, env, labels, network, trajectory, queue_timeout, volumes)
+        body = create_body(image, kind, limits, timeout, env, labels, network, trajectory, queue_timeout, volumes, pull)
         return cls(await post_create(client._transport, body, wait_for_capacity), client)
 
     @classmethod
@@ -215,6 +221,7 @@ class AsyncSandbox:
         trajectories: builtins.list[str] | None = None,
         queue_timeout: float | None = None,
         volumes: dict[str, str | tuple[str, str]] | None = None,
+        pull: PullPolicy = "if-not-present",
         client: AsyncClient | None = None,
     ) -> AsyncIterator[AsyncSandbox | DsecError]:
         """Create ``n`` sandboxes alike in one request, yielding each as soon as it runs, in the order they
@@ -229,7 +236,7 @@ class AsyncSandbox:
         client = client or default_client()
         limits = {"cpu": cpu, "cpu_limit": cpu_limit, "memory": memory, "memory_request": memory_request}
         limits |= {"disk": disk, "pids": pids}
-        body = create_body(image, kind, limits, timeout, env, labels, network, None, queue_timeout, volumes)
+        body = create_body(image, kind, limits, timeout, env, labels, network, None, queue_timeout, volumes, pull)
         async for event in stream_batch(client._transport, body, n, trajectories):
             if event.sandbox is not None:
                 sb = cls(event.sandbox, client)

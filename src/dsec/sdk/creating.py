@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
 from ..errors import DsecError, InvalidRequest, Overloaded, error_from_wire, validation_message
+from ..protocol.names import PullPolicy
 from ..protocol.network import NetworkAllow, NetworkSpec
 from ..protocol.node import BatchCreate, BatchEvent
 from ..protocol.sandbox import CreateSandbox, Limits, SandboxInfo
@@ -50,6 +51,7 @@ def create_body(
     trajectory: str | None,
     queue_timeout: float | None,
     volumes: Mapping[str, str | tuple[str, str]] | None = None,
+    pull: PullPolicy = "if-not-present",
 ) -> dict[str, Any]:
     """The JSON of a CreateSandbox, validated locally for a clear error before the round trip."""
     limits = {k: v for k, v in limits.items() if v is not None}
@@ -60,6 +62,8 @@ def create_body(
         body["trajectory"] = trajectory
     if queue_timeout is not None:
         body["queue_timeout"] = queue_timeout
+    if pull != "if-not-present":  # the default is left out: a node from before pull policies accepts the body
+        body["pull"] = pull
     if limits:
         body["limits"] = limits
     if volumes:

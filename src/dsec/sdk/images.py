@@ -7,15 +7,18 @@ import asyncio
 import builtins
 import io
 import tarfile
+from collections.abc import Callable
 from pathlib import Path
 
-from ..errors import InvalidRequest
+from ..errors import InvalidRequest, error_from_wire
 from ..protocol.build import BuildSpec, ImageSpec, load_spec
+from ..protocol.pull import PullEvent, PullPolicy, PullProgress
 from ..protocol.sandbox import BuildResult, GcResult, ImageInfo, ImageList, ImageStats
 from .creating import CREATE_TIMEOUT
 from .transport import Transport
 
 BUILD_TIMEOUT = 6 * 3600.0
+PULL_TIMEOUT = 6 * 3600.0  # a pull of many large layers; each line of its answer shows it is alive
 
 
 def _tar_of(src: Path) -> bytes:
@@ -114,3 +117,26 @@ class ImageClient:
         body = {"path": str(path), "name": name, "reference": reference, "canaries": canaries or []}
         reply = await self._transport.request("POST", "/v1/images/import", json=body, timeout=CREATE_TIMEOUT)
         return ImageInfo.model_validate_json(reply.content)
+
+    async def pull(
+        self,
+        reference: str,
+        *,
+        policy: PullPolicy = "if-not-present",
+        on_progress: Callable[[PullProgress], None] | None = None,
+    ) -> ImageInfo:
+        """Pull a registry image onto the node (``registry.example:5000/org/task:1``, ``python:3.11``), its
+        layers converted once and shared with every image that has them; ``on_progress`` sees each step."""
+        body = {"reference": reference, "policy": policy}
+        async with self._transport.stream("POST", "/v1/images/pull", json=body, timeout=PULL_TIMEOUT) as reply:
+            async for line in reply.aiter_lines():
+                if not line:
+                    continue
+                event = PullEvent.model_validate_json(line)
+                if event.type == "error" and event.error is not None:
+                    raise error_from_wire(event.error.code, event.error.message, event.error.detail)
+                if event.type == "progress" and event.progress is not None and on_progress is not None:
+                    on_progress(event.progress)
+                if event.type == "result" and event.image is not None:
+                    return event.image
+        raise InvalidRequest(f"the pull of {reference} ended without its image (the connection was cut?)")

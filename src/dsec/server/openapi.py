@@ -8,13 +8,14 @@ from typing import Any
 from fastapi import FastAPI
 
 from ..protocol.version import __version__
-from . import node_routes, routes, run_routes, tenant_routes, trajectory_routes, volume_routes
+from . import image_routes, node_routes, routes, run_routes, tenant_routes, trajectory_routes, volume_routes
 
 
 def include_routes(app: FastAPI) -> None:
     app.include_router(node_routes.router)  # before routes: /sandboxes/batch is not a sandbox id
     app.include_router(node_routes.metrics_router)
     app.include_router(routes.router)
+    app.include_router(image_routes.router)
     app.include_router(tenant_routes.router)
     app.include_router(run_routes.router)
     app.include_router(trajectory_routes.router)

@@ -70,9 +70,11 @@ class _Bound:
 
 
 def _create_params(req: CreateSandbox) -> dict[str, object]:
-    """What a create is, for its digest: how long it may queue for capacity is not part of the sandbox.
-    No volumes is left out, so a create logged before volumes existed digests the same."""
-    return req.model_dump(mode="json", exclude={"queue_timeout"} | ({"volumes"} if not req.volumes else set()))
+    """What a create is, for its digest: how long it may queue for capacity and how its image is fetched
+    are not part of the sandbox (the log pins the image's version itself). No volumes is left out, so a
+    create logged before volumes existed digests the same."""
+    skip = {"queue_timeout", "pull"} | ({"volumes"} if not req.volumes else set())
+    return req.model_dump(mode="json", exclude=skip)
 
 
 class Trajectories:
