@@ -97,6 +97,9 @@ def node(daemon: Daemon) -> Iterator[FuzzNode]:
         "--node-name",
         "fuzz",
         *capacity,
+        # fuzzed image names that name a registry are refused at once (403), not looked up on the network
+        "--registry-allow",
+        "none",
         e2b=True,
         repository=root / "repository",
         listen=f"http://127.0.0.1:{free_port()}",

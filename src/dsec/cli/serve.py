@@ -77,6 +77,14 @@ RegistryInsecureOpt = Annotated[
         help="A registry HOST[:PORT] or CIDR that may be spoken to in plain HTTP (loopback ones always may).",
     ),
 ]
+RegistryAllowOpt = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--registry-allow",
+        help="A registry this node may pull from (HOST or HOST:PORT; docker.io for Docker Hub; repeatable). "
+        "Default: any. 'none': no registry at all.",
+    ),
+]
 RegistryCaOpt = Annotated[
     list[str] | None, typer.Option("--registry-ca", help="HOST=PATH: a CA bundle for that registry (repeatable).")
 ]
@@ -203,6 +211,7 @@ def serve(
     registry_mirror: RegistryMirrorOpt = None,
     registry_insecure: RegistryInsecureOpt = None,
     registry_ca: RegistryCaOpt = None,
+    registry_allow: RegistryAllowOpt = None,
     resolve: ResolveOpt = None,
     full_deny: FullDenyOpt = None,
     audit_keep_days: AuditKeepDaysOpt = 90.0,
@@ -240,6 +249,10 @@ def serve(
         options = dataclasses.replace(
             options, registry=_registry_options(registry_auth, registry_mirror, registry_insecure, registry_ca)
         )
+        if registry_allow:
+            allowed = tuple(h for h in registry_allow if h != "none")
+            assert options.registry is not None
+            options = dataclasses.replace(options, registry=dataclasses.replace(options.registry, allowed=allowed))
         # bad entries fail here, not in the daemon's log
         network = _network_options(resolve, full_deny)
         audit = AuditOptions(keep_days=audit_keep_days, max_records=audit_max_records)

@@ -116,7 +116,8 @@ class ImageStore:
         self._refs: dict[str, ImageRef] = {}
         self._traced: set[str] = set()
         self._fetcher_lock = asyncio.Lock()
-        self.puller = Puller(self, registry if registry is not None else RegistryOptions())
+        self.registry = registry if registry is not None else RegistryOptions()
+        self.puller = Puller(self, self.registry)
 
     async def start(self) -> list[str]:
         notes = []
@@ -223,9 +224,12 @@ class ImageStore:
         self, name: str, caller: Caller, policy: PullPolicy, build: bool, *, short: bool = False
     ) -> ImageRef:
         """A registry image's layers, pulled first unless the node has it and ``policy`` lets it stand."""
-        canonical = str(parse_reference(name))
+        parsed = parse_reference(name)
+        canonical = str(parsed)
         if policy == "if-not-present" and canonical in self._refs:
             return self._refs[canonical]
+        if short and not self.registry.allows(parsed.registry):  # answered at once: no registry is asked
+            raise ImageNotFound(f"image {name!r} not found on this node (Docker Hub is not allowed here)")
         if not build and await self.catalog.tag(canonical) is None:
             raise ImageNotFound(f"image {name!r} is not pulled yet")
         try:
@@ -445,7 +449,10 @@ class ImageStore:
         The name is public whoever pulls it: its content is what the registry serves to this node's
         credentials, which any tenant of the node may name; ``owner`` (the tenant asking) goes in the
         description, and a name another tenant published is not handed to it (``image_exists``)."""
-        got = await self.puller.pull(ref, owner=owner, policy=policy, progress=progress)
+        parsed = ref if isinstance(ref, Reference) else parse_reference(ref)
+        if not self.registry.allows(parsed.registry):  # answered at once: no registry is asked
+            raise Forbidden(f"this node does not pull from {parsed.registry} (dsec serve --registry-allow)")
+        got = await self.puller.pull(parsed, owner=owner, policy=policy, progress=progress)
         cached = self._refs.get(got.name)
         if cached is not None and cached.digest != got.digest:
             del self._refs[got.name]  # the name moved with its registry tag

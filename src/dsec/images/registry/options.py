@@ -40,6 +40,8 @@ class RegistryOptions:
     use_docker_config: bool = True
     mirrors: tuple[str, ...] = ()
     insecure: tuple[str, ...] = ()
+    # the registries this node may pull from (host or host:port; docker.io for Docker Hub); None: any
+    allowed: tuple[str, ...] | None = None
     ca_files: Mapping[str, Path] = field(default_factory=dict)
     parallel_layers: int = 3
     max_sparse_bytes: int = 1 << 30  # what a pulled layer's sparse files may claim, holes included
@@ -53,6 +55,9 @@ class RegistryOptions:
             raise InvalidRequest(f"parallel layers must be 1 to {MAX_PARALLEL_LAYERS}, not {self.parallel_layers}")
         self.hosts()
         self.explicit_credentials()
+
+    def allows(self, registry: str) -> bool:
+        return self.allowed is None or registry in self.allowed or registry.split(":")[0] in self.allowed
 
     def hosts(self) -> RegistryHosts:
         return RegistryHosts.from_options(mirrors=self.mirrors, insecure=self.insecure, ca_files=self.ca_files)
