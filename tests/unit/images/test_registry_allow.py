@@ -19,9 +19,9 @@ def _store(root: Path, allowed: tuple[str, ...]) -> ImageStore:
 async def test_a_registry_not_allowed_is_refused_without_asking(tmp_path: Path) -> None:
     store = _store(tmp_path, ("registry.example",))
     started = time.monotonic()
-    with pytest.raises(Forbidden, match="does not pull from 127.0.0.1:5000"):
+    with pytest.raises(Forbidden, match=r"does not pull from 127\.0\.0\.1:5000"):
         await store.resolve("127.0.0.1:5000/org/task:1")
-    with pytest.raises(Forbidden, match="docker.io"):
+    with pytest.raises(Forbidden, match=r"docker\.io"):
         await store.pull("docker.io/library/python:3.11")
     with pytest.raises(ImageNotFound, match="Docker Hub is not allowed"):
         await store.resolve("python:3.11")  # a short name the node has not: Docker Hub's, not allowed
