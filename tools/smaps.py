@@ -1,8 +1,8 @@
-"""Sample where a process's resident memory is, once a minute, as JSON lines: the heap (glibc's main
+"""Sample where a process's resident memory is, once a minute, into a JSON array: the heap (glibc's main
 arena), anonymous mappings of 1 MiB or more (thread arenas, Python's arenas), smaller ones, mapped files,
 stacks; with its threads and fds. Used beside `dsec bench soak` to tell a leak from a plateau.
 
-    python tools/smaps.py STATE_DIR OUT.jsonl   # samples the daemon and fetcher whose command line names STATE_DIR
+    python tools/smaps.py STATE_DIR OUT.json   # samples the daemon and fetcher whose command line names STATE_DIR
 """
 
 from __future__ import annotations
@@ -53,21 +53,27 @@ def where(pid: int) -> dict[str, int]:
     return out
 
 
+def sample(pid: int, role: str) -> dict[str, object] | None:
+    try:
+        found: dict[str, object] = {"t": time.time(), "pid": pid, "role": role, **where(pid)}
+        status = Path(f"/proc/{pid}/status").read_text()
+        found["threads"] = int(re.search(r"Threads:\s+(\d+)", status)[1])  # type: ignore[index]
+        found["rss"] = int(re.search(r"VmRSS:\s+(\d+)", status)[1])  # type: ignore[index]
+        found["fds"] = len(os.listdir(f"/proc/{pid}/fd"))
+    except (OSError, TypeError):
+        return None  # it ended between the listing and the read
+    return found
+
+
 def main(tag: str, out: Path, every: float = 60.0) -> None:
-    with out.open("a") as f:
-        while True:
-            for pid, role in processes(tag):
-                try:
-                    sample = where(pid)
-                    status = Path(f"/proc/{pid}/status").read_text()
-                    sample["threads"] = int(re.search(r"Threads:\s+(\d+)", status)[1])  # type: ignore[index]
-                    sample["rss"] = int(re.search(r"VmRSS:\s+(\d+)", status)[1])  # type: ignore[index]
-                    sample["fds"] = len(os.listdir(f"/proc/{pid}/fd"))
-                except (OSError, TypeError):
-                    continue  # it ended between the listing and the read
-                f.write(json.dumps({"t": time.time(), "pid": pid, "role": role, **sample}) + "\n")
-                f.flush()
-            time.sleep(every)
+    samples: list[dict[str, object]] = []
+    while True:
+        samples += [s for pid, role in processes(tag) if (s := sample(pid, role)) is not None]
+        # the whole array again each time (a few hundred samples): the file is valid JSON whenever it stops
+        tmp = out.with_suffix(".tmp")
+        tmp.write_text(json.dumps(samples))
+        tmp.replace(out)
+        time.sleep(every)
 
 
 if __name__ == "__main__":

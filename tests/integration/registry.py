@@ -21,7 +21,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import ssl
 import subprocess
 import tarfile
@@ -36,6 +35,8 @@ from urllib.parse import parse_qs, urlparse
 import httpx
 import pytest
 
+from .conftest import free_port
+
 REGISTRY_BIN = "/usr/bin/docker-registry"
 _PACKAGES = {REGISTRY_BIN: "docker-registry", "skopeo": "skopeo", "htpasswd": "apache2-utils", "openssl": "openssl"}
 
@@ -46,12 +47,6 @@ def need(tool: str) -> str:
     if not path:
         pytest.skip(f"{tool} is not installed (apt-get install {_PACKAGES.get(tool, tool)})")
     return path
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _die_with_parent() -> None:

@@ -247,12 +247,9 @@ def serve(
     try:
         options = _image_options(repository, image_cache, scrub, canary, eager_layers)
         options = dataclasses.replace(
-            options, registry=_registry_options(registry_auth, registry_mirror, registry_insecure, registry_ca)
+            options,
+            registry=_registry_options(registry_auth, registry_mirror, registry_insecure, registry_ca, registry_allow),
         )
-        if registry_allow:
-            allowed = tuple(h for h in registry_allow if h != "none")
-            assert options.registry is not None
-            options = dataclasses.replace(options, registry=dataclasses.replace(options.registry, allowed=allowed))
         # bad entries fail here, not in the daemon's log
         network = _network_options(resolve, full_deny)
         audit = AuditOptions(keep_days=audit_keep_days, max_records=audit_max_records)
@@ -292,7 +289,11 @@ def _image_options(
 
 
 def _registry_options(
-    auth: list[str] | None, mirrors: list[str] | None, insecure: list[str] | None, cas: list[str] | None
+    auth: list[str] | None,
+    mirrors: list[str] | None,
+    insecure: list[str] | None,
+    cas: list[str] | None,
+    allow: list[str] | None,
 ) -> RegistryOptions:
     from ..images.registry import RegistryOptions
 
@@ -321,6 +322,7 @@ def _registry_options(
         mirrors=tuple(mirrors or ()),
         insecure=tuple(insecure or ()),
         ca_files=ca_files,
+        allowed=tuple(h for h in allow if h != "none") if allow else None,
     )
 
 

@@ -35,7 +35,7 @@ from ..execio import ExecIO
 from . import reset
 from .options import FunctionOptions
 from .pool import Pool, PoolConfig, Pools
-from .state import FunctionState
+from .state import FunctionState, worker_record
 
 log = logging.getLogger("dsec.function")
 
@@ -114,7 +114,7 @@ class FunctionBackend(Backend):
             live |= {w.rec.id for w, _ in p.idle}
         for wid in reset.remove_stale(self.containers.sandbox_dir, live, PREFIX):
             log.info("removing function worker %s left by a previous daemon", wid)
-            await self.containers.destroy(_bare_record(wid))
+            await self.containers.destroy(worker_record(wid))
 
     # ---- pools -------------------------------------------------------------------------------------
 
@@ -378,9 +378,3 @@ class FunctionBackend(Backend):
 
     async def resume(self, rec: SandboxRecord) -> None:
         raise InvalidRequest("function sandboxes cannot be paused: they are lent for short uses")
-
-
-def _bare_record(wid: str) -> SandboxRecord:
-    return SandboxRecord(
-        id=wid, kind="container", image="", state=State.stopping, created_at=0, expires_at=0, limits=Limits()
-    )

@@ -43,10 +43,15 @@ class FunctionState:
         info = self._d.get("worker")
         if not isinstance(info, dict) or not isinstance(info.get("id"), str):
             return None
-        wrec = SandboxRecord(
-            id=info["id"], kind="container", image="", state=State.running, created_at=0, expires_at=0, limits=limits
-        )
+        wrec = worker_record(info["id"], State.running, limits)
         wrec.restore(dict(info.get("runtime") or {}))  # (a daemon before typed records kept its network there)
         if info.get("network") is not None:
             wrec.network = policy.from_json(info["network"])
         return wrec
+
+
+def worker_record(wid: str, state: State = State.stopping, limits: Limits | None = None) -> SandboxRecord:
+    """A worker's container record made from its id alone (to adopt or to remove what a daemon left)."""
+    return SandboxRecord(
+        id=wid, kind="container", image="", state=state, created_at=0, expires_at=0, limits=limits or Limits()
+    )

@@ -235,12 +235,11 @@ class MicroVMBackend(PolicyNetwork):
 
     async def _prepare_guest(self, rec: SandboxRecord, chan: GuestChannel, cwd: str = "/") -> None:
         """``limits.pids`` for everything the sandbox runs (the guest's cgroup that holds every exec's own),
-        and the image's working directory, made if the image lacks it, as a container runtime does."""
-        pids = ["/.dsec/busybox", "sh", "-c", guest.BOUND_PIDS, "bound-pids", str(rec.limits.pids)]
-        for argv, what in ((pids, "apply the pids limit"), (["/.dsec/busybox", "mkdir", "-p", cwd], f"make {cwd}")):
-            status, _, err = await chan.run_bytes(argv, None, 30.0)
-            if status != 0:
-                raise BackendError(f"cannot {what} in the guest: {err.strip()[-300:]}")
+        and the image's working directory: one guest call."""
+        argv = ["/.dsec/busybox", "sh", "-c", guest.PREPARE, "prepare", str(rec.limits.pids), cwd]
+        status, _, err = await chan.run_bytes(argv, None, 30.0)
+        if status != 0:
+            raise BackendError(f"cannot prepare the guest (pids limit, {cwd}): {err.strip()[-300:]}")
 
     async def _launch(self, rec: SandboxRecord, spec: qemu.VMSpec, memory: Path | None) -> GuestChannel:
         """Start QEMU (booting, or restoring ``memory``) and wait for its agent. Boots and restores queue

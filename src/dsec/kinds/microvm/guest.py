@@ -48,10 +48,12 @@ MODULES = (
 )
 _DEPENDS = re.compile(rb"depends=([^\0]*)\0")
 
-# Run by the daemon after a VM starts (booted or restored): the sandbox's pids limit on the cgroup under
+# Run by the daemon after a VM starts (booted or restored): the image's working directory $2, made if
+# the image lacks it (as crun does for a container), and the sandbox's pids limit $1 on the cgroup under
 # which the agent makes each exec's own (microvm: /sys/fs/cgroup/dsec; kind vm: the same under the
-# image's init, or the agent's private cgroup2 mount beside an init that mounts none). $1: the limit.
-BOUND_PIDS = r"""
+# image's init, or the agent's private cgroup2 mount beside an init that mounts none).
+PREPARE = r"""
+/.dsec/busybox mkdir -p "$2" || exit 1
 for d in /sys/fs/cgroup/dsec /dev/.dsec-cgroup/dsec; do
   [ -d "$d" ] || continue
   echo +pids > "${d%/dsec}/cgroup.subtree_control" 2>/dev/null
