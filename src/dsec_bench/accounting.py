@@ -488,6 +488,7 @@ class Allowance:
     per: int = 1
     follows: str | None = None  # instead: may grow as much as another counter grew within its allowance
     plus: str | None = None  # and further, by as much as another counter grew (memory it reports holding)
+    trend: int | None = None  # on a long run, instead: its growth over the run's last part, KiB per hour at most
 
     def limit(self, name: str, before: Mapping[str, int], after: Mapping[str, int]) -> int | None:
         b = before.get(name, 0)
@@ -506,22 +507,34 @@ class Allowance:
 EXACT = Allowance("must return to its baseline")
 
 
-def diff(before: Mapping[str, int], after: Mapping[str, int], allowances: Mapping[str, Allowance]) -> list[Any]:
+def diff(
+    before: Mapping[str, int],
+    after: Mapping[str, int],
+    allowances: Mapping[str, Allowance],
+    trends: Mapping[str, float] | None = None,
+) -> list[Any]:
     """One row per counter: its baseline, its value after, the bound it is judged by and the verdict:
     ``ok``, ``retained`` (grew under a retention rule), ``leak``, or ``info`` (host-wide, not judged).
-    A counter missing on one side counts as 0 there; one gone below its baseline is ``ok``."""
+    A counter missing on one side counts as 0 there; one gone below its baseline is ``ok``. A counter
+    with a trend rule and a measured trend (``trends``, per hour) is judged by that instead: its row's
+    ``limit`` is then the rate allowed and ``trend_per_h`` the rate seen."""
     rows = []
     for name in sorted(set(before) | set(after)):
         b, a = before.get(name, 0), after.get(name, 0)
         rule = allowances.get(name, EXACT)
-        limit = rule.limit(name, before, after)
+        seen = trends.get(name) if trends is not None and rule.trend is not None else None
+        limit = rule.trend if seen is not None else rule.limit(name, before, after)
+        row: dict[str, Any] = {"counter": name, "before": b, "after": a, "delta": a - b, "limit": limit}
         if name.startswith("host."):
             verdict = "info"
+        elif seen is not None:
+            verdict = "ok" if seen <= (limit or 0) else "leak"
+            row["trend_per_h"] = seen
         elif limit is None:
             verdict = "retained" if a > b else "ok"
         else:
             verdict = "ok" if a <= limit else "leak"
-        rows.append({"counter": name, "before": b, "after": a, "delta": a - b, "limit": limit, "verdict": verdict})
+        rows.append(row | {"verdict": verdict})
     return rows
 
 

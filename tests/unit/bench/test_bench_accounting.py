@@ -16,7 +16,9 @@ from dsec.store.sqlite import SCHEMA
 from dsec_bench import accounting
 from dsec_bench.accounting import EXACT, Allowance, Known, Node
 from dsec_bench.churn import EXAMPLES, WORKLOADS, Tally
-from dsec_bench.soak import KINDS, Plan, allowances, quiet, steady, trend
+from dsec_bench.soak import KINDS, RSS_TREND_KIB_H, TREND_FROM_S, Plan, allowances, quiet, steady, trend, trends
+
+TWO_HOURS = Path(__file__).parents[3] / "docs/benchmarks/soak-120min.json"
 
 
 def verdicts(before: dict[str, int], after: dict[str, int], rules: dict[str, Allowance]) -> dict[str, str]:
@@ -277,3 +279,56 @@ def test_trend_is_the_slope_of_the_second_half_per_hour() -> None:
     leak = [{"t_s": 60.0 * i, "daemon.rss_kib": 1000.0 + 100 * i} for i in range(40)]
     assert trend(leak, "daemon.rss_kib") == 6000.0
     assert trend(leak[:4], "daemon.rss_kib") is None
+
+
+def test_trend_over_the_last_third() -> None:
+    # flat for two thirds, then 60 KiB a minute: the last third sees all of it, the second half less
+    rising = [{"t_s": 60.0 * i, "daemon.rss_kib": 1000.0 + 60 * max(0, i - 20)} for i in range(30)]
+    assert trend(rising, "daemon.rss_kib", 1 / 3) == 3600.0
+    assert trend(rising, "daemon.rss_kib") is not None
+    assert trend(rising, "daemon.rss_kib") < 3600.0  # type: ignore[operator]
+
+
+def test_a_long_churn_judges_resident_memory_by_its_trend() -> None:
+    rules = allowances(2)
+    before, after = {"daemon.rss_kib": 90_000}, {"daemon.rss_kib": 200_000}  # far over the end-value bound
+    plateau = accounting.diff(before, after, rules, {"daemon.rss_kib": 300.0})
+    assert [(r["verdict"], r["limit"], r["trend_per_h"]) for r in plateau] == [("ok", RSS_TREND_KIB_H, 300.0)]
+    climbing = accounting.diff(before, after, rules, {"daemon.rss_kib": RSS_TREND_KIB_H + 1.0})
+    assert [r["verdict"] for r in climbing] == ["leak"]
+    # no trend measured (a short churn): the end value against the bound
+    assert verdicts(before, after, rules) == {"daemon.rss_kib": "leak"}
+    # a counter without a trend rule ignores a trend handed in
+    assert verdicts({"daemon.fds": 5}, {"daemon.fds": 6}, rules) == {"daemon.fds": "leak"}
+    rows = accounting.diff({"daemon.fds": 5}, {"daemon.fds": 6}, rules, {"daemon.fds": 0.0})
+    assert [r["verdict"] for r in rows] == ["leak"]
+
+
+def test_only_a_long_churn_measures_trends() -> None:
+    samples = [{"t_s": 30.0 * i, "daemon.rss_kib": 1000.0 + i, "fetcher.rss_kib": 500.0} for i in range(240)]
+    assert trends(samples, TREND_FROM_S - 1) == {}
+    rates = trends(samples, TREND_FROM_S)
+    assert rates == {"daemon.rss_kib": 120.0, "fetcher.rss_kib": 0.0}
+
+
+def test_the_two_hour_runs_samples_pass_the_trend_rule_and_a_leak_of_a_kib_per_sandbox_does_not() -> None:
+    """The rule, held against the committed two-hour soak: its curve (fast growth while the churn ramps up,
+    then a plateau) passes, and the same curve with 1 KiB more for every sandbox the run created fails."""
+    run = json.loads(TWO_HOURS.read_text())
+    samples = run["resources_over_time"]
+    rules = allowances(2)
+    before = {"daemon.rss_kib": int(samples[0]["daemon.rss_kib"])}
+    after = {"daemon.rss_kib": int(samples[-1]["daemon.rss_kib"])}
+    assert verdicts_by_trend(before, after, rules, trends(samples, run["churn_s"])) == "ok"
+    created = sum(ops["create"]["n"] for ops in run["operations"].values() if "create" in ops)
+    per_hour = created * 3600 / run["churn_s"]  # KiB an hour, at 1 KiB a sandbox
+    leaky = [s | {"daemon.rss_kib": s["daemon.rss_kib"] + per_hour * s["t_s"] / 3600} for s in samples]
+    assert verdicts_by_trend(before, after, rules, trends(leaky, run["churn_s"])) == "leak"
+
+
+def verdicts_by_trend(
+    before: dict[str, int], after: dict[str, int], rules: dict[str, Allowance], rates: dict[str, float]
+) -> str:
+    (row,) = accounting.diff(before, after, rules, rates)
+    assert "trend_per_h" in row
+    return str(row["verdict"])
