@@ -119,12 +119,16 @@ async def recover(client: AsyncClient, requests: Requests) -> Json:
             answering += res.stdout == "alive\n"
     fresh = await requests.one("create after the fault", AsyncSandbox.create(image="dsec/busybox", client=client))
     works = False
+    answered = None  # what the new sandbox's command gave, when it was not the expected output
     if fresh is not None:
         answer = await requests.one("exec after the fault", fresh.exec("echo fresh", timeout=60))
         works = answer is not None and answer.stdout == "fresh\n"
+        if answer is not None and not works:
+            answered = {"exit_code": answer.exit_code, "stdout": answer.stdout[-300:], "stderr": answer.stderr[-300:]}
         await requests.one("kill after the fault", fresh.kill())
     running = sum(1 for i in held if i.state.value == "running")
-    return {"held": len(held), "running": running, "running_answering": answering, "new_sandbox_works": works}
+    found: Json = {"held": len(held), "running": running, "running_answering": answering, "new_sandbox_works": works}
+    return found | ({"new_sandbox_answered": answered} if answered is not None else {})
 
 
 async def warm_up(client: AsyncClient, case: Case) -> None:
