@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..errors import DsecError, Forbidden, ImageExists, ImageNotFound, InvalidRequest, RegistryUnreachable
+from ..errors import BackendError, DsecError, Forbidden, ImageExists, ImageNotFound, InvalidRequest, RegistryUnreachable
 from ..protocol.build import LayerRole
 from ..protocol.names import PullPolicy, is_registry_reference, normalize
 from ..protocol.sandbox import GcResult, ImageInfo, ImageStats, LayerInfo, LayerStats
@@ -114,6 +114,7 @@ class ImageStore:
         self.catalog.before_publish = self.residue.check_version
         self._build_locks: dict[str, asyncio.Lock] = {}
         self._refs: dict[str, ImageRef] = {}
+        self._fetchers = 0  # fetchers replaced so far: a ref made across a replacement has detached mounts
         self._traced: set[str] = set()
         self._fetcher_lock = asyncio.Lock()
         self.registry = registry if registry is not None else RegistryOptions()
@@ -164,6 +165,7 @@ class ImageStore:
                 return
             log.warning("the layer fetcher is gone: starting a new one and remounting lazy layers")
             await self.fetcher.start()
+            self._fetchers += 1
             self._refs.clear()
             if self.mount:
                 await self.layers.start(fetcher_restarted=True)
@@ -217,8 +219,17 @@ class ImageStore:
                 raise _not_found(norm)
         if not caller.sees(tag.owner):
             raise _not_found(norm)
-        ref = self._refs[norm] = await self._ref(norm, tag.digest, tag.owner)
-        return ref
+        return await self._cached_ref(norm, tag.digest, tag.owner)
+
+    async def _cached_ref(self, norm: str, digest: str, owner: str | None) -> ImageRef:
+        """``_ref``, cached; made again if the fetcher was replaced meanwhile (its mounts were detached)."""
+        for _ in range(3):
+            replaced = self._fetchers
+            ref = await self._ref(norm, digest, owner)
+            if replaced == self._fetchers:
+                self._refs[norm] = ref
+                return ref
+        raise BackendError(f"the layer fetcher was replaced three times while {norm} was mounted")
 
     async def _pulled(
         self, name: str, caller: Caller, policy: PullPolicy, build: bool, *, short: bool = False
@@ -244,8 +255,7 @@ class ImageStore:
         tag = await self.catalog.tag(canonical)
         if tag is None or tag.digest != info.digest:
             raise _not_found(canonical)  # removed again between the pull and now
-        ref = self._refs[canonical] = await self._ref(canonical, tag.digest, tag.owner)
-        return ref
+        return await self._cached_ref(canonical, tag.digest, tag.owner)
 
     async def _ref(self, norm: str, digest: str, owner: str | None) -> ImageRef:
         version = await self.catalog.version(digest)

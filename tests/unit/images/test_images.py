@@ -14,7 +14,7 @@ from dsec.images.chunks import chunk_key
 from dsec.images.model import ImageVersion, image_key, layer_key, tag_key
 from dsec.images.oci import read_image
 from dsec.images.scrub import DEFAULT_RULES, ScrubRules
-from dsec.images.store import BUILTIN, ImageStore, normalize
+from dsec.images.store import BUILTIN, ImageRef, ImageStore, normalize
 from dsec.protocol.build import LayerRole
 from dsec.protocol.names import MAX_REFERENCE, MAX_STORED
 
@@ -94,6 +94,29 @@ async def test_published_image_resolves_to_its_layers_and_config(tmp_path: Path)
     listed = {i.name: i for i in await store.list()}
     assert listed["test/img:1"].ready and listed["test/img:1"].layers[0].role == "base"
     assert not listed["dsec/debian:12"].ready
+
+
+async def test_a_ref_made_while_the_fetcher_was_replaced_is_made_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A replaced fetcher's layer mounts are detached: a ref whose layers were mounted across the
+    replacement is neither handed out nor cached (the next creation would get an empty rootfs)."""
+    make_image(tmp_path, "test/img:1")
+    store = store_at(tmp_path)
+    real, made = store._ref, []
+
+    async def ref_across_a_replacement(norm: str, digest: str, owner: str | None) -> ImageRef:
+        made.append(norm)
+        ref = await real(norm, digest, owner)
+        if len(made) == 1:
+            store._fetchers += 1  # what _check_fetcher does when another creation finds the fetcher dead
+        return ref
+
+    monkeypatch.setattr(store, "_ref", ref_across_a_replacement)
+    await store.resolve("test/img:1", build=False)
+    assert made == ["test/img:1", "test/img:1"]  # made again, after the replacement
+    await store.resolve("test/img:1", build=False)
+    assert len(made) == 2  # and cached from then on
 
 
 async def test_unknown_images(tmp_path: Path) -> None:
