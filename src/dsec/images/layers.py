@@ -53,10 +53,13 @@ class NodeLayers:
         self.fetcher = fetcher  # None: eager, every layer fetched whole before it is mounted
         self._locks: dict[str, asyncio.Lock] = {}
         self._mounted: set[str] = set()
+        self.generation = 0  # fetchers replaced so far (start): a mount found or made across one is made again
         self.eager_bytes_fetched = 0
 
     async def start(self, fetcher_restarted: bool) -> None:
         """Adopt the layer mounts a previous daemon left; detach lazy ones whose fetcher is gone."""
+        if fetcher_restarted:
+            self.generation += 1
         sources = await asyncio.to_thread(_mount_sources)
         lazy_root = str(self.root / "fetcher") + "/"
         for d in self.mnt.iterdir():
@@ -81,27 +84,35 @@ class NodeLayers:
         return self.fetcher.path(digest)
 
     async def mount(self, digest: str) -> Path:
-        """The layer's mounted directory, mounting it on first use."""
+        """The layer's mounted directory, mounting it on first use. A fetcher replaced meanwhile (start)
+        detaches its mounts: what was found or made across that is the dead fetcher's, and made again."""
         target = self.mnt / digest
-        if digest in self._mounted:
-            return target
-        async with self._locks.setdefault(digest, asyncio.Lock()):
+        for _ in range(3):
             if digest in self._mounted:
                 return target
-            if await asyncio.to_thread(is_mountpoint, target):
-                self._mounted.add(digest)
-                return target
-            blob = self.blobs / digest
-            if not blob.exists():
-                if self.fetcher is not None:
-                    await self.catalog.layer(digest)  # a missing layer is ImageNotFound, not a mount error
-                    blob = self.fetcher.path(digest)
-                else:
-                    await self.fetch_full(digest)
-            target.mkdir(exist_ok=True)
-            await asyncio.to_thread(mount_layer, blob, target)
-            self._mounted.add(digest)
-            return target
+            generation = self.generation
+            async with self._locks.setdefault(digest, asyncio.Lock()):
+                if digest in self._mounted:
+                    return target
+                if not await asyncio.to_thread(is_mountpoint, target):
+                    await self._mount(digest, target)
+                if generation == self.generation:
+                    self._mounted.add(digest)
+                    return target
+                with contextlib.suppress(OSError):
+                    await asyncio.to_thread(umount, target, lazy=True)
+        raise BackendError(f"the layer fetcher was replaced three times while layer {digest[:16]} was mounted")
+
+    async def _mount(self, digest: str, target: Path) -> None:
+        blob = self.blobs / digest
+        if not blob.exists():
+            if self.fetcher is not None:
+                await self.catalog.layer(digest)  # a missing layer is ImageNotFound, not a mount error
+                blob = self.fetcher.path(digest)
+            else:
+                await self.fetch_full(digest)
+        await asyncio.to_thread(target.mkdir, exist_ok=True)
+        await asyncio.to_thread(mount_layer, blob, target)
 
     async def fetch_full(self, digest: str) -> Path:
         """Fetch every chunk of a layer into ``blobs/<digest>``, verified as a whole (the eager path)."""

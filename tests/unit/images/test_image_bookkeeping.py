@@ -35,3 +35,34 @@ async def test_the_gc_forgets_which_versions_had_their_traces_saved(tmp_path: Pa
     store._traced.update(f"{i:064x}" for i in range(100))
     await store.gc(set())
     assert store._traced == set()
+
+
+async def test_a_mount_found_across_a_fetcher_replacement_is_made_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The chaos fetcher case's finding: a mount() under way while a replaced fetcher's mounts were
+    detached recorded its (detached) mount as current, and every later sandbox got an empty layer."""
+    store = ImageStore(tmp_path, lazy=False, mount=False)
+    layers = NodeLayers(tmp_path / "node", store.catalog, None)
+    (layers.blobs / "d1").write_bytes(b"erofs")
+    mounted: set[Path] = set()
+    made: list[Path] = []
+    unmounted: list[Path] = []
+
+    def mount_layer(blob: Path, target: Path) -> str:
+        made.append(target)
+        mounted.add(target)
+        if len(made) == 1:
+            layers.generation += 1  # start(fetcher_restarted=True), running while this mount was made
+        return "file"
+
+    def umount(target: Path, lazy: bool = False) -> None:
+        unmounted.append(target)
+        mounted.discard(target)
+
+    monkeypatch.setattr("dsec.images.layers.mount_layer", mount_layer)
+    monkeypatch.setattr("dsec.images.layers.is_mountpoint", lambda p: p in mounted)
+    monkeypatch.setattr("dsec.images.layers.umount", umount)
+    target = await layers.mount("d1")
+    assert made == [target, target] and unmounted == [target] and target in mounted
+    assert await layers.mount("d1") == target and len(made) == 2  # current now: found, not made again
