@@ -11,6 +11,7 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
+from ...errors import BackendError
 from ...isolation.idmap import idmapped_bind
 from ...isolation.mounts import MS_NODEV, MS_NOSUID, mount, umount
 from ...store.records import VolumeMount
@@ -26,6 +27,14 @@ def mount_rootfs(
 ) -> Path:
     """``scratch``: also a ``tmp/`` beside the writable layer, bound at the sandbox's /tmp (function
     workers, whose /tmp is emptied between users without touching the overlay)."""
+    for layer in layers:
+        # a layer mount detached under this creation (the layer fetcher was replaced) is an empty
+        # directory: a clear error, not a sandbox without its files
+        if not os.path.ismount(layer):
+            raise BackendError(
+                f"image layer {layer.name[:16]} is no longer mounted (the layer fetcher was "
+                "restarted while this sandbox was created); create it again"
+            )
     rootfs, disk = bundle / "rootfs", bundle / "disk"
     rootfs.mkdir(parents=True)
     disk.mkdir()
