@@ -50,7 +50,7 @@ from .protocol.grade import GradeResult
 from .protocol.network import NetworkAllow
 from .protocol.pull import PullProgress
 from .protocol.run import PoolInfo, RunResult
-from .protocol.sandbox import ExecResult, FileEntry, ImageInfo, NetworkStatus, SandboxInfo, State
+from .protocol.sandbox import BuildResult, ExecResult, FileEntry, ImageInfo, NetworkStatus, SandboxInfo, State
 from .protocol.trajectory import RecordedCall, TrajectoryInfo
 from .protocol.version import __version__
 from .protocol.volumes import VolumeInfo
@@ -74,6 +74,7 @@ __all__ = [
     "AsyncSandbox",
     "BackendError",
     "BuildFailed",
+    "BuildResult",
     "BuildSpec",
     "CallInterrupted",
     "Client",

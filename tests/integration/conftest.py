@@ -69,7 +69,7 @@ class Daemon:
                 self.proc.wait()
 
 
-def layer_bytes(digest: str) -> bytes:
+def layer_bytes(digest: str, repository: Path = IMAGES_DIR / "repository") -> bytes:
     """A layer's EROFS image, read from the test repository (wherever the layer was built)."""
     import asyncio
 
@@ -77,7 +77,7 @@ def layer_bytes(digest: str) -> bytes:
     from dsec.images.repository import LocalRepository
 
     async def read() -> bytes:
-        catalog = Catalog(LocalRepository(IMAGES_DIR / "repository"))
+        catalog = Catalog(LocalRepository(repository))
         manifest = await catalog.layer(digest)
         parts = [await catalog.chunks.get_chunk(c) for c in manifest.chunks]
         return b"".join(parts)

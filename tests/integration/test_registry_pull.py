@@ -99,7 +99,7 @@ async def test_pull_converts_both_layers_and_maps_the_config(
     version = await store.catalog.version(info.digest or "")
     assert version.source is not None and version.source.digest == version.source.manifest
     assert version.config.env == {"PATH": "/usr/bin:/bin"} and version.config.workdir == "/work"
-    assert version.config.entrypoint == ["/bin/sh"] and version.config.user == "root"
+    assert (version.config.entrypoint, version.config.cmd) == (None, ["/bin/sh"]) and version.config.user == "root"
     assert version.scrubbed == ["root/.bash_history"]
 
     async with mounted(store, info.layers[0].digest, tmp_path / "l0") as lower:

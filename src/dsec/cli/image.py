@@ -195,31 +195,55 @@ def pull(
 
 @image_app.command("build")
 def build(
-    target: Annotated[str, typer.Argument(help="A build spec file (TOML), or a built-in image name (dsec/debian:12).")],
-    name: Annotated[str | None, typer.Option(help="Publish under this name instead of the spec's.")] = None,
-    arg: Annotated[list[str] | None, typer.Option("--arg", help="Build argument NAME=VALUE (repeatable).")] = None,
+    target: Annotated[
+        str,
+        typer.Argument(
+            help="A build spec file (TOML), a built-in image name (dsec/debian:12), or a Dockerfile's build "
+            "context directory (docker build's CONTEXT)."
+        ),
+    ] = ".",
+    name: Annotated[
+        str | None, typer.Option("--name", "--tag", "-t", help="Publish under this name (repo:tag).")
+    ] = None,
+    file: Annotated[
+        Path | None, typer.Option("--file", "-f", help="The Dockerfile (default: CONTEXT/Dockerfile).")
+    ] = None,
+    arg: Annotated[
+        list[str] | None,
+        typer.Option("--arg", "--build-arg", help="Build argument NAME=VALUE (repeatable)."),
+    ] = None,
     secret: Annotated[
         list[str] | None,
-        typer.Option("--secret", help="Secret argument NAME, its value read from the environment variable NAME."),
+        typer.Option(
+            "--secret",
+            help="A secret: NAME (its value from the environment variable NAME), or Docker's "
+            "id=NAME[,env=VAR|,src=FILE] (repeatable).",
+        ),
     ] = None,
+    stage: Annotated[str | None, typer.Option("--target", help="Dockerfile: the stage to build.")] = None,
     url: UrlOpt = None,
     token: TokenOpt = None,
 ) -> None:
-    """Build an image: each step a layer in a builder sandbox, cached by its inputs, residue scrubbed."""
+    """Build an image: from a Dockerfile (docker build -f Dockerfile -t name:tag CONTEXT) or a TOML spec,
+    each step a layer in a builder sandbox, cached by its inputs, residue scrubbed."""
     c = client(url, token)
     try:
-        if not Path(target).is_file():
+        args = dict(_pair(a) for a in arg or [])
+        secrets = dict(_secret(s) for s in secret or [])
+        if file is not None or Path(target).is_dir():
+            if name is None:
+                raise InvalidRequest("a Dockerfile build needs -t NAME:TAG")
+            with console.status(f"building {file or Path(target) / 'Dockerfile'}…"):
+                result = c.build_dockerfile(
+                    name, target, dockerfile=file, build_args=args, secrets=secrets, target=stage
+                )
+        elif not Path(target).is_file():
             with console.status(f"building {target} (dsec/debian:12 takes about a minute)…"):
                 console.print(_table([c.build_image(target)]))
             return
-        args = dict(_pair(a) for a in arg or [])
-        secrets = {}
-        for key in secret or []:
-            if key not in os.environ:
-                raise InvalidRequest(f"--secret {key}: no environment variable {key} holds its value")
-            secrets[key] = os.environ[key]
-        with console.status(f"building {target}…"):
-            result = c.build(Path(target), name, args=args, secrets=secrets)
+        else:
+            with console.status(f"building {target}…"):
+                result = c.build(Path(target), name, args=args, secrets=secrets)
     except DsecError as e:
         fail(e)
     table = Table("STEP", ident("LAYER"), "CACHED", "SECONDS", "SIZE", "SCRUBBED")
@@ -235,6 +259,28 @@ def build(
         )
     show(table)
     console.print(_table([result.image]))
+
+
+def _secret(text: str) -> tuple[str, str]:
+    """--secret NAME (from the environment), or id=NAME[,env=VAR|,src=FILE] as docker build takes it."""
+    if "=" not in text:
+        if text not in os.environ:
+            raise InvalidRequest(f"--secret {text}: no environment variable {text} holds its value")
+        return text, os.environ[text]
+    fields = dict(part.partition("=")[::2] for part in text.split(","))
+    sid = fields.get("id", "")
+    if not sid:
+        raise InvalidRequest(f"--secret {text!r}: expected id=NAME[,env=VAR|,src=FILE]")
+    if "src" in fields or "source" in fields:
+        src = Path(fields.get("src") or fields["source"])
+        try:
+            return sid, src.read_text()
+        except OSError as e:
+            raise InvalidRequest(f"--secret {sid}: cannot read {src}: {e}") from None
+    var = fields.get("env", sid)
+    if var not in os.environ:
+        raise InvalidRequest(f"--secret {sid}: no environment variable {var} holds its value")
+    return sid, os.environ[var]
 
 
 def _pair(text: str) -> tuple[str, str]:

@@ -17,6 +17,7 @@ import os
 import secrets
 import shutil
 import time
+from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
 
 import blake3
@@ -27,8 +28,10 @@ from ..images.canary import call_canaries
 from ..images.model import CachedStep, ImageConfig, LayerRef
 from ..images.scrub import ScrubRules
 from ..images.store import ImageRef, ImageStore, StagedLayer, normalize
-from ..protocol.build import BUILDER_CA, HOST_CA_BUNDLE, BuildSpec, Step
+from ..kinds.base import Backend
+from ..protocol.build import BUILDER_CA, HOST_CA_BUNDLE, BuildSpec, LayerRole, Step
 from ..protocol.sandbox import BuildRequest, BuildResult, BuildStepResult, CreateSandbox, ExecRequest, LayerInfo, Limits
+from ..store.records import SandboxRecord
 from ..tenancy import OPERATOR, Caller
 from .lifecycle import Lifecycle
 
@@ -135,11 +138,15 @@ class Builder:
         assert step.copy_ is not None
         if step.copy_.context is None:
             raise InvalidRequest(f"copy step {step.copy_.src!r} has no uploaded context (the SDK uploads it)")
-        path = self.contexts / f"{step.copy_.context}.tar"
+        return await self.context_bytes(step.copy_.context)
+
+    async def context_bytes(self, digest: str) -> bytes:
+        """An uploaded build context (a tar), by the digest its upload was answered with."""
+        path = self.contexts / f"{digest}.tar"
         try:
             return await asyncio.to_thread(path.read_bytes)
         except FileNotFoundError:
-            raise InvalidRequest(f"build context {step.copy_.context} is not on this node; upload it again") from None
+            raise InvalidRequest(f"build context {digest} is not on this node; upload it again") from None
 
     # ---- the build ---------------------------------------------------------------------------------
 
@@ -178,7 +185,7 @@ class Builder:
                 results.append(_step_done(name, spec, index, ref, step_scrubbed, cached, time.monotonic() - t0))
             own = layers[len(base_version.layers) :]
             if len(own) > 1:
-                merged = await self._squash_residue(name, own, rules)
+                merged = await self.squash_residue(name, own, rules)
                 if merged is not None:
                     layers = [*base_version.layers, merged]
             info = await self.images.publish_version(
@@ -207,18 +214,61 @@ class Builder:
         if cached_step is not None:
             return cached_step.layer, cached_step.scrubbed, True
         staged = await self._run_step(req.spec, step, layers, config, req, rules)
-        scrubbed = staged.scan.scrubbed
-        if await asyncio.to_thread(_secret_in, staged.blob, [v.encode() for v in req.secrets.values()]):
+        what = f"step {index + 1} ({step.describe()})"
+        ref = await self.keep(key, staged, step.layer_role, step.describe(), what, req.secrets)
+        return ref, staged.scan.scrubbed, False
+
+    async def keep(
+        self,
+        key: str,
+        staged: StagedLayer,
+        role: LayerRole,
+        created_by: str,
+        what: str,
+        secret_values: Mapping[str, str],
+    ) -> LayerRef:
+        """Publish a step's packed layer and cache it under ``key``, unless it holds a secret's value."""
+        if await asyncio.to_thread(_secret_in, staged.blob, [v.encode() for v in secret_values.values()]):
             staged.blob.unlink(missing_ok=True)
             raise BuildFailed(
-                f"step {index + 1} ({step.describe()}) wrote a secret's value into the image; "
+                f"{what} wrote a secret's value into the image; "
                 "refusing to publish it (use the secret without storing it, or scrub where it lands)"
             )
-        ref = await self.images.publish_layer(staged, step.layer_role, step.describe())
-        await self.images.catalog.cache_step(key, CachedStep(layer=ref, scrubbed=scrubbed))
-        return ref, scrubbed, False
+        ref = await self.images.publish_layer(staged, role, created_by)
+        await self.images.catalog.cache_step(key, CachedStep(layer=ref, scrubbed=staged.scan.scrubbed))
+        return ref
 
-    async def _squash_residue(self, name: str, own: list[LayerRef], rules: ScrubRules) -> LayerRef | None:
+    @contextlib.asynccontextmanager
+    async def sandbox(
+        self, base: str, layers: list[LayerRef], config: ImageConfig, env: dict[str, str], label: str
+    ) -> AsyncIterator[tuple[Backend, SandboxRecord]]:
+        """A builder sandbox on ``layers`` (root, full network, the host's CAs), killed on the way out."""
+        digests = tuple(layer.digest for layer in layers)
+        mounted = tuple(await asyncio.gather(*(self.images.layers.mount(d) for d in digests)))
+        ref = ImageRef(name=base, layers=mounted, env=dict(config.env), workdir=config.workdir, layer_digests=digests)
+        if self.host_ca:
+            env = {**dict.fromkeys(CA_ENV, BUILDER_CA), **env}
+        create = CreateSandbox(
+            image=ref.name,
+            limits=BUILDER_LIMITS,
+            timeout=24 * 3600,
+            env=env,
+            labels={"dsec.build": label},
+            network="full",
+        )
+        rec = await self.lifecycle.create_on(create, ref)
+        try:
+            yield self.lifecycle.sandboxes.backends[rec.kind], rec
+        finally:
+            with contextlib.suppress(Exception):
+                await self.lifecycle.kill(rec.id)
+
+    async def pack(self, backend: Backend, rec: SandboxRecord, rules: ScrubRules) -> StagedLayer:
+        """What a builder sandbox changed, scrubbed and packed as one layer."""
+        async with backend.frozen_upper(rec) as upper:
+            return await self.images.pack(upper, rules)
+
+    async def squash_residue(self, name: str, own: list[LayerRef], rules: ScrubRules) -> LayerRef | None:
         """One layer for the build's steps if a later step deleted or hid what an earlier one wrote (see
         images/squash.py); None if nothing is shadowed. The step layers stay in this caller's build cache
         only: no published version refers to them."""
@@ -246,29 +296,8 @@ class Builder:
         req: BuildRequest,
         rules: ScrubRules,
     ) -> StagedLayer:
-        digests = tuple(layer.digest for layer in layers)
-        mounted = tuple(await asyncio.gather(*(self.images.layers.mount(d) for d in digests)))
-        ref = ImageRef(
-            name=normalize(spec.base),
-            layers=mounted,
-            env=dict(config.env),
-            workdir=config.workdir,
-            layer_digests=digests,
-        )
         env = {**req.args, **{k: req.secrets[k] for k in step.secrets}}
-        if self.host_ca:
-            env = {**dict.fromkeys(CA_ENV, BUILDER_CA), **env}
-        create = CreateSandbox(
-            image=ref.name,
-            limits=BUILDER_LIMITS,
-            timeout=step.timeout + 600,
-            env=env,
-            labels={"dsec.build": normalize(spec.name)},
-            network="full",
-        )
-        rec = await self.lifecycle.create_on(create, ref)
-        backend = self.lifecycle.sandboxes.backends[rec.kind]
-        try:
+        async with self.sandbox(normalize(spec.base), layers, config, env, normalize(spec.name)) as (backend, rec):
             if step.copy_ is not None:
                 await backend.upload_tar(rec, step.copy_.dest, await self._context(step))
             else:
@@ -286,8 +315,4 @@ class Builder:
                     raise BuildFailed(f"build step {step.describe()!r} {why}: {tail}")
             if spec.scrub_git:
                 await backend.exec(rec, ExecRequest(cmd=["/bin/sh", "-c", GIT_SCRUB], timeout=600))
-            async with backend.frozen_upper(rec) as upper:
-                return await self.images.pack(upper, rules)
-        finally:
-            with contextlib.suppress(Exception):
-                await self.lifecycle.kill(rec.id)
+            return await self.pack(backend, rec, rules)

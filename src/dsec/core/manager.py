@@ -26,7 +26,9 @@ from ..protocol.grade import GradeRequest, GradeResult
 from ..protocol.network import NetworkSpec
 from ..protocol.sandbox import (
     TERMINAL_STATES,
+    BuildResult,
     CreateSandbox,
+    DockerfileBuildRequest,
     ExecRequest,
     ExecResult,
     FileEntry,
@@ -49,6 +51,7 @@ from . import forks
 from .actions import Actions
 from .admission import Admission, AdmissionOptions
 from .builds import Builder
+from .dockerfile.build import DockerfileBuild
 from .files import FileActions
 from .grading import Grader
 from .imageops import ImageActions
@@ -342,6 +345,9 @@ class SandboxManager:
 
     async def snapshot(self, sandbox_id: str, req: SnapshotRequest, *, caller: Caller = OPERATOR) -> ImageInfo:
         return await self.image_actions.snapshot(sandbox_id, req, caller=caller)
+
+    async def build_dockerfile(self, req: DockerfileBuildRequest, *, caller: Caller = OPERATOR) -> BuildResult:
+        return await DockerfileBuild(self.builds, req, caller).run()
 
     async def grade(self, sandbox_id: str, req: GradeRequest, *, caller: Caller = OPERATOR) -> GradeResult:
         """Run ``req.cmd`` in a fresh sibling of the candidate's pristine image against a read-only copy

@@ -54,7 +54,15 @@ class ImageConfig(BaseModel):
     env: dict[str, str] = Field(default_factory=lambda: {"PATH": DEFAULT_PATH})
     workdir: str = "/"
     user: str = "root"
+    # as OCI keeps them: a sandbox's command is entrypoint + cmd (versions stored before cmd was kept apart
+    # have both in entrypoint)
     entrypoint: list[str] | None = None
+    cmd: list[str] | None = None
+    labels: dict[str, str] = Field(default_factory=dict)
+    exposed_ports: list[str] = Field(default_factory=list)  # "8080/tcp", recorded (sandboxes have no port mapping)
+
+
+LATER_CONFIG_FIELDS: dict[str, object] = {"cmd": None, "labels": {}, "exposed_ports": []}
 
 
 class LayerRef(BaseModel):
@@ -98,6 +106,12 @@ class ImageVersion(BaseModel):
         data = self.model_dump(mode="json")
         if data.get("source") is None:
             data.pop("source", None)
+        # the config's later fields likewise, at their defaults: a version stored before they existed
+        # keeps its digest
+        config = data["config"]
+        for key, empty in LATER_CONFIG_FIELDS.items():
+            if config.get(key) == empty:
+                config.pop(key, None)
         return json.dumps(data, sort_keys=True, separators=(",", ":")).encode()
 
     @property

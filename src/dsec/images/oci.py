@@ -178,6 +178,8 @@ class _RunConfig(_Doc):
     cmd: list[str] | None = Field(None, alias="Cmd")
     working_dir: str | None = Field(None, alias="WorkingDir")
     user: str | None = Field(None, alias="User")
+    labels: dict[str, str] | None = Field(None, alias="Labels")
+    exposed_ports: dict[str, object] | None = Field(None, alias="ExposedPorts")
 
 
 class _RootFs(_Doc):
@@ -325,12 +327,14 @@ def _image_config(cfg: _ConfigFile, what: str) -> ImageConfig:
         if sep and key:
             env[key] = value
     env.setdefault("PATH", DEFAULT_PATH)  # as Docker does when an image sets none
-    argv = [*(rc.entrypoint or []), *(rc.cmd or [])]
     return ImageConfig(
         env=env,
         workdir=posixpath.normpath("/" + rc.working_dir.lstrip("/")) if rc.working_dir else "/",
         user=rc.user or "root",
-        entrypoint=argv or None,
+        entrypoint=rc.entrypoint or None,
+        cmd=rc.cmd or None,
+        labels=dict(rc.labels or {}),
+        exposed_ports=sorted(rc.exposed_ports or {}),
     )
 
 

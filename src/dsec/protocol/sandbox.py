@@ -424,6 +424,32 @@ class BuildRequest(BaseModel):
     canaries: Canaries = Field(default_factory=list, max_length=MAX_CANARIES, description=CANARIES_DOC)
 
 
+MAX_DOCKERFILE = 1 << 20
+
+
+class DockerfileBuildRequest(BaseModel):
+    """A Dockerfile build: the file's text and its context (a tar uploaded to ``/v1/build-contexts``)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: ImageName = Field(description="repo:tag of the image to publish (docker build -t).")
+    dockerfile: str = Field(min_length=1, max_length=MAX_DOCKERFILE, pattern=r"^[^\x00]*$")
+    context: str | None = Field(
+        default=None,
+        pattern=r"^[0-9a-f]{64}$",
+        description="blake3 of the uploaded context tar (none: COPY and ADD have nothing to copy from).",
+    )
+    args: Env = Field(default_factory=dict, description="--build-arg values; a stage sees those it declares (ARG).")
+    secrets: Env = Field(
+        default_factory=dict,
+        description="Secrets by id, for RUN --mount=type=secret,id=...; never logged, cached by, or packed.",
+    )
+    target: str | None = Field(
+        default=None, pattern=r"^[A-Za-z][A-Za-z0-9_.-]{0,62}$", description="The stage to build (default: the last)."
+    )
+    canaries: Canaries = Field(default_factory=list, max_length=MAX_CANARIES, description=CANARIES_DOC)
+
+
 class BuildStepResult(BaseModel):
     index: int
     description: str

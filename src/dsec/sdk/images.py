@@ -6,11 +6,13 @@ from __future__ import annotations
 import asyncio
 import builtins
 import io
+import os
 import tarfile
 from collections.abc import Callable
 from pathlib import Path
 
 from ..errors import InvalidRequest, error_from_wire
+from ..protocol import dockerignore
 from ..protocol.build import BuildSpec, ImageSpec, load_spec
 from ..protocol.pull import PullEvent, PullPolicy, PullProgress
 from ..protocol.sandbox import BuildResult, GcResult, ImageInfo, ImageList, ImageStats
@@ -32,6 +34,34 @@ def _tar_of(src: Path) -> bytes:
                 tar.add(child, arcname=child.name)
         else:
             tar.add(src, arcname=src.name)
+    return buf.getvalue()
+
+
+def context_tar(context: Path) -> bytes:
+    """A Dockerfile's build context as a tar: the directory's files but those its ``.dockerignore``
+    leaves out (the daemon applies the same file again)."""
+    if not context.is_dir():
+        raise InvalidRequest(f"build context {context} is not a directory")
+    ignore = context / ".dockerignore"
+    ruleset = dockerignore.rules(ignore.read_text(errors="replace")) if ignore.is_file() else []
+    prune = not any(rule.keep for rule in ruleset)  # an ignored directory can hold nothing taken back in
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        for root, dirs, files in os.walk(context):
+            base = Path(root).relative_to(context)
+            kept_dirs = []
+            for d in sorted(dirs):
+                rel = (base / d).as_posix()
+                if dockerignore.ignored(rel, ruleset) and prune:
+                    continue
+                kept_dirs.append(d)
+                tar.add(Path(root) / d, arcname=rel, recursive=False)
+            dirs[:] = kept_dirs
+            for f in sorted(files):
+                rel = (base / f).as_posix()
+                if rel != ".dockerignore" and dockerignore.ignored(rel, ruleset):
+                    continue
+                tar.add(Path(root) / f, arcname=rel, recursive=False)
     return buf.getvalue()
 
 
@@ -107,6 +137,43 @@ class ImageClient:
             "canaries": canaries or [],
         }
         reply = await self._transport.request("POST", "/v1/images/builds", json=body, timeout=BUILD_TIMEOUT)
+        return BuildResult.model_validate_json(reply.content)
+
+    async def build_dockerfile(
+        self,
+        name: str,
+        context: str | Path = ".",
+        *,
+        dockerfile: str | Path | None = None,
+        build_args: dict[str, str] | None = None,
+        secrets: dict[str, str] | None = None,
+        target: str | None = None,
+        canaries: builtins.list[str] | None = None,
+    ) -> BuildResult:
+        """Build ``name`` from a Dockerfile, as ``docker build -f DOCKERFILE -t NAME CONTEXT`` does.
+
+        ``dockerfile`` defaults to CONTEXT/Dockerfile; the context (less what its ``.dockerignore`` leaves
+        out) is uploaded. ``secrets`` by id serve ``RUN --mount=type=secret,id=...`` and are never packed;
+        ``target`` builds that stage. Each RUN, COPY and ADD becomes a cached layer.
+        """
+        where = Path(context)
+        path = Path(dockerfile) if dockerfile is not None else where / "Dockerfile"
+        try:
+            text = await asyncio.to_thread(path.read_text)
+        except (OSError, UnicodeDecodeError) as e:
+            raise InvalidRequest(f"cannot read the Dockerfile {path}: {e}") from None
+        data = await asyncio.to_thread(context_tar, where)
+        reply = await self._transport.request("PUT", "/v1/build-contexts", content=data)
+        body = {
+            "name": name,
+            "dockerfile": text,
+            "context": str(reply.json()["context"]),
+            "args": build_args or {},
+            "secrets": secrets or {},
+            "target": target,
+            "canaries": canaries or [],
+        }
+        reply = await self._transport.request("POST", "/v1/images/dockerfile-builds", json=body, timeout=BUILD_TIMEOUT)
         return BuildResult.model_validate_json(reply.content)
 
     async def import_image(

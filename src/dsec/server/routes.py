@@ -23,6 +23,7 @@ from ..protocol.sandbox import (
     BuildRequest,
     BuildResult,
     CreateSandbox,
+    DockerfileBuildRequest,
     ErrorResponse,
     ExecEvent,
     ExecRequest,
@@ -392,6 +393,12 @@ async def build(body: BuildRequest, mgr: Mgr, caller: CallerDep) -> BuildResult:
     return await mgr.builds.build(body, caller=caller)
 
 
+@api.post("/images/dockerfile-builds", response_model=BuildResult, status_code=201)
+async def build_dockerfile(body: DockerfileBuildRequest, mgr: Mgr, caller: CallerDep) -> BuildResult:
+    """Build an image from a Dockerfile and its uploaded context: each RUN, COPY and ADD a cached layer."""
+    return await mgr.build_dockerfile(body, caller=caller)
+
+
 class ContextRef(BaseModel):
     context: str
 
@@ -399,7 +406,7 @@ class ContextRef(BaseModel):
 @api.put(
     "/build-contexts",
     response_model=ContextRef,
-    openapi_extra=_upload("application/x-tar", "A tar archive of the files a copy step copies."),
+    openapi_extra=_upload("application/x-tar", "A tar archive of the files a copy step (or a Dockerfile) copies."),
 )
 async def put_context(request: Request, mgr: Mgr) -> ContextRef:
     """Upload a tar archive for a build's copy step; answered with its content digest."""

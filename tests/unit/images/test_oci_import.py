@@ -153,12 +153,17 @@ CONFIG_BODY = {
     "Cmd": ["echo hi"],
     "WorkingDir": "/srv",
     "User": "1000:1000",
+    "Labels": {"org.opencontainers.image.title": "t"},
+    "ExposedPorts": {"8080/tcp": {}, "53/udp": {}},
 }
 EXPECTED_CONFIG = ImageConfig(
     env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "EMPTY": "", "EQ": "a=b"},
     workdir="/srv",
     user="1000:1000",
-    entrypoint=["/bin/sh", "-c", "echo hi"],
+    entrypoint=["/bin/sh", "-c"],
+    cmd=["echo hi"],
+    labels={"org.opencontainers.image.title": "t"},
+    exposed_ports=["53/udp", "8080/tcp"],
 )
 
 

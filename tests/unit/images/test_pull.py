@@ -16,13 +16,23 @@ import tarfile
 import threading
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from pathlib import Path
 
 import httpx
 import pytest
 
 from dsec.errors import BackendError, ImageExists, InvalidRequest, StorageFull
-from dsec.images.model import REGISTRY_LAYERS, ImageSource, ImageVersion, LayerRef, RegistryLayer, registry_layer_key
+from dsec.images.model import (
+    DEFAULT_PATH,
+    REGISTRY_LAYERS,
+    ImageConfig,
+    ImageSource,
+    ImageVersion,
+    LayerRef,
+    RegistryLayer,
+    registry_layer_key,
+)
 from dsec.images.pull import scrub_fingerprint
 from dsec.images.pull_progress import LayerProgress, PullProgress, PullReporter
 from dsec.images.pull_stream import ByteBridge
@@ -150,7 +160,7 @@ async def test_shared_layers_convert_once_and_the_policies(tmp_path: Path) -> No
     assert a.layers[0].digest == b.layers[0].digest and len(await store.catalog.repo.list(REGISTRY_LAYERS)) == 3
     version = await store.catalog.version(a.digest or "")
     assert version.config.env == {"PATH": "/bin", "A": "b=c"} and version.config.user == "agent"
-    assert version.config.entrypoint == ["/bin/run", "x"]
+    assert (version.config.entrypoint, version.config.cmd) == (["/bin/run"], ["x"])
 
     seen = len(fake.requests)
     assert (await store.pull(f"{HOST}/org/a:1")).digest == a.digest
@@ -283,6 +293,25 @@ def test_a_version_without_source_keeps_its_digest() -> None:
     pulled = version.model_copy(update={"source": ImageSource(reference="h/a:1", digest="d", manifest="m")})
     assert b'"source":{' in pulled.canonical() and pulled.digest != version.digest
     assert ImageVersion.model_validate_json(pulled.canonical()).digest == pulled.digest
+
+
+def test_a_version_stored_before_cmd_labels_and_ports_keeps_its_digest() -> None:
+    """A version as an older dsec stored it (no cmd, labels or exposed ports in its config) hashes to the
+    name it was stored under; one that sets them hashes them."""
+    version = ImageVersion(
+        name="a:1",
+        layers=[LayerRef(digest="0" * 64, role=LayerRole.base, size=1)],
+        config=ImageConfig(entrypoint=["/bin/sh"]),
+        created_at=datetime(2026, 1, 1, tzinfo=UTC),
+    )
+    older = {"env": {"PATH": DEFAULT_PATH}, "workdir": "/", "user": "root", "entrypoint": ["/bin/sh"]}
+    stored = json.loads(version.canonical())
+    assert stored["config"] == older
+    assert ImageVersion.model_validate(stored).digest == version.digest
+    labelled = version.model_copy(
+        update={"config": ImageConfig(cmd=["x"], labels={"k": "v"}, exposed_ports=["80/tcp"])}
+    )
+    assert json.loads(labelled.canonical())["config"]["labels"] == {"k": "v"} and labelled.digest != version.digest
 
 
 async def test_publish_moves_a_name_only_when_asked(tmp_path: Path) -> None:
