@@ -3,8 +3,9 @@ SHELL := /bin/bash
 VENV ?= .venv
 PY := $(VENV)/bin/python
 # docker-registry, skopeo, apache2-utils (htpasswd) and openssl: the registry client's tests run real registries;
+# podman runs what `dsec image push` wrote, as a Docker user would;
 # e2fsprogs: named volumes are ext4 images
-APT_PACKAGES := crun runc busybox-static catatonit mmdebstrap ca-certificates gcc libc6-dev erofs-utils e2fsprogs qemu-system-x86 nftables iproute2 postgresql docker-registry skopeo apache2-utils openssl
+APT_PACKAGES := crun runc busybox-static catatonit mmdebstrap ca-certificates gcc libc6-dev erofs-utils e2fsprogs qemu-system-x86 nftables iproute2 postgresql docker-registry skopeo apache2-utils openssl podman
 STAMP := $(VENV)/.installed
 
 .PHONY: demo test lint unit integration install system-deps clean bench

@@ -48,7 +48,7 @@ from .errors import (
 from .protocol.build import BuildSpec, ImageSpec
 from .protocol.grade import GradeResult
 from .protocol.network import NetworkAllow
-from .protocol.pull import PullProgress
+from .protocol.pull import PullProgress, PushResult
 from .protocol.run import PoolInfo, RunResult
 from .protocol.sandbox import BuildResult, ExecResult, FileEntry, ImageInfo, NetworkStatus, SandboxInfo, State
 from .protocol.trajectory import RecordedCall, TrajectoryInfo
@@ -103,6 +103,7 @@ __all__ = [
     "Overloaded",
     "PoolInfo",
     "PullProgress",
+    "PushResult",
     "QuotaExceeded",
     "RecordedCall",
     "RegistryAuthFailed",

@@ -38,7 +38,13 @@ import pytest
 from .conftest import free_port
 
 REGISTRY_BIN = "/usr/bin/docker-registry"
-_PACKAGES = {REGISTRY_BIN: "docker-registry", "skopeo": "skopeo", "htpasswd": "apache2-utils", "openssl": "openssl"}
+_PACKAGES = {
+    REGISTRY_BIN: "docker-registry",
+    "skopeo": "skopeo",
+    "htpasswd": "apache2-utils",
+    "openssl": "openssl",
+    "podman": "podman",
+}
 
 
 def need(tool: str) -> str:

@@ -193,6 +193,25 @@ def pull(
     console.print(f"{info.name} {_short(info.digest)} {format_size(info.size)}")
 
 
+@image_app.command("push")
+def push(
+    name: Annotated[str, typer.Argument(help="The dsec image to push (a build, a snapshot, a pulled image).")],
+    reference: Annotated[str, typer.Argument(help="Where: registry.example:5000/org/env:1.")],
+    url: UrlOpt = None,
+    token: TokenOpt = None,
+) -> None:
+    """Push an image to an OCI registry as a standard image (docker pull / podman pull run it)."""
+    try:
+        with console.status(f"pushing {name} to {reference}…"):
+            result = client(url, token).push(name, reference)
+    except DsecError as e:
+        fail(e)
+    console.print(
+        f"{result.reference}: {result.layers} layers, {result.layers_uploaded} uploaded "
+        f"({format_size(result.bytes_uploaded)}) in {result.seconds:.1f}s"
+    )
+
+
 @image_app.command("build")
 def build(
     target: Annotated[

@@ -6,9 +6,12 @@ from __future__ import annotations
 
 import logging
 
-from ..errors import InvalidState
+from ..errors import Forbidden, InvalidRequest, InvalidState
 from ..images.canary import call_canaries
-from ..images.store import ImageStore
+from ..images.push import push_version
+from ..images.registry import parse_reference
+from ..images.store import ImageStore, normalize
+from ..protocol.pull import PushRequest, PushResult
 from ..protocol.sandbox import GcResult, ImageInfo, SnapshotRequest
 from ..tenancy import OPERATOR, Caller
 from .sandboxes import Sandboxes
@@ -53,6 +56,17 @@ class ImageActions:
                 description=req.description,
                 owner=caller.owner,
             )
+
+    async def push(self, req: PushRequest, *, caller: Caller = OPERATOR) -> PushResult:
+        """Push an image the caller may see to a registry this node may reach (--registry-allow)."""
+        ref = parse_reference(req.reference)
+        if not self.images.registry.allows(ref.registry):
+            raise Forbidden(f"this node does not push to {ref.registry} (dsec serve --registry-allow)")
+        if ref.digest is not None:
+            raise InvalidRequest(f"push to a tag, not a digest ({req.reference}): the registry names the digest")
+        image = await self.images.resolve(normalize(req.name), caller=caller, build=False)
+        version = await self.images.catalog.version(image.digest)
+        return await push_version(version, ref, self.images.layers, self.images.puller.client())
 
     async def remove_image(self, name: str, *, caller: Caller = OPERATOR) -> None:
         await self.images.remove(name, self.images_in_use(), caller)

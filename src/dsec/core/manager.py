@@ -24,6 +24,7 @@ from ..kinds.base import Backend, BackendContext, OutputCallback
 from ..kinds.execio import ExecIO
 from ..protocol.grade import GradeRequest, GradeResult
 from ..protocol.network import NetworkSpec
+from ..protocol.pull import PushRequest, PushResult
 from ..protocol.sandbox import (
     TERMINAL_STATES,
     BuildResult,
@@ -345,6 +346,9 @@ class SandboxManager:
 
     async def snapshot(self, sandbox_id: str, req: SnapshotRequest, *, caller: Caller = OPERATOR) -> ImageInfo:
         return await self.image_actions.snapshot(sandbox_id, req, caller=caller)
+
+    async def push_image(self, req: PushRequest, *, caller: Caller = OPERATOR) -> PushResult:
+        return await self.image_actions.push(req, caller=caller)
 
     async def build_dockerfile(self, req: DockerfileBuildRequest, *, caller: Caller = OPERATOR) -> BuildResult:
         return await DockerfileBuild(self.builds, req, caller).run()

@@ -10,7 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from .names import PULL_POLICY_DOC, ImageName, PullPolicy
 from .sandbox import ErrorBody, ImageInfo
 
-__all__ = ["PullEvent", "PullPolicy", "PullProgress", "PullRequest"]
+__all__ = ["PullEvent", "PullPolicy", "PullProgress", "PullRequest", "PushRequest", "PushResult"]
 
 
 class PullRequest(BaseModel):
@@ -36,3 +36,21 @@ class PullEvent(BaseModel):
     progress: PullProgress | None = None
     image: ImageInfo | None = None
     error: ErrorBody | None = None
+
+
+class PushRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: ImageName = Field(description="The dsec image to push (a snapshot, a build, a pulled image).")
+    reference: ImageName = Field(
+        description="Where: registry.example:5000/org/env:1 (a tag; without one, latest). Docker Hub for a short name."
+    )
+
+
+class PushResult(BaseModel):
+    reference: str = Field(description="The canonical reference pushed, with the manifest's digest.")
+    digest: str = Field(description="sha256 of the image manifest the registry now holds.")
+    layers: int = Field(ge=0)
+    layers_uploaded: int = Field(ge=0, description="Layers the repository did not have (the rest were there).")
+    bytes_uploaded: int = Field(ge=0, description="Compressed bytes sent, the config included.")
+    seconds: float = Field(ge=0)

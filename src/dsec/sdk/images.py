@@ -14,7 +14,7 @@ from pathlib import Path
 from ..errors import InvalidRequest, error_from_wire
 from ..protocol import dockerignore
 from ..protocol.build import BuildSpec, ImageSpec, load_spec
-from ..protocol.pull import PullEvent, PullPolicy, PullProgress
+from ..protocol.pull import PullEvent, PullPolicy, PullProgress, PushResult
 from ..protocol.sandbox import BuildResult, GcResult, ImageInfo, ImageList, ImageStats
 from .creating import CREATE_TIMEOUT
 from .transport import Transport
@@ -175,6 +175,13 @@ class ImageClient:
         }
         reply = await self._transport.request("POST", "/v1/images/dockerfile-builds", json=body, timeout=BUILD_TIMEOUT)
         return BuildResult.model_validate_json(reply.content)
+
+    async def push(self, name: str, reference: str) -> PushResult:
+        """Push the dsec image ``name`` (a build, a snapshot, a pulled image) to ``reference``
+        (``registry.example:5000/org/env:1``) as a standard OCI image that ``docker pull`` runs."""
+        body = {"name": name, "reference": reference}
+        reply = await self._transport.request("POST", "/v1/images/push", json=body, timeout=PULL_TIMEOUT)
+        return PushResult.model_validate_json(reply.content)
 
     async def import_image(
         self, path: str | Path, name: str, reference: str | None = None, *, canaries: builtins.list[str] | None = None

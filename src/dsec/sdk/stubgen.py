@@ -32,7 +32,7 @@ from ..protocol.build import BuildSpec, ImageSpec
 from ..protocol.grade import GradeResult
 from ..protocol.network import NetworkSpec
 from ..protocol.node import NodeStatus, TenantQuota
-from ..protocol.pull import PullPolicy, PullProgress
+from ..protocol.pull import PullPolicy, PullProgress, PushResult
 from ..protocol.run import PoolInfo, RunRequest, RunResult
 from ..protocol.sandbox import (
     AuditRecord,

@@ -8,7 +8,7 @@ from fastapi import APIRouter
 from fastapi.responses import StreamingResponse
 
 from ..images.pull_progress import PullProgress as PullState
-from ..protocol.pull import PullEvent, PullProgress, PullRequest
+from ..protocol.pull import PullEvent, PullProgress, PullRequest, PushRequest, PushResult
 from .auth import CallerDep
 from .routes import _ERRORS, Mgr, _bytes
 from .streaming import event_stream
@@ -35,6 +35,12 @@ async def pull_image(body: PullRequest, mgr: Mgr, caller: CallerDep) -> Streamin
         send(PullEvent(type="result", image=image))
 
     return event_stream(work, lambda error: PullEvent(type="error", error=error), f"pull of {body.reference}")
+
+
+@router.post("/images/push", response_model=PushResult)
+async def push_image(body: PushRequest, mgr: Mgr, caller: CallerDep) -> PushResult:
+    """Push a dsec image to an OCI registry as a standard image (docker pull and podman pull run it)."""
+    return await mgr.push_image(body, caller=caller)
 
 
 def wire_progress(p: PullState) -> PullProgress:

@@ -135,6 +135,11 @@ class RegistryClient:
     async def aclose(self) -> None:
         await self._http.aclose()
 
+    @property
+    def transport(self) -> Transport:
+        """The HTTP side (a push writes through it: push.py)."""
+        return self._http
+
     async def _each_endpoint(self, ref: Reference, op: Callable[[Endpoint], Awaitable[_T]]) -> _T:
         """``op`` on the first endpoint that does it: mirrors in order, then the registry, whose error stands."""
         endpoints = self.hosts.endpoints(ref.registry)

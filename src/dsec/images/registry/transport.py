@@ -24,7 +24,7 @@ from ...protocol.version import __version__
 from .auth import MAX_TOKEN_ANSWER, Authenticator, Challenge, CredentialStore, parse_www_authenticate
 from .hosts import Endpoint, RegistryHosts
 
-__all__ = ["RegistryAnswer", "Retriable", "RetryPolicy", "Timeouts", "Transport"]
+__all__ = ["Body", "RegistryAnswer", "Retriable", "RetryPolicy", "Timeouts", "Transport"]
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +33,8 @@ _MAX_REDIRECTS = 5
 _RETRY_STATUSES = frozenset({408, 429, 500, 502, 503, 504})
 _MAX_ERROR_BODY = 64 << 10
 _T = TypeVar("_T")
+# what a request sends, made afresh for each send (a challenge's answer sends it again)
+Body = Callable[[], bytes | AsyncIterator[bytes]]
 
 
 @dataclass(frozen=True)
@@ -188,9 +190,16 @@ class Transport:
     # ---- one request ------------------------------------------------------------------------------------
 
     async def _send(
-        self, endpoint: Endpoint, url: str, headers: dict[str, str], authorization: str | None
+        self,
+        endpoint: Endpoint,
+        url: str,
+        headers: dict[str, str],
+        authorization: str | None,
+        method: str = "GET",
+        body: Body | None = None,
     ) -> httpx.Response:
-        """GET ``url``, following redirects; the Authorization header goes only to the endpoint's own host."""
+        """``method`` ``url``; a GET or HEAD follows redirects (an upload's answer names its next URL, never
+        a redirect); the Authorization header goes only to the endpoint's own host."""
         target = httpx.URL(url)
         for _ in range(_MAX_REDIRECTS + 1):
             host = target.netloc.decode("ascii")
@@ -198,12 +207,14 @@ class Transport:
             if authorization is not None and host == endpoint.host:
                 sent["Authorization"] = authorization
             client = self._client(host)
+            content = body() if body is not None else None
             try:
-                response = await client.send(client.build_request("GET", target, headers=sent), stream=True)
+                request = client.build_request(method, target, headers=sent, content=content)
+                response = await client.send(request, stream=True)
             except httpx.TransportError as e:
-                raise unreachable(f"cannot fetch {target} from {endpoint.label()}", e) from None
+                raise unreachable(f"cannot {method} {target} at {endpoint.label()}", e) from None
             location = response.headers.get("location")
-            if response.status_code not in _REDIRECTS or not location:
+            if method not in ("GET", "HEAD") or response.status_code not in _REDIRECTS or not location:
                 return response
             await response.aclose()
             try:
@@ -223,18 +234,24 @@ class Transport:
         headers: dict[str, str],
         what: str,
         not_found: Callable[[RegistryAnswer], DsecError],
+        method: str = "GET",
+        body: Body | None = None,
+        seconds: float | None = None,
     ) -> AsyncIterator[httpx.Response]:
-        """One try of GET ``path`` on ``endpoint``, authorised (answering one challenge): yields a 2xx answer
-        whose body is not read yet. Retriable for what another try may fix; the right error otherwise."""
-        async with deadline(self.timeouts.request, f"{endpoint.label()} ({endpoint.host})"):
-            url = await self.base_url(endpoint) + path
+        """One try of ``method`` ``path`` on ``endpoint`` (``path`` may be a full URL an upload was given),
+        authorised (answering one challenge; ``body`` makes the request's content afresh for each send):
+        yields a 2xx answer whose body is not read yet. Retriable for what another try may fix; the right
+        error otherwise. ``seconds``: the deadline of the request's head, if not the small-request one."""
+        limit = self.timeouts.request if seconds is None else seconds
+        async with deadline(limit, f"{endpoint.label()} ({endpoint.host})"):
+            url = path if path.startswith(("http://", "https://")) else await self.base_url(endpoint) + path
             authorization = await self.auth.authorization(endpoint, scope)
-            response = await self._send(endpoint, url, headers, authorization)
+            response = await self._send(endpoint, url, headers, authorization, method, body)
             if response.status_code == 401:
                 challenges = _challenges(response, endpoint)
                 await response.aclose()
                 authorization = await self.auth.answer(endpoint, scope, challenges, authorization)
-                response = await self._send(endpoint, url, headers, authorization)
+                response = await self._send(endpoint, url, headers, authorization, method, body)
         try:
             if response.status_code == 401:
                 raise RegistryAuthFailed(self.auth.refused(endpoint, scope))
