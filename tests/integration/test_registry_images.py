@@ -4,12 +4,14 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
 import shutil
 import subprocess
 import sys
 import tarfile
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -152,3 +154,60 @@ def test_dsec_image_pull_on_the_command_line(node: Daemon, registry: Registry) -
         timeout=300,
     )
     assert (ran.returncode, ran.stdout) == (0, "task 0\n"), ran.stderr
+
+
+def big_image(registry: Registry, workdir: Path, tag: str) -> str:
+    """A task image with a layer of 64 MB of random bytes: a pull long enough to be seen."""
+    layout = OciLayout(workdir / "layout")
+    base = make_layer(
+        tar_of([M("bin", kind=tarfile.DIRTYPE, mode=0o755), M("bin/busybox", BUSYBOX.read_bytes(), mode=0o755)])
+    )
+    blob = make_layer(tar_of([M("data", kind=tarfile.DIRTYPE, mode=0o755), M("data/blob", os.urandom(64 << 20))]))
+    layout.name(layout.image([base, blob]), tag)
+    push(layout, tag, registry, f"org/big:{tag}")
+    return f"{registry.host}/org/big:{tag}"
+
+
+def wait_for_pending(
+    client: dsec.Client, ref: str, creating: concurrent.futures.Future[dsec.Sandbox], deadline: float = 60.0
+) -> dsec.SandboxInfo:
+    """The sandbox a creation on ``ref`` lists while its image is pulled."""
+    end = time.monotonic() + deadline
+    while time.monotonic() < end and not creating.done():
+        for info in client.list():
+            if info.image == ref and info.state.value == "creating" and info.waiting:
+                return info
+        time.sleep(0.02)
+    done = f"; the creation ended first: {creating.exception() or 'it succeeded'}" if creating.done() else ""
+    raise AssertionError(f"no sandbox on {ref} was listed as waiting for its pull{done}")
+
+
+def test_a_sandbox_waiting_for_its_pull_says_so(node: Daemon, registry: Registry, workdir: Path) -> None:
+    client = node.client()
+    ref = big_image(registry, workdir, "w1")
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        creating = pool.submit(dsec.Sandbox.create, image=ref, client=client, timeout=300)
+        pending = wait_for_pending(client, ref, creating)
+        assert pending.waiting is not None and pending.waiting.startswith(f"pulling {ref}"), pending.waiting
+        sb = creating.result(timeout=300)
+    try:
+        info = sb.info()
+        assert (info.id, info.state.value, info.waiting) == (pending.id, "running", None)
+        assert sb.exec(["/bin/busybox", "wc", "-c", "/data/blob"]).stdout.split()[0] == str(64 << 20)
+    finally:
+        sb.kill()
+
+
+def test_a_sandbox_killed_while_its_image_is_pulled_never_starts(
+    node: Daemon, registry: Registry, workdir: Path
+) -> None:
+    client = node.client()
+    ref = big_image(registry, workdir, "w2")
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        creating = pool.submit(dsec.Sandbox.create, image=ref, client=client, timeout=300)
+        pending = wait_for_pending(client, ref, creating)
+        dsec.Sandbox.connect(pending.id, client=client).kill()
+        with pytest.raises(dsec.SandboxGone):
+            creating.result(timeout=300)
+    assert client.image(ref).ready  # the pull went on: the next creation finds the image
+    assert [i for i in client.list() if i.image == ref] == []

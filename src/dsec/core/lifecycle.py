@@ -35,6 +35,8 @@ from .metrics import NodeMetrics
 from .sandboxes import LIVE_STATES, Sandboxes, gone
 from .volumes import Volumes
 
+RESOLVE_SHOWN_AFTER = 0.25  # s: an image not ready by then is being pulled (or built): the sandbox is listed
+WAITING_EVERY = 1.0  # s between updates of what it waits for
 log = logging.getLogger("dsec.core")
 
 KEEP_FINISHED_S = 24 * 3600.0
@@ -96,16 +98,63 @@ class Lifecycle:
             raise InvalidRequest(f"memory limit {req.limits.memory} exceeds this node's {host_memory()} bytes")
         # refused now (too big for the node or the tenant's quota) rather than after an image build
         self.sandboxes.admission.check(Claim(caller.tenant, req.limits.cpu, req.limits.mem_request()))
-        image = await self.images.resolve(req.image, caller=caller, pull=req.pull)
-        return (await self.create_on(req, image, owner=caller.tenant, persist=persist)).info()
+        image, pending = await self._resolve(req, caller)
+        try:
+            rec = await self.create_on(req, image, owner=caller.tenant, persist=persist, pending=pending)
+        except BaseException:
+            if pending is not None and pending.state == State.creating:
+                self.sandboxes.drop(pending.id)  # refused before it was taken up: it was never recorded
+            raise
+        return rec.info()
+
+    async def _resolve(self, req: CreateSandbox, caller: Caller) -> tuple[ImageRef, SandboxRecord | None]:
+        """The image, and the sandbox's record if one was shown while the caller waited for a pull (or a
+        build): listed as creating, its ``waiting`` saying what the pull is doing, so a pull of minutes is
+        seen, not a silence. The record is kept in memory only until the creation takes it up (a pull that
+        fails leaves nothing); admission follows the pull; a kill meanwhile ends the creation after it."""
+        resolving = asyncio.ensure_future(self.images.resolve(req.image, caller=caller, pull=req.pull))
+        rec: SandboxRecord | None = None
+        try:
+            done, _ = await asyncio.wait({resolving}, timeout=RESOLVE_SHOWN_AFTER)
+            if not done:
+                rec = self._record(req, req.image, "", caller.tenant)
+                rec.waiting = self._waiting_for(req.image)
+                self.sandboxes.adopt(rec, persist=False)
+                while not (await asyncio.wait({resolving}, timeout=WAITING_EVERY))[0]:
+                    rec.waiting = self._waiting_for(req.image)
+            return resolving.result(), rec
+        except BaseException:
+            resolving.cancel()
+            if rec is not None:
+                self.sandboxes.drop(rec.id)
+            raise
+
+    def _waiting_for(self, image: str) -> str:
+        pull = self.images.pulling(image)
+        return pull.waiting_for() if pull is not None else f"image {image} (being built or resolved)"
+
+    def _record(self, req: CreateSandbox, image: str, digest: str, owner: str) -> SandboxRecord:
+        rec = new_record(req.kind, image, digest, req.timeout, req.limits, req.env, req.labels)
+        rec.owner = owner
+        rec.network = req.network
+        rec.node = self.node_name
+        rec.trajectory = req.trajectory or None
+        return rec
 
     async def create_on(
-        self, req: CreateSandbox, image: ImageRef, *, owner: str = OPERATOR.tenant, persist: bool = True
+        self,
+        req: CreateSandbox,
+        image: ImageRef,
+        *,
+        owner: str = OPERATOR.tenant,
+        persist: bool = True,
+        pending: SandboxRecord | None = None,
     ) -> SandboxRecord:
         """Create on a resolved image (builder sandboxes the daemon runs itself come here too).
 
         Admission comes first: a creation that waits for capacity, or is refused, has no record yet, so
-        nothing half-made is left behind by a deadline or a caller that went away."""
+        nothing half-made is left behind by a deadline or a caller that went away. ``pending``: the
+        record made while the image was pulled (``_resolve``), which the creation goes on with."""
         sandboxes, admission = self.sandboxes, self.sandboxes.admission
         backend = sandboxes.backends[req.kind]
         backend.check_network(req.network)
@@ -119,18 +168,17 @@ class Lifecycle:
         if waited:
             self.metrics.queue_wait.observe(waited)
         try:
-            rec = new_record(req.kind, image.name, image.digest, req.timeout, req.limits, req.env, req.labels)
+            rec = (
+                self._record(req, image.name, image.digest, owner) if pending is None else _went_on(pending, image, req)
+            )
         except BaseException:
             admission.cancel(claim)
             raise
         admission.bind(rec.id, claim)
-        rec.owner = owner
-        rec.network = req.network
-        rec.node = self.node_name
-        rec.trajectory = req.trajectory or None
         try:
             if req.volumes:  # taken again: the queue may have let another writer in meanwhile
                 rec.volumes = self._volumes().claim(rec.id, req.volumes, caller)
+            sandboxes.drop(rec.id)  # a record shown during a pull is taken up: recorded from now on
             sandboxes.adopt(rec, persist=persist)
         except BaseException:
             if sandboxes.volumes is not None:
@@ -362,6 +410,15 @@ class Lifecycle:
                 with contextlib.suppress(Exception):
                     await backend.destroy(rec)
             log.warning("sandbox %s lost: %s", rec.id, reason)
+
+
+def _went_on(rec: SandboxRecord, image: ImageRef, req: CreateSandbox) -> SandboxRecord:
+    """A record made during a pull, now that the image is there (SandboxGone if it was killed meanwhile)."""
+    if rec.state != State.creating:
+        raise SandboxGone(f"sandbox {rec.id} was {rec.state.value} while its image was pulled: {rec.reason}")
+    rec.image, rec.image_digest, rec.waiting = image.name, image.digest, None
+    rec.expires_at = time.time() + req.timeout  # its time to live counts from its start, not from the pull's
+    return rec
 
 
 def failure(e: BaseException) -> str:

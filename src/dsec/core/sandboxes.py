@@ -114,6 +114,14 @@ class Sandboxes:
             raise SandboxGone(f"sandbox {rec.id} reached its time to live")
         return rec, self.backends[rec.kind]
 
+    def drop(self, sandbox_id: str) -> None:
+        """An unrecorded sandbox leaves the table as if it had never been (a creation whose image could
+        not be had: nothing was made for it)."""
+        if sandbox_id in self._ephemeral:
+            self._ephemeral.discard(sandbox_id)
+            self._live.pop(sandbox_id, None)
+            self._locks.pop(sandbox_id, None)
+
     def set_state(self, rec: SandboxRecord, state: State, reason: str | None = None) -> None:
         before = rec.state, rec.reason
         rec.state = state

@@ -184,7 +184,8 @@ class SandboxInfo(BaseModel):
     )
     forked_from: str | None = Field(default=None, description="The sandbox this one was forked from, if any.")
     waiting: str | None = Field(
-        default=None, description="While creating: what the sandbox queues for (e.g. a VM boot slot), if anything."
+        default=None,
+        description="While creating: what the sandbox waits for (its image's pull, a VM boot slot), if anything.",
     )
     owner: str | None = Field(default=None, description="The tenant the sandbox belongs to.")
     network: NetworkSpec = Field(default=None, description="The sandbox's network policy now.")

@@ -97,6 +97,38 @@ async def test_create_unknown_image(core: Core) -> None:
     assert backend.created == []
 
 
+async def test_a_creation_waiting_for_its_image_is_listed_and_one_whose_image_fails_leaves_nothing(
+    core: Core, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    mgr, _ = core
+    real = mgr.images.resolve
+    gate = asyncio.Event()
+
+    async def slow(name: str, **kw: object) -> object:
+        await gate.wait()
+        return await real(name, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(mgr.images, "resolve", slow)
+    creating = asyncio.create_task(mgr.create(req()))
+    await asyncio.sleep(lifecycle_module.RESOLVE_SHOWN_AFTER + 0.2)
+    (shown,) = mgr.list()
+    assert shown.state == State.creating and shown.waiting is not None and IMAGE in shown.waiting
+    assert mgr.store.all() == []  # shown, not recorded: a pull that fails leaves nothing
+    gate.set()
+    info = await creating
+    assert (info.id, info.state, info.waiting) == (shown.id, State.running, None)
+    assert [r.id for r in mgr.store.all()] == [info.id]
+
+    async def failing(name: str, **kw: object) -> object:
+        await asyncio.sleep(lifecycle_module.RESOLVE_SHOWN_AFTER + 0.2)
+        raise ImageNotFound(f"no image {name}")
+
+    monkeypatch.setattr(mgr.images, "resolve", failing)
+    with pytest.raises(ImageNotFound):
+        await mgr.create(req())
+    assert [i.id for i in mgr.list()] == [info.id] and [r.id for r in mgr.store.all()] == [info.id]
+
+
 @pytest.mark.parametrize(
     ("kind", "why"), [("function", "not enabled on this node"), ("vm", "not enabled on this node")]
 )
