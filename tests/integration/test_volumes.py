@@ -288,8 +288,32 @@ def test_paths_through_a_volume_stay_inside(client: dsec.Client, volume: str) ->
         assert sb.exec("ls /data/abs").ok
 
 
+def test_a_function_sandbox_mounts_volumes_on_a_worker_of_its_own(client: dsec.Client, volume: str) -> None:
+    require_kind(client, "function")
+    with dsec.Sandbox.create(IMAGE, kind="function", volumes={"/data": volume}, client=client) as sb:
+        assert sb.exec("echo from-function > /data/f.txt").ok
+        assert sb.files.read("/data/f.txt") == b"from-function\n"
+        assert [(v.path, v.name, v.mode) for v in sb.info().volumes] == [("/data", volume, "rw")]
+        with pytest.raises(dsec.VolumeInUse):
+            dsec.Sandbox.create(IMAGE, kind="function", volumes={"/data": volume}, client=client)
+        # the file API keeps to the volume's root in a function sandbox too
+        assert sb.exec("ln -s /etc /data/up").ok
+        with pytest.raises((dsec.FileNotFoundInSandbox, dsec.InvalidRequest)):
+            sb.files.write(f"/data/up/dsec-volume-escape-{os.getpid()}", b"escaped?")
+        assert not (Path("/etc") / f"dsec-volume-escape-{os.getpid()}").exists()
+    with dsec.Sandbox.create(IMAGE, kind="function", volumes={"/ro": (volume, "ro")}, client=client) as ro:
+        assert ro.exec("cat /ro/f.txt").stdout == "from-function\n"
+        assert "Read-only file system" in ro.exec("touch /ro/x").stderr
+    with dsec.Sandbox.create(IMAGE, volumes={"/c": volume}, client=client) as container:
+        assert container.exec("cat /c/f.txt").stdout == "from-function\n"
+    # no worker that held the volume went back to a pool: a pooled function sandbox sees no /data
+    with dsec.Sandbox.create(IMAGE, kind="function", client=client) as plain:
+        assert plain.exec("ls /data /ro").exit_code != 0
+    assert client.volume(volume).users == []
+
+
 def test_kinds_that_cannot_mount_volumes_say_so(client: dsec.Client, volume: str) -> None:
-    for kind in ("function", "microvm", "vm"):
+    for kind in ("microvm", "vm"):
         if kind not in client.health().kinds:
             continue
         require_kind(client, kind)

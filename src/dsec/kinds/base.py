@@ -174,7 +174,7 @@ class Backend(ABC):
         if volumes and self.volumes_unsupported is not None:
             raise InvalidRequest(
                 f"named volumes are not supported for {self.kind} sandboxes: {self.volumes_unsupported}; "
-                "use kind='container'"
+                "use kind='container' or 'function'"
             )
 
     def check_network(self, policy: NetworkSpec) -> None:

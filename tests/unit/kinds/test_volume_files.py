@@ -99,12 +99,19 @@ async def test_symlinks_in_a_volume_stay_in_it(setup: tuple[Files, SandboxRecord
     assert (rw / "made.txt").read_bytes() == b"m" and outside.read_bytes() == b"host"
 
 
-REFUSING = [(FunctionBackend, "function"), (MicroVMBackend, "microvm"), (VMBackend, "vm")]
+REFUSING = [(MicroVMBackend, "microvm"), (VMBackend, "vm")]
 
 
 @pytest.mark.parametrize(("cls", "kind"), REFUSING)
 def test_kinds_without_volumes_say_why(cls: type[Backend], kind: str) -> None:
     fake = SimpleNamespace(kind=kind, volumes_unsupported=cls.volumes_unsupported)
-    with pytest.raises(InvalidRequest, match=f"not supported for {kind} sandboxes: .*use kind='container'"):
+    with pytest.raises(
+        InvalidRequest, match=f"not supported for {kind} sandboxes: .*use kind='container' or 'function'"
+    ):
         Backend.check_volumes(fake, {"/data": "v"})  # type: ignore[arg-type]
     Backend.check_volumes(fake, {})  # type: ignore[arg-type]
+
+
+def test_the_function_kind_takes_volumes() -> None:
+    fake = SimpleNamespace(kind="function", volumes_unsupported=FunctionBackend.volumes_unsupported)
+    Backend.check_volumes(fake, {"/data": "v"})  # type: ignore[arg-type]

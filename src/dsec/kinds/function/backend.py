@@ -7,7 +7,8 @@ use was hostile. A worker is a container sandbox made by this kind's own Contain
 same namespaces, seccomp profile, limits and network policy as any container; its record never
 reaches the state database (only the function sandbox's does, naming its worker).
 
-Workers are never shared between tenants: the tenant is part of the key.
+Workers are never shared between tenants: the tenant is part of the key. A sandbox that mounts named
+volumes gets a worker made for it with those mounts, never pooled (it is destroyed when the sandbox ends).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from ...images.store import ImageRef
 from ...protocol.network import NetworkSpec, describe
 from ...protocol.run import PoolInfo
 from ...protocol.sandbox import ExecRequest, ExecResult, FileEntry, Limits, NetworkStatus, State
-from ...store.records import SandboxRecord
+from ...store.records import SandboxRecord, VolumeMount
 from ...tenancy import OPERATOR
 from ..base import Backend, BackendContext, OutputCallback
 from ..container.backend import ContainerBackend
@@ -60,8 +61,7 @@ class Worker:
 
 class FunctionBackend(Backend):
     kind = "function"
-    # a worker's mounts were made when the pool started it, before any request named a volume
-    volumes_unsupported = "they are lent from a pool of workers started before the request, with their mounts made"
+    volumes_unsupported = None  # on a worker made for the sandbox (create)
 
     def __init__(self, ctx: BackendContext) -> None:
         super().__init__(ctx)
@@ -133,8 +133,17 @@ class FunctionBackend(Backend):
         return self.pools.pool(key, tenant, label, config, template=(rec.limits, rec.network))
 
     async def _make(self, pool: Pool[Worker]) -> Worker:
-        image = self._images[pool.key]
         limits, network = pool.template
+        return await self._new_worker(self._images[pool.key], limits, network, pool.tenant)
+
+    async def _new_worker(
+        self,
+        image: ImageRef,
+        limits: Limits,
+        network: NetworkSpec,
+        tenant: str,
+        volumes: list[VolumeMount] | None = None,
+    ) -> Worker:
         now = time.time()
         wrec = SandboxRecord(
             id=PREFIX + secrets.token_hex(6),
@@ -145,9 +154,10 @@ class FunctionBackend(Backend):
             created_at=now,
             expires_at=now + WORKER_TTL,
             limits=limits,
-            owner=pool.tenant,
+            owner=tenant,
         )
         wrec.network = network
+        wrec.volumes = list(volumes or [])
         try:
             await self.containers.create(wrec, image, worker=True)
             pid = await self.containers.init_pid(wrec)
@@ -249,8 +259,17 @@ class FunctionBackend(Backend):
         return self.containers.cgroup(worker.rec) if worker is not None else None
 
     async def create(self, rec: SandboxRecord, image: ImageRef) -> None:
+        if rec.volumes:
+            # a worker of its own, its mounts made for it, destroyed when the sandbox ends: a pooled worker's
+            # mounts were made before any request named a volume, and an idle one must hold none
+            worker = await self._new_worker(image, rec.limits, rec.network, rec.owner, rec.volumes)
+            await self._lend(rec, worker, warm=False, key=("volumes", rec.id))
+            return
         pool = self.pool_for(rec.owner, image, rec)
         worker, warm = await self.pools.acquire(pool)
+        await self._lend(rec, worker, warm, self.key(rec.owner, image, rec))
+
+    async def _lend(self, rec: SandboxRecord, worker: Worker, warm: bool, key: tuple[str, ...]) -> None:
         worker.uses += 1
         worker.tainted = None
         worker.lent_to = rec.id
@@ -258,7 +277,7 @@ class FunctionBackend(Backend):
             st = await self.containers.network_status(worker.rec)
             worker.denied = (st.denied_packets, st.denied_dns)
         self._lent[rec.id] = worker
-        FunctionState(rec).lent(worker.rec, warm, self.key(rec.owner, image, rec))
+        FunctionState(rec).lent(worker.rec, warm, key)
 
     async def destroy(self, rec: SandboxRecord) -> None:
         worker = self._lent.pop(rec.id, None)
@@ -280,6 +299,7 @@ class FunctionBackend(Backend):
         wrec = FunctionState(rec).adopted_worker(rec.limits)
         if wrec is None:
             return False
+        wrec.volumes = list(rec.volumes)  # a worker made for a sandbox's volumes shows them at their paths
         if not await self.containers.alive(wrec):
             return False
         image = ImageRef(name=rec.image, layers=(), digest=rec.image_digest)
