@@ -305,6 +305,40 @@ def bench_tiers(
     raise typer.Exit(tiers_main(json_out=json_out, n=n, tenants=tenants))
 
 
+@bench_app.command("pull")
+def bench_pull(
+    k: Annotated[int, typer.Option("--k", help="Task images, each pulled and run once per round.", min=1, max=99)] = 20,
+    base_mb: Annotated[int, typer.Option(help="MB of file contents in the base the images share.", min=1)] = 300,
+    base_layers: Annotated[int, typer.Option(help="Layers the base is split into.", min=1, max=8)] = 3,
+    task_kb: Annotated[int, typer.Option(help="KB of file contents in each image's own layer.", min=1)] = 512,
+    incompressible: Annotated[
+        float, typer.Option(help="Share of the files' bytes that are random (gzip cannot shrink them).", min=0, max=1)
+    ] = 0.35,
+    concurrency: Annotated[int, typer.Option(help="Images in flight at once, on each side.", min=1)] = 8,
+    json_out: JsonOut = Path("bench-pull.json"),
+    plot: Annotated[bool, typer.Option(help="Draw PNG plots beside the JSON (needs matplotlib).")] = True,
+    state_dir: Annotated[
+        Path, typer.Option(help="Where the bench keeps its registry, nodes and podman storage while it runs.")
+    ] = Path("/var/lib/dsec-bench-pull"),
+    skip_podman: Annotated[bool, typer.Option(help="Do not measure podman.")] = False,
+) -> None:
+    """K task images sharing a large base, from a registry the bench starts on loopback: dsec's create →
+    exec → kill against podman pull + run --rm on a cold node, then warm, then a second dsec node on the
+    same layer repository; time to the first and last image, registry bytes, bytes written to disk."""
+    from .pull import Params
+    from .pull import main as pull_main
+
+    params = Params(
+        k=k,
+        base_mb=base_mb,
+        base_layers=base_layers,
+        task_kb=task_kb,
+        incompressible=incompressible,
+        concurrency=concurrency,
+    )
+    _exit_with(lambda: pull_main(params, json_out=json_out, state_dir=state_dir, plot=plot, skip_podman=skip_podman))
+
+
 @bench_app.command("soak")
 def bench_soak(
     minutes: Annotated[float, typer.Option(help="Minutes of churn.", min=0.1, max=24 * 60)] = 10.0,

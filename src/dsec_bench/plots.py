@@ -166,3 +166,18 @@ def cumulative(path: Path, title: str, done_at: Mapping[str, Sequence[float]]) -
         ordered = sorted(times)
         series[label] = ([0.0, *ordered], [0.0, *range(1, len(ordered) + 1)])
     return lines(path, title, "seconds since the burst started", "done", series, steps=True)
+
+
+def bars(path: Path, title: str, ylabel: str, groups: Mapping[str, Mapping[str, float]]) -> Path:
+    """Grouped bars: one group per measure (the inner keys), one bar per series (the outer keys) in each."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=SIZE)
+    measures = list(dict.fromkeys(m for values in groups.values() for m in values))
+    width = 0.8 / max(1, len(groups))
+    for i, (label, values) in enumerate(groups.items()):
+        x = [j + i * width for j in range(len(measures))]
+        ax.bar(x, [values.get(m, 0.0) for m in measures], width, label=label, color=f"C{i}")
+    ax.set_xticks([j + width * (len(groups) - 1) / 2 for j in range(len(measures))])
+    ax.set_xticklabels(measures)
+    ax.set_ylabel(ylabel)
+    return _save(fig, ax, path, title)
