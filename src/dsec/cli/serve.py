@@ -81,7 +81,8 @@ RegistryAllowOpt = Annotated[
     list[str] | None,
     typer.Option(
         "--registry-allow",
-        help="A registry this node may pull from (HOST or HOST:PORT; docker.io for Docker Hub; repeatable). "
+        help="A registry this node may pull from and push to (HOST or HOST:PORT; docker.io for Docker Hub; "
+        "repeatable). "
         "Default: any. 'none': no registry at all.",
     ),
 ]
