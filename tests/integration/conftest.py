@@ -6,6 +6,7 @@ daemon's log path is printed so it can be read.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -178,6 +179,28 @@ def shut_down(d: Daemon) -> None:
         pass
     d.stop()
     release_node(d.state_dir)
+
+
+@contextlib.contextmanager
+def scratch_dir(prefix: str) -> Iterator[Path]:
+    """A directory of a module's own, removed after; readable by all, as a state dir below it must be
+    for a sandbox's mapped root to get through."""
+    path = Path(tempfile.mkdtemp(prefix=prefix))
+    path.chmod(0o755)
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def own_daemon(workdir: Path, *extra: str) -> Iterator[Daemon]:
+    """A daemon of a module's own, with a layer repository of its own under ``workdir``, shut down after."""
+    d = start_daemon(workdir / "state", *extra, repository=workdir / "repository")
+    try:
+        yield d
+    finally:
+        shut_down(d)
 
 
 @pytest.fixture(scope="session")

@@ -12,7 +12,6 @@ import shutil
 import subprocess
 import sys
 import tarfile
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -20,7 +19,7 @@ import pytest
 
 import dsec
 
-from .conftest import Daemon, layer_bytes, shut_down, start_daemon
+from .conftest import Daemon, layer_bytes, own_daemon, scratch_dir
 from .pull_images import M, make_layer, tar_of
 from .registry import OciLayout, Registry, push, start_registry
 
@@ -71,10 +70,8 @@ def _env() -> None:
 
 @pytest.fixture(scope="module")
 def workdir() -> Iterator[Path]:
-    path = Path(tempfile.mkdtemp(prefix="dsec-dockerfile-"))
-    path.chmod(0o755)
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
+    with scratch_dir("dsec-dockerfile-") as path:
+        yield path
 
 
 def busybox_layer() -> bytes:
@@ -105,11 +102,8 @@ def registry(workdir: Path) -> Iterator[Registry]:
 
 @pytest.fixture(scope="module")
 def node(workdir: Path, registry: Registry) -> Iterator[Daemon]:
-    d = start_daemon(workdir / "state", repository=workdir / "repository")
-    try:
+    with own_daemon(workdir) as d:
         yield d
-    finally:
-        shut_down(d)
 
 
 @pytest.fixture(scope="module")

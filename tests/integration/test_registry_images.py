@@ -6,11 +6,9 @@ from __future__ import annotations
 
 import concurrent.futures
 import os
-import shutil
 import subprocess
 import sys
 import tarfile
-import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,7 +17,7 @@ import pytest
 
 import dsec
 
-from .conftest import Daemon, require_kind, shut_down, start_daemon
+from .conftest import Daemon, own_daemon, require_kind, scratch_dir
 from .pull_images import M, make_layer, tar_of
 from .registry import OciLayout, Registry, push, start_registry
 
@@ -33,10 +31,8 @@ def _env() -> None:
 
 @pytest.fixture(scope="module")
 def workdir() -> Iterator[Path]:
-    path = Path(tempfile.mkdtemp(prefix="dsec-registry-images-"))
-    path.chmod(0o755)  # the state dir is below it: a sandbox's mapped root must get through
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
+    with scratch_dir("dsec-registry-images-") as path:
+        yield path
 
 
 @pytest.fixture(scope="module")
@@ -70,13 +66,8 @@ def registry(workdir: Path) -> Iterator[Registry]:
 @pytest.fixture(scope="module")
 def node(workdir: Path, registry: Registry) -> Iterator[Daemon]:
     # a repository of its own: layers pulled by an earlier run must not make this one's counts
-    d = start_daemon(
-        workdir / "state", "--registry-mirror", f"docker.io={registry.url}", repository=workdir / "repository"
-    )
-    try:
+    with own_daemon(workdir, "--registry-mirror", f"docker.io={registry.url}") as d:
         yield d
-    finally:
-        shut_down(d)
 
 
 @pytest.mark.parametrize("kind", ["container", "function", "microvm"])

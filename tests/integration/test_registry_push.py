@@ -6,10 +6,8 @@ storage, so the host's is left alone."""
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,7 +15,7 @@ import pytest
 
 import dsec
 
-from .conftest import Daemon, shut_down, start_daemon
+from .conftest import Daemon, own_daemon, scratch_dir
 from .registry import Registry, need, start_registry
 
 # /bin/vi was deleted (a whiteout); /data was replaced by a directory of its own over one a lower layer
@@ -35,10 +33,8 @@ def _env() -> None:
 
 @pytest.fixture(scope="module")
 def workdir() -> Iterator[Path]:
-    path = Path(tempfile.mkdtemp(prefix="dsec-push-"))
-    path.chmod(0o755)
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
+    with scratch_dir("dsec-push-") as path:
+        yield path
 
 
 @pytest.fixture(scope="module")
@@ -52,11 +48,8 @@ def registry(workdir: Path) -> Iterator[Registry]:
 
 @pytest.fixture(scope="module")
 def node(workdir: Path, registry: Registry) -> Iterator[Daemon]:
-    d = start_daemon(workdir / "state", repository=workdir / "repository")
-    try:
+    with own_daemon(workdir) as d:
         yield d
-    finally:
-        shut_down(d)
 
 
 def podman(workdir: Path, *args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:

@@ -68,40 +68,39 @@ class Pusher:
 
         return await self.http.retrying(once, f"checking {what}")
 
+    async def _send(
+        self, path: str, what: str, method: str, headers: dict[str, str], body: Body, seconds: float | None = None
+    ) -> httpx.Headers:
+        """One write, authorised; the answer's headers (a 404 means the repository cannot take it)."""
+        async with self.http.attempt(
+            self.endpoint,
+            path,
+            scope=_scope(self.ref),
+            headers=headers,
+            what=what,
+            not_found=_refused(what, self.endpoint),
+            method=method,
+            body=body,
+            seconds=seconds,
+        ) as answer:
+            return answer.headers
+
     async def upload_blob(self, digest: str, size: int, body: Callable[[], AsyncIterator[bytes] | bytes]) -> None:
         """Upload a blob (``body`` gives its bytes afresh for each try): a session, then one PUT."""
         what = f"upload of blob {digest} to {self.ref.repository}"
 
         async def once() -> None:
-            async with self.http.attempt(
-                self.endpoint,
-                f"/v2/{self.ref.repository}/blobs/uploads/",
-                scope=_scope(self.ref),
-                headers={"Content-Length": "0"},
-                what=what,
-                not_found=_refused(what, self.endpoint),
-                method="POST",
-                body=lambda: b"",
-            ) as started:
-                location = started.headers.get("location")
+            started = await self._send(
+                f"/v2/{self.ref.repository}/blobs/uploads/", what, "POST", {"Content-Length": "0"}, lambda: b""
+            )
+            location = started.get("location")
             if not location:
                 raise RegistryError(f"{self.endpoint.label()} started the {what} without saying where (no Location)")
             url = httpx.URL(await self.http.base_url(self.endpoint)).join(location)
             self.http.check_url(url, f"{self.endpoint.label()} sent the upload to")
             url = url.copy_merge_params({"digest": digest})
             headers = {"Content-Type": "application/octet-stream", "Content-Length": str(size)}
-            async with self.http.attempt(
-                self.endpoint,
-                str(url),
-                scope=_scope(self.ref),
-                headers=headers,
-                what=what,
-                not_found=_refused(what, self.endpoint),
-                method="PUT",
-                body=body,
-                seconds=UPLOAD_SECONDS,
-            ) as done:
-                said = done.headers.get("docker-content-digest")
+            said = (await self._send(str(url), what, "PUT", headers, body, UPLOAD_SECONDS)).get("docker-content-digest")
             if said and said != digest:
                 raise DigestMismatch(f"{self.endpoint.label()} stored the {what} as {said}")
 
@@ -114,17 +113,10 @@ class Pusher:
         payload: Body = lambda: data  # noqa: E731 - sent afresh if a challenge is answered
 
         async def once() -> None:
-            async with self.http.attempt(
-                self.endpoint,
-                f"/v2/{self.ref.repository}/manifests/{tag}",
-                scope=_scope(self.ref),
-                headers={"Content-Type": media_type},
-                what=what,
-                not_found=_refused(what, self.endpoint),
-                method="PUT",
-                body=payload,
-            ) as done:
-                said = done.headers.get("docker-content-digest")
+            path = f"/v2/{self.ref.repository}/manifests/{tag}"
+            said = (await self._send(path, what, "PUT", {"Content-Type": media_type}, payload)).get(
+                "docker-content-digest"
+            )
             if said and said != digest:
                 raise DigestMismatch(f"{self.endpoint.label()} stored {what} as {said}, not {digest}")
 
