@@ -72,6 +72,11 @@ def _secret_in(blob: Path, values: list[bytes]) -> bool:
     return False
 
 
+def cache_root(caller: Caller, digest: str) -> str:
+    """The first key of a build cache's chain: the base image's digest, salted per tenant."""
+    return digest if caller.operator else blake3.blake3(f"{caller.tenant}\0{digest}".encode()).hexdigest()
+
+
 def _check_secrets(req: BuildRequest) -> None:
     for step in req.spec.steps:
         unknown = set(step.secrets) - set(req.secrets)
@@ -166,7 +171,7 @@ class Builder:
         config = _base_config(spec, base_version.config)
         # a tenant's build cache is its own: a hit would tell it what another tenant built, and hand it
         # a layer built with that tenant's secrets (secrets are not part of cache keys)
-        key = base.digest if caller.operator else blake3.blake3(f"{caller.tenant}\0{base.digest}".encode()).hexdigest()
+        key = cache_root(caller, base.digest)
         results: list[BuildStepResult] = []
         scrubbed: list[str] = []
         async with self.images.catalog.publishing():

@@ -114,7 +114,6 @@ class ImageStore:
         self.catalog.before_publish = self.residue.check_version
         self._build_locks: dict[str, asyncio.Lock] = {}
         self._refs: dict[str, ImageRef] = {}
-        self._fetchers = 0  # fetchers replaced so far: a ref made across a replacement has detached mounts
         self._traced: set[str] = set()
         self._fetcher_lock = asyncio.Lock()
         self.registry = registry if registry is not None else RegistryOptions()
@@ -165,7 +164,6 @@ class ImageStore:
                 return
             log.warning("the layer fetcher is gone: starting a new one and remounting lazy layers")
             await self.fetcher.start()
-            self._fetchers += 1
             self._refs.clear()
             if self.mount:
                 await self.layers.start(fetcher_restarted=True)
@@ -224,9 +222,9 @@ class ImageStore:
     async def _cached_ref(self, norm: str, digest: str, owner: str | None) -> ImageRef:
         """``_ref``, cached; made again if the fetcher was replaced meanwhile (its mounts were detached)."""
         for _ in range(3):
-            replaced = self._fetchers
+            replaced = self.layers.generation  # counted where the mounts are detached (NodeLayers.start)
             ref = await self._ref(norm, digest, owner)
-            if replaced == self._fetchers:
+            if replaced == self.layers.generation:
                 self._refs[norm] = ref
                 return ref
         raise BackendError(f"the layer fetcher was replaced three times while {norm} was mounted")

@@ -109,7 +109,7 @@ async def test_a_ref_made_while_the_fetcher_was_replaced_is_made_again(
         made.append(norm)
         ref = await real(norm, digest, owner)
         if len(made) == 1:
-            store._fetchers += 1  # what _check_fetcher does when another creation finds the fetcher dead
+            store.layers.generation += 1  # what _check_fetcher does when another creation finds the fetcher dead
         return ref
 
     monkeypatch.setattr(store, "_ref", ref_across_a_replacement)

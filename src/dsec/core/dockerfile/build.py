@@ -30,10 +30,10 @@ from ...protocol.build import LayerRole
 from ...protocol.sandbox import BuildResult, BuildStepResult, DockerfileBuildRequest, ExecRequest, LayerInfo
 from ...store.records import SandboxRecord
 from ...tenancy import OPERATOR, Caller
-from ..builds import BUILD_SCRUB, Builder
+from ..builds import BUILD_SCRUB, Builder, cache_root
 from .context import Entry, Tree, place
 from .parse import Dockerfile, Stage, global_scope, parse
-from .stage import Copy, Run, StageReader
+from .stage import Copy, Run, StageReader, is_glob
 from .words import expand
 
 RUN_TIMEOUT = 6 * 3600.0
@@ -124,22 +124,16 @@ class DockerfileBuild:
             b = self.built[earlier.index]
             return Built(list(b.layers), b.config.model_copy(deep=True), b.key, b.base, len(b.layers))
         if ref == SCRATCH:
-            return Built([], ImageConfig(), self._salted(SCRATCH), "", 0)
+            return Built([], ImageConfig(), cache_root(self.caller, SCRATCH), "", 0)
         resolved = await self.images.resolve(normalize(ref), caller=self.caller)
         version = await self.images.catalog.version(resolved.digest)
         return Built(
             list(version.layers),
             version.config.model_copy(deep=True),
-            self._salted(resolved.digest),
+            cache_root(self.caller, resolved.digest),
             resolved.digest,
             len(version.layers),
         )
-
-    def _salted(self, digest: str) -> str:
-        # a tenant's build cache is its own (builds.py says why)
-        if self.caller.operator:
-            return digest
-        return blake3.blake3(f"{self.caller.tenant}\0{digest}".encode()).hexdigest()
 
     async def _stage(self, stage: Stage) -> Built:
         built = await self._base(stage)
@@ -288,9 +282,9 @@ class DockerfileBuild:
 async def _matches(backend: Backend, rec: SandboxRecord, src: str, what: str, copy: Copy) -> list[str]:
     path = posixpath.normpath("/" + src)
     base = posixpath.basename(path)
-    if not any(c in base for c in "*?["):
+    if not is_glob(base):
         return [path]
-    if any(c in posixpath.dirname(path) for c in "*?["):
+    if is_glob(posixpath.dirname(path)):
         raise InvalidRequest(f"{copy.inst.where()}: --from takes wildcards in the last part of a path only")
     found = [e.name for e in await backend.list_dir(rec, posixpath.dirname(path)) if fnmatch.fnmatchcase(e.name, base)]
     if not found:

@@ -18,11 +18,10 @@ import blake3
 
 from ...errors import InvalidRequest
 from ...protocol import dockerignore
-from .stage import Copy
+from .stage import Copy, is_glob
 
 MAX_ENTRIES = 200_000
 KINDS = {tarfile.REGTYPE, tarfile.AREGTYPE, tarfile.DIRTYPE, tarfile.SYMTYPE, tarfile.LNKTYPE}
-COMPRESSED_TAR = ("r:", "r:gz", "r:bz2", "r:xz")
 
 
 @dataclass(frozen=True)
@@ -166,9 +165,7 @@ def place(copy: Copy, tree: Tree, what: str) -> Placed:
     placer = Placer(copy)
     for src in copy.sources:
         pattern = source_path(src, what)
-        matched = (
-            tree.match(pattern) if any(c in pattern for c in "*?[") else ([pattern] if tree.exists(pattern) else [])
-        )
+        matched = tree.match(pattern) if is_glob(pattern) else ([pattern] if tree.exists(pattern) else [])
         if not matched:
             raise InvalidRequest(f"{copy.inst.where()}: {src[:200]!r} not found in {what}")
         for path in matched:
@@ -184,7 +181,7 @@ def _place_one(placer: Placer, copy: Copy, tree: Tree, path: str, what: str) -> 
             rel = entry.path[len(path) + 1 :] if path else entry.path
             target = posixpath.join(dest, rel)
             if entry.info.islnk():
-                _hard_link(placer, entry, path, dest, target, placed_links)
+                _hard_link(placer, entry, path, target, placed_links)
                 continue
             placer.add(target, entry, top="/" not in rel)
             placed_links[entry.path] = target
@@ -202,7 +199,7 @@ def _place_one(placer: Placer, copy: Copy, tree: Tree, path: str, what: str) -> 
     placer.add(target, entry, top=True)
 
 
-def _hard_link(placer: Placer, entry: Entry, root: str, dest: str, target: str, placed: dict[str, str]) -> None:
+def _hard_link(placer: Placer, entry: Entry, root: str, target: str, placed: dict[str, str]) -> None:
     linked = _clean(entry.info.linkname) or ""
     if linked in placed:
         placer.link(target, placed[linked])
@@ -211,23 +208,22 @@ def _hard_link(placer: Placer, entry: Entry, root: str, dest: str, target: str, 
 
 
 def _unpack(placer: Placer, entry: Entry, dest: str, what: str) -> bool:
-    """ADD of a local tar archive (plain, gzip, bzip2 or xz): its contents go into the destination."""
+    """ADD of a local tar archive (plain, gzip, bzip2 or xz): its contents go into the destination.
+    False: the file is not one (it is copied as it is)."""
     assert entry.data is not None
-    for mode in COMPRESSED_TAR:
-        try:
-            with tarfile.open(fileobj=io.BytesIO(entry.data), mode=mode) as probe:  # type: ignore[call-overload]
-                probe.next()
-        except (tarfile.TarError, EOFError, OSError):
+    try:
+        with tarfile.open(fileobj=io.BytesIO(entry.data), mode="r:*") as probe:
+            probe.next()
+    except (tarfile.TarError, EOFError, OSError):
+        return False
+    inner = Tree.read(entry.data, f"{entry.path} (in {what})")
+    placed: dict[str, str] = {}
+    for item in inner.entries.values():
+        target = posixpath.join(dest, item.path)
+        if item.info.islnk():
+            _hard_link(placer, item, "", target, placed)
             continue
-        inner = Tree.read(entry.data, f"{entry.path} (in {what})")
-        placed: dict[str, str] = {}
-        for item in inner.entries.values():
-            target = posixpath.join(dest, item.path)
-            if item.info.islnk():
-                _hard_link(placer, item, "", dest, target, placed)
-                continue
-            # an archive's own owners are kept by Docker; dsec unpacks as the builder, owned by root
-            placer.add(target, item, top="/" not in item.path)
-            placed[item.path] = target
-        return True
-    return False
+        # an archive's own owners are kept by Docker; dsec unpacks as the builder, owned by root
+        placer.add(target, item, top="/" not in item.path)
+        placed[item.path] = target
+    return True

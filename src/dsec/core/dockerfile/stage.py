@@ -54,13 +54,13 @@ class Copy:
 
     @property
     def into_directory(self) -> bool:
-        return self.dest.endswith("/") or len(self.sources) > 1 or any(_glob(s) for s in self.sources)
+        return self.dest.endswith("/") or len(self.sources) > 1 or any(is_glob(s) for s in self.sources)
 
 
 Step = Run | Copy
 
 
-def _glob(path: str) -> bool:
+def is_glob(path: str) -> bool:
     return any(c in path for c in "*?[")
 
 
