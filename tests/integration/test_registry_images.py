@@ -1,5 +1,5 @@
 """Registry images end to end (issue 21, items 1-2): a daemon pulls from a real docker-registry on loopback
-(and from it as Docker Hub's mirror), through `image=` on every kind that runs a bare image, the SDK's
+(and from it as Docker Hub's mirror), through `image=` on every kind (its busybox is the vm kind's init too), the SDK's
 ``client.pull`` and `dsec image pull`. The image holds the host's static busybox, so commands run in it."""
 
 from __future__ import annotations
@@ -46,6 +46,8 @@ def registry(workdir: Path) -> Iterator[Registry]:
                 M("bin/busybox", BUSYBOX.read_bytes(), mode=0o755),
                 M("bin/sh", kind=tarfile.SYMTYPE, link="busybox"),
                 M("bin/cat", kind=tarfile.SYMTYPE, link="busybox"),
+                M("sbin", kind=tarfile.DIRTYPE, mode=0o755),
+                M("sbin/init", kind=tarfile.SYMTYPE, link="../bin/busybox"),  # for the vm kind: busybox's init
                 M("etc", kind=tarfile.DIRTYPE, mode=0o755),
                 M("etc/passwd", b"root:x:0:0:root:/root:/bin/sh\n"),
                 M("etc/group", b"root:x:0:\n"),
@@ -70,7 +72,7 @@ def node(workdir: Path, registry: Registry) -> Iterator[Daemon]:
         yield d
 
 
-@pytest.mark.parametrize("kind", ["container", "function", "microvm"])
+@pytest.mark.parametrize("kind", ["container", "function", "microvm", "vm"])
 def test_a_registry_image_runs_on_every_kind(node: Daemon, registry: Registry, kind: str) -> None:
     client = node.client()
     require_kind(client, kind)
@@ -79,6 +81,8 @@ def test_a_registry_image_runs_on_every_kind(node: Daemon, registry: Registry, k
         res = sb.exec(["/bin/cat", "/task/id"])
         assert (res.exit_code, res.stdout) == (0, "task 0\n"), res
         assert sb.info().image == ref
+        if kind == "vm":  # the machine booted the image's own init: busybox, through /sbin/init
+            assert sb.exec(["/bin/busybox", "readlink", "/proc/1/exe"]).stdout == "/bin/busybox\n"
 
 
 def test_pull_reports_progress_and_shares_layers(node: Daemon, registry: Registry, workdir: Path) -> None:
@@ -92,6 +96,9 @@ def test_pull_reports_progress_and_shares_layers(node: Daemon, registry: Registr
     assert seen and seen[-1].layers == 2 and seen[-1].layers_reused >= 1  # the base came with v1
     fetched = [r for r in registry.requests()[before:] if "/blobs/" in r and r.startswith("GET")]
     assert len(fetched) == 2, fetched  # the config and the new task layer, not the base
+    # a lazy node reads pulled layers through its fetcher, as every node does: no whole copy on its disk
+    blobs = node.state_dir / "images" / "blobs"
+    assert blobs.is_dir() and not any((blobs / layer.digest).exists() for layer in info.layers)
     again = len(registry.requests())
     assert client.pull(f"{registry.host}/org/task:v2").digest == info.digest
     assert len(registry.requests()) == again  # if-not-present: the registry is not asked

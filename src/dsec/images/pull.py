@@ -68,7 +68,7 @@ class LayerStore(Protocol):
 
     async def pack(self, src: Path, rules: ScrubRules | None, *, drop_devices: bool = False) -> StagedLayer: ...
 
-    async def publish_layer(self, staged: StagedLayer, role: LayerRole, created_by: str) -> LayerRef: ...
+    async def publish_layer(self, staged: StagedLayer, role: LayerRole, by: str, *, keep: bool = True) -> LayerRef: ...
 
 
 POLICIES: tuple[str, ...] = get_args(PullPolicy)
@@ -380,7 +380,12 @@ class Puller:
                 other = await self._record(key)  # a node that finished first: take its layer, as every node will
                 if other is not None:
                     return other
-                layer = await store.publish_layer(staged, LayerRole.base, f"pull of {ref.name}: {desc.digest}")
+                # A lazy node reads a pulled layer through its fetcher, as every other node does: a second,
+                # local copy of the whole layer would double what a pull writes to the node's disk for
+                # bytes a task mostly never reads.
+                lazy = store.layers.fetcher is not None
+                by = f"pull of {ref.name}: {desc.digest}"
+                layer = await store.publish_layer(staged, LayerRole.base, by, keep=not lazy)
             finally:
                 staged.blob.unlink(missing_ok=True)  # published blobs were moved into the node's blobs already
             record = RegistryLayer(

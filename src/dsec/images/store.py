@@ -313,15 +313,19 @@ class ImageStore:
         await erofs.mkfs(src, blob, scanned)
         return StagedLayer(blob=blob, scan=scanned, seconds=time.monotonic() - started)
 
-    async def publish_layer(self, staged: StagedLayer, role: LayerRole, created_by: str) -> LayerRef:
+    async def publish_layer(self, staged: StagedLayer, role: LayerRole, by: str, *, keep: bool = True) -> LayerRef:
+        """Publish a packed layer, its file kept as this node's copy (``keep``) or else read via the fetcher."""
         try:
             await self.residue.check_staged(staged.blob)  # before a single chunk of it is uploaded
             manifest, _stats = await self.catalog.publish_layer(staged.blob)
         except BaseException:
             staged.blob.unlink(missing_ok=True)
             raise
-        self.layers.adopt_blob(staged.blob, manifest.digest)  # sandboxes on this node start without a fetch
-        return LayerRef(digest=manifest.digest, role=role, size=manifest.size, created_by=created_by)
+        if keep:
+            self.layers.adopt_blob(staged.blob, manifest.digest)  # sandboxes on this node start without a fetch
+        else:
+            staged.blob.unlink(missing_ok=True)
+        return LayerRef(digest=manifest.digest, role=role, size=manifest.size, created_by=by)
 
     async def check_free(self, name: str, caller: Caller = OPERATOR) -> str:
         """Fail early, before a sandbox is frozen, if a new version could not take this name.
