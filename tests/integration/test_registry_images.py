@@ -99,6 +99,7 @@ def test_pull_reports_progress_and_shares_layers(node: Daemon, registry: Registr
     # a lazy node reads pulled layers through its fetcher, as every node does: no whole copy on its disk
     blobs = node.state_dir / "images" / "blobs"
     assert blobs.is_dir() and not any((blobs / layer.digest).exists() for layer in info.layers)
+    assert list(Path("/dev/shm").glob("dsec-pack-*/*")) == []  # packed in memory, uploaded, deleted
     again = len(registry.requests())
     assert client.pull(f"{registry.host}/org/task:v2").digest == info.digest
     assert len(registry.requests()) == again  # if-not-present: the registry is not asked

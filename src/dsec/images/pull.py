@@ -51,6 +51,7 @@ from .registry import (
     parse_reference,
 )
 from .repository import ObjectNotFound
+from .scratch import MemoryScratch
 from .scrub import ScrubRules
 
 __all__ = ["LayerStore", "PullPolicy", "Pulled", "Puller", "scrub_fingerprint"]
@@ -66,7 +67,9 @@ class LayerStore(Protocol):
     layers: NodeLayers
     scrub: ScrubRules
 
-    async def pack(self, src: Path, rules: ScrubRules | None, *, drop_devices: bool = False) -> StagedLayer: ...
+    async def pack(
+        self, src: Path, rules: ScrubRules | None, *, drop_devices: bool = False, into: Path | None = None
+    ) -> StagedLayer: ...
 
     async def publish_layer(self, staged: StagedLayer, role: LayerRole, by: str, *, keep: bool = True) -> LayerRef: ...
 
@@ -124,6 +127,7 @@ class Puller:
         self._locks: dict[str, asyncio.Lock] = {}
         self._conversions: dict[str, _Conversion] = {}
         self._slots = asyncio.Semaphore(options.parallel_layers)
+        self.scratch = MemoryScratch(store.layers.root)
 
     def client(self) -> RegistryClient:
         if self._client is None:
@@ -140,6 +144,7 @@ class Puller:
         if self._client is not None:
             await self._client.aclose()
             self._client = None
+        self.scratch.close()
 
     # ---- a pull ------------------------------------------------------------------------------------
 
@@ -372,7 +377,12 @@ class Puller:
                 )
             progress.phase = "converting"
             conversion.report()
-            staged = await store.pack(work / "tree", store.scrub, drop_devices=True)
+            # A lazy node reads a pulled layer through its fetcher, as every other node does: a second,
+            # local copy of the whole layer would double what a pull writes to the node's disk for bytes a
+            # task mostly never reads. Its packed file is then only read for upload: in memory if it fits.
+            lazy = store.layers.fetcher is not None
+            into = self.scratch.place(stats.bytes) if lazy else None
+            staged = await store.pack(work / "tree", store.scrub, drop_devices=True, into=into)
             try:
                 await asyncio.to_thread(shutil.rmtree, work / "tree", True)  # the node's disk: before the upload
                 progress.phase = "publishing"
@@ -380,10 +390,6 @@ class Puller:
                 other = await self._record(key)  # a node that finished first: take its layer, as every node will
                 if other is not None:
                     return other
-                # A lazy node reads a pulled layer through its fetcher, as every other node does: a second,
-                # local copy of the whole layer would double what a pull writes to the node's disk for
-                # bytes a task mostly never reads.
-                lazy = store.layers.fetcher is not None
                 by = f"pull of {ref.name}: {desc.digest}"
                 layer = await store.publish_layer(staged, LayerRole.base, by, keep=not lazy)
             finally:

@@ -1,9 +1,9 @@
 """The node's image service: names → versions → mounted layers, and everything that makes new versions.
 
-An image resolves to an ``ImageRef``: its version digest, its layers (lowest first) as mounted
-directories, and its config. New versions come from built-in builders, snapshots of sandboxes
-(pack_diff) and imports; each packs directories into EROFS layers, scrubs residue, uploads only the
-chunks the repository lacks, and publishes an immutable version.
+An image resolves to an ``ImageRef``: its version digest, its layers (lowest first) as mounted directories,
+and its config. New versions come from built-in builders, snapshots of sandboxes (pack_diff), imports and
+pulls; each packs directories into EROFS layers, scrubs residue, uploads only the chunks the repository
+lacks, and publishes an immutable version.
 """
 
 from __future__ import annotations
@@ -39,7 +39,6 @@ from .repository import open_repository
 from .scrub import ScrubRules
 
 log = logging.getLogger("dsec.images")
-
 __all__ = ["BUILTIN", "DEFAULT_PATH", "ImageRef", "ImageStore", "StagedLayer", "normalize"]
 
 DEFAULT_CACHE = 20 << 30
@@ -305,11 +304,13 @@ class ImageStore:
 
     # ---- packing and publishing --------------------------------------------------------------------
 
-    async def pack(self, src: Path, rules: ScrubRules | None, *, drop_devices: bool = False) -> StagedLayer:
-        """Scan and pack a directory (overlayfs format) into an EROFS image on the node's disk."""
+    async def pack(
+        self, src: Path, rules: ScrubRules | None, *, drop_devices: bool = False, into: Path | None = None
+    ) -> StagedLayer:
+        """Scan and pack a directory (overlayfs format) into an EROFS image in ``into`` or the node's disk."""
         started = time.monotonic()
         scanned = await asyncio.to_thread(erofs.scan, src, rules, drop_devices=drop_devices)
-        blob = self.layers.tmp / f"pack-{secrets.token_hex(8)}.erofs"
+        blob = (into or self.layers.tmp) / f"pack-{secrets.token_hex(8)}.erofs"
         await erofs.mkfs(src, blob, scanned)
         return StagedLayer(blob=blob, scan=scanned, seconds=time.monotonic() - started)
 
