@@ -7,7 +7,8 @@ Each node daemon serves the E2B API itself (``dsec serve --e2b-listen``) and say
   ``dsec.cpu`` and ``dsec.memory`` metadata), to that node's E2B listener;
 - lists are merged from every node and paged here;
 - every call that names a sandbox (in its path, or in envd's ``E2b-Sandbox-Id`` header) is passed,
-  streaming both ways, to the E2B listener of the node that holds it.
+  streaming both ways, to the E2B listener of the node that holds it;
+- volumes (``/volumes``, ``/volumecontent``) are refused, as the node API's are: they are one node's.
 
 The access token a node gave a sandbox opens it only on that node, which is where its calls are sent.
 The control API takes the cluster's operator token as its API key (tenants are per node and are not
@@ -97,6 +98,12 @@ class E2BGateway:
         if path.startswith(ENVD_PREFIXES) or path in ENVD_PATHS:
             await self._envd(scope, receive, send)
             return
+        if path.strip("/").split("/")[0] in ("volumes", "volumecontent"):
+            raise Failure(
+                InvalidRequest,
+                "named volumes are kept on one node's disk and cannot be used through the cluster gateway: "
+                "use a node's own E2B listener (docs/volumes.md)",
+            )
         key = _header(scope, b"x-api-key").strip()
         if not key:
             scheme, _, bearer = _header(scope, b"authorization").partition(b" ")

@@ -64,6 +64,7 @@ from .record_writes import RecordWrites
 from .sandboxes import Sandboxes
 from .trajectory.recorder import Trajectories, TrajectoryOptions
 from .usage import DEFAULT_EVICT_AT, UsageMonitor
+from .volume_files import VolumeFiles
 from .volumes import Volumes
 
 log = logging.getLogger("dsec.core")
@@ -99,6 +100,7 @@ class SandboxManager:
         self.admission = Admission(admission or AdmissionOptions(), quota_of=self.tenants.quota)
         self.node_name = self.admission.options.node_name or os.uname().nodename
         self.volumes = Volumes(state_dir / "volumes", VolumeStore(state_dir / "state.db"))
+        self.volume_files = VolumeFiles(self.volumes)  # a volume's files with no sandbox (the E2B layer's)
         self.sandboxes = Sandboxes(self.store, self.records, self.admission, self.backends, self.volumes)
         self.metrics = NodeMetrics(self.sandboxes)
         self.lifecycle = Lifecycle(

@@ -8,6 +8,9 @@ sandboxes' views from there. The rules kept here:
   refused with ``VolumeInUse``: two writers on one file system see each other's half-written files,
   and nothing in a sandbox can tell when another is done);
 - a volume mounted by a live sandbox cannot be removed (``VolumeInUse``);
+- the E2B layer's content API borrows a volume for one call (``lend``): a write is a writer for that
+  long (refused while a sandbox mounts the volume read-write; a sandbox asking to mount it read-write
+  meanwhile is refused), a read a reader; either keeps it mounted, and unremovable, until it is done;
 - ownership is as for images: a tenant sees and acts on its own volumes, and may mount the operator's
   (which have no owner) read-only; the operator acts on all of them.
 
@@ -23,7 +26,7 @@ import asyncio
 import builtins
 import contextlib
 import logging
-from collections.abc import Coroutine, Mapping
+from collections.abc import AsyncIterator, Coroutine, Mapping
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Protocol
@@ -92,6 +95,7 @@ class Volumes:
         self.host: VolumeHost = host or Ext4Host()
         self._users: dict[str, dict[str, Mode]] = {}  # volume -> {sandbox id: mode}
         self._held: dict[str, list[str]] = {}  # sandbox id -> the volumes it holds
+        self._lent: dict[str, dict[Mode, int]] = {}  # volume -> content-API calls under way, by mode
         self._locks: dict[str, asyncio.Lock] = {}  # per volume: its host mount, its creation and removal
         self._tasks: set[asyncio.Task[None]] = set()
 
@@ -146,6 +150,8 @@ class Volumes:
                     "kill them first",
                     detail={"sandboxes": sorted(users)},
                 )
+            if self._lent.get(name):
+                raise VolumeInUse(f"volume {name!r} is being read or written through the E2B content API; try again")
             target = self.mount_point(name)
             if await asyncio.to_thread(self.host.is_mounted, target):
                 await asyncio.to_thread(self.host.unmount, target)
@@ -192,6 +198,12 @@ class Volumes:
                     f"volume {name!r} is mounted read-write by sandbox {writer}: one writer at a time "
                     "(mount it read-only, or wait until that sandbox ends)",
                     detail={"volume": name, "sandbox": writer},
+                )
+            if mode == "rw" and self._lent.get(name, {}).get("rw"):
+                raise VolumeInUse(
+                    f"volume {name!r} is being written through the E2B content API: one writer at a time "
+                    "(mount it read-only, or try again when that write is done)",
+                    detail={"volume": name},
                 )
             mounts.append(VolumeMount(path, name, mode == "ro", str(self.mount_point(name))))
         return mounts
@@ -248,12 +260,51 @@ class Volumes:
     async def _unmount_unused(self, name: str) -> None:
         async with self._lock(name):
             target = self.mount_point(name)
-            if self._users.get(name) or not await asyncio.to_thread(self.host.is_mounted, target):
+            if (
+                self._users.get(name)
+                or self._lent.get(name)
+                or not await asyncio.to_thread(self.host.is_mounted, target)
+            ):
                 return
             try:
                 await asyncio.to_thread(self.host.unmount, target)
             except OSError as e:
                 log.error("cannot unmount unused volume %s: %s", name, e)
+
+    # ---- lent for one call of the content API -----------------------------------------------------------
+
+    @contextlib.asynccontextmanager
+    async def lend(self, name: str, caller: Caller, mode: Mode) -> AsyncIterator[Path]:
+        """The volume's host mount for one call that reads (``ro``) or writes (``rw``) its files with no
+        sandbox: mounted now if nobody uses it, and unmounted after if nobody does then. A write needs the
+        volume to be the caller's and no sandbox to mount it read-write (the one-writer rule); content
+        calls do not exclude each other (each write replaces whole files by a rename)."""
+        volume = self._seen(name, caller)
+        if mode == "rw":
+            if not caller.owns(volume.owner):
+                raise Forbidden(f"volume {name!r} is the operator's: tenants may only read it")
+            writer = next((s for s, m in self._users.get(name, {}).items() if m == "rw"), None)
+            if writer is not None:
+                raise VolumeInUse(
+                    f"volume {name!r} is mounted read-write by sandbox {writer}: its files are written there "
+                    "until it ends (read them, or write them from that sandbox)",
+                    detail={"volume": name, "sandbox": writer},
+                )
+        lent = self._lent.setdefault(name, {})
+        lent[mode] = lent.get(mode, 0) + 1
+        try:
+            await self._ensure_mounted(name)
+            if self.store.get(name) != volume:  # removed and made again meanwhile: another volume
+                raise VolumeNotFound(f"no volume {name!r}")
+            yield self.mount_point(name)
+        finally:
+            lent[mode] -= 1
+            if not lent[mode]:
+                del lent[mode]
+            if not lent:
+                self._lent.pop(name, None)
+                if not self._users.get(name):
+                    self._spawn(self._unmount_unused(name))
 
     # ---- the daemon's start and stop -----------------------------------------------------------------
 

@@ -5,6 +5,7 @@ runs it on ``dsec serve --e2b-listen``; it starts and stops with the daemon (no 
 from __future__ import annotations
 
 import logging
+import re
 from pathlib import Path
 
 from fastapi import FastAPI, Request
@@ -22,19 +23,21 @@ from ..web.idempotency import Idempotency, Memory
 from ..web.limits import BodyLimit
 
 # the services register their routes on envd.router as they are imported
-from . import control, envd, files, fs_service, process_service  # noqa: F401
-from .auth import EnvdTokens, load_key
+from . import control, envd, files, fs_service, process_service, volume_content, volumes  # noqa: F401
+from .auth import EnvdTokens, VolumeTokens, load_key
 from .errors import control_error, plain_error
 from .service import E2BOptions, E2BService
 
 log = logging.getLogger("dsec.e2b")
+STREAMED = re.compile(r"^/volumecontent/[^/]+/file$")
 
 
 def create_e2b_app(manager: SandboxManager, options: E2BOptions, state_dir: Path, operator_token: str) -> FastAPI:
     app = FastAPI(title="dsec E2B-compatible API", version=__version__, openapi_url=None, docs_url=None, redoc_url=None)
     app.state.manager = manager  # the audit log, and bearer tokens
     app.state.token = operator_token
-    app.state.e2b = E2BService(manager, options, EnvdTokens(load_key(state_dir)), operator_token)
+    key = load_key(state_dir)
+    app.state.e2b = E2BService(manager, options, EnvdTokens(key), operator_token, VolumeTokens(key))
 
     @app.exception_handler(DsecError)
     async def _dsec(_: Request, exc: DsecError) -> Response:
@@ -60,7 +63,8 @@ def create_e2b_app(manager: SandboxManager, options: E2BOptions, state_dir: Path
         log.exception("internal error in the E2B API")
         return plain_error(500, f"internal error: {type(exc).__name__}: {exc}")
 
-    routers = (envd.router, files.router, control.router)  # /health, /process.Process/*, ...; /files; control
+    # /health, /process.Process/*, ...; /files; the control API; volumes and their contents
+    routers = (envd.router, files.router, control.router, volumes.router, volume_content.router)
     for router in routers:
         app.include_router(router)
 
@@ -85,7 +89,8 @@ def create_e2b_app(manager: SandboxManager, options: E2BOptions, state_dir: Path
         return control.unsupported(request)
 
     app.add_api_route("/{rest:path}", other, methods=["GET", "POST", "PUT", "PATCH", "DELETE"], include_in_schema=False)
-    app.add_middleware(BodyLimit)
+    # a volume's file is written to the volume as it arrives, bounded by the volume's quota
+    app.add_middleware(BodyLimit, streamed=STREAMED)
     remembered = manager.metrics.remembered["e2b"] = Memory()
     app.add_middleware(
         Idempotency, error=lambda status, _code, message: plain_error(status, message), memory=remembered

@@ -9,6 +9,13 @@ create answer carries it and the SDK sends it as ``X-Access-Token`` with every c
 only the daemon holds (``STATE_DIR/e2b.key``, 0600), so it needs no table, survives a daemon restart,
 and opens exactly one sandbox. A signed file URL (E2B's ``signature`` query parameter) is checked the
 way the SDK makes it, over that same token.
+
+The volume content API is reached with a per-volume token, E2B's volume ``token``: the control API's
+answers for a volume carry it and the SDK sends it as ``Authorization: Bearer``. It names the tenant it
+was given to and is an HMAC, under the same key, of that tenant, the volume's name and the moment the
+volume was made: it opens one volume for one tenant (who may do there what the tenant may), needs no
+table, and stops working when the volume is removed (one made again under the name is another) or the
+tenant is.
 """
 
 from __future__ import annotations
@@ -20,10 +27,12 @@ import hmac
 import os
 import secrets
 import time
+from datetime import datetime
 from pathlib import Path
 
+from ..errors import DsecError
 from ..store.tenants import TenantStore
-from ..tenancy import OPERATOR, Caller
+from ..tenancy import ADMIN, OPERATOR, Caller
 
 KEY_FILE = "e2b.key"
 
@@ -101,3 +110,33 @@ class EnvdTokens:
         digest = hashlib.sha256(":".join(parts).encode()).digest()
         want = "v1_" + base64.b64encode(digest).rstrip(b"=").decode()
         return hmac.compare_digest(want.encode(), signature.encode())
+
+
+class VolumeTokens:
+    def __init__(self, key: bytes) -> None:
+        self._key = key
+
+    def token(self, caller: Caller, name: str, created_at: datetime) -> str:
+        return f"{caller.tenant}.{self._mac(caller.tenant, name, created_at)}"
+
+    def _mac(self, tenant: str, name: str, created_at: datetime) -> str:
+        message = "\0".join(("volume", tenant, name, created_at.isoformat())).encode()
+        return base64.urlsafe_b64encode(hmac.new(self._key, message, hashlib.sha256).digest()).rstrip(b"=").decode()
+
+    @staticmethod
+    def holder(token: str, tenants: TenantStore) -> Caller | None:
+        """Whom a token was given to, if that tenant still is (the MAC is checked by ``opens``)."""
+        tenant, dot, mac = token.rpartition(".")
+        if not dot or not tenant or not mac:
+            return None
+        if tenant == ADMIN:
+            return OPERATOR
+        try:
+            found = tenants.get(tenant)
+        except DsecError:
+            return None
+        return None if found.revoked_at is not None or found.operator else found.caller
+
+    def opens(self, token: str, caller: Caller, name: str, created_at: datetime) -> bool:
+        want = self.token(caller, name, created_at)
+        return hmac.compare_digest(want.encode(), token.encode())

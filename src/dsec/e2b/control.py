@@ -25,6 +25,7 @@ from ..protocol.names import ImageName
 from ..protocol.network import NetworkAllow, NetworkSpec
 from ..protocol.sandbox import TERMINAL_STATES, CreateSandbox, ForkRequest, Limits, SandboxInfo, SnapshotRequest, State
 from ..protocol.types import TIME_SCHEMA
+from ..protocol.volumes import Mode
 from ..tenancy import Caller
 from ..web.audit import note
 from ..web.auth import name_caller
@@ -69,7 +70,7 @@ router = APIRouter()
 # ---- translation -------------------------------------------------------------------------------------
 
 
-def _parse(model: type[Any], raw: Any) -> Any:
+def parse(model: type[Any], raw: Any) -> Any:
     try:
         return model.model_validate(raw if raw is not None else {})
     except ValidationError as e:
@@ -124,9 +125,25 @@ def _refuse_unsupported(body: m.NewSandbox) -> None:
         raise InvalidRequest(f"autoPause (pausing instead of killing at the timeout) {UNSUPPORTED}")
     if body.lifecycle is not None and body.lifecycle.on_timeout not in (None, "kill", {"action": "kill"}):
         raise InvalidRequest(f"lifecycle.onTimeout other than kill {UNSUPPORTED}")
-    for value, what in ((body.mcp, "mcp"), (body.iam, "iam"), (body.volume_mounts, "volumeMounts")):
+    for value, what in ((body.mcp, "mcp"), (body.iam, "iam")):
         if value:
             raise InvalidRequest(f"{what} {UNSUPPORTED}")
+
+
+def volumes_of(mounts: list[m.VolumeMount] | None) -> dict[str, str | tuple[str, Mode]]:
+    """E2B's volume mounts as a dsec creation's: read-write, or read-only for 'NAME:ro' (E2B's mounts
+    have no flag for it). The creation checks the paths and names themselves."""
+    volumes: dict[str, str | tuple[str, Mode]] = {}
+    for mount in mounts or []:
+        name, colon, mode = mount.name.partition(":")
+        if colon and mode not in ("ro", "rw"):
+            raise InvalidRequest(
+                f"volumeMounts: {mount.name[:80]!r}: a volume's name, or NAME:ro to mount it read-only"
+            )
+        if mount.path in volumes:
+            raise InvalidRequest(f"volumeMounts: {mount.path[:80]!r} is named twice")
+        volumes[mount.path] = (name, "ro") if mode == "ro" else name
+    return volumes
 
 
 def _state(info: SandboxInfo) -> str:
@@ -168,7 +185,7 @@ def _live(svc: E2BService, sandbox_id: str, caller: Caller) -> SandboxInfo:
     return info
 
 
-def _json(model: m._Out, status: int = 200) -> Response:
+def json_answer(model: m._Out, status: int = 200) -> Response:
     return Response(model.wire(), status_code=status, media_type="application/json")
 
 
@@ -176,7 +193,7 @@ def _json(model: m._Out, status: int = 200) -> Response:
 
 
 async def _create(svc: E2BService, caller: Caller, raw: Any, idempotency_key: str | None, request: Request) -> Response:
-    body: m.NewSandbox = _parse(m.NewSandbox, raw)
+    body: m.NewSandbox = parse(m.NewSandbox, raw)
     _refuse_unsupported(body)
     image, kind = svc.template(body.template_id, body.metadata)
     labels = {**body.metadata, META_TEMPLATE: body.template_id}
@@ -190,6 +207,7 @@ async def _create(svc: E2BService, caller: Caller, raw: Any, idempotency_key: st
             labels=labels,
             network=network_spec(body.allow_internet_access, body.network, svc.options.network),
             trajectory=body.metadata.get(META_TRAJECTORY),
+            volumes=volumes_of(body.volume_mounts),
         )
     except ValidationError as e:
         raise InvalidRequest(validation_message(e)) from None
@@ -200,7 +218,7 @@ async def _create(svc: E2BService, caller: Caller, raw: Any, idempotency_key: st
         async with svc.idempotency_lock(caller.tenant, idempotency_key):
             earlier = svc.idempotent(caller.tenant, idempotency_key)
             if earlier is not None:
-                return _json(_sandbox(svc, svc.mgr.info(earlier, caller=caller)), 201)
+                return json_answer(_sandbox(svc, svc.mgr.info(earlier, caller=caller)), 201)
             info = await unless_gone(request.receive, svc.mgr.create(req, caller=caller), what)
             if info is not GONE:
                 svc.remember(caller.tenant, idempotency_key, info.id)
@@ -210,7 +228,7 @@ async def _create(svc: E2BService, caller: Caller, raw: Any, idempotency_key: st
         svc.begin(info.id)
     note(request.scope, sandbox=info.id)
     svc.sweep()
-    return _json(_sandbox(svc, info), 201)
+    return json_answer(_sandbox(svc, info), 201)
 
 
 @router.post("/sandboxes", **doc(201, m.Sandbox, m.NewSandbox, body_required=True))
@@ -297,8 +315,9 @@ async def get_sandbox(sandbox_id: str, svc: Svc, caller: Who) -> Response:
         m.SandboxDetail,
         envd_access_token=svc.tokens.token(info.id),
         allow_internet_access=network is not None,
+        volume_mounts=[m.MountedVolume(name=v.name, path=v.path) for v in info.volumes],
     )
-    return _json(detail)
+    return json_answer(detail)
 
 
 # ---- lifecycle ---------------------------------------------------------------------------------------
@@ -315,7 +334,7 @@ async def kill_sandbox(sandbox_id: str, svc: Svc, caller: Who) -> Response:
 
 @router.post("/sandboxes/{sandbox_id}/timeout", **doc(204, None, m.TimeoutRequest, body_required=True))
 async def set_timeout(sandbox_id: str, svc: Svc, caller: Who, body: Annotated[Any, Body()] = None) -> Response:
-    req: m.TimeoutRequest = _parse(m.TimeoutRequest, body)
+    req: m.TimeoutRequest = parse(m.TimeoutRequest, body)
     _live(svc, sandbox_id, caller)
     svc.mgr.set_timeout(sandbox_id, float(req.timeout), caller=caller)
     return Response(status_code=204)
@@ -325,7 +344,7 @@ async def set_timeout(sandbox_id: str, svc: Svc, caller: Who, body: Annotated[An
 async def refresh(sandbox_id: str, svc: Svc, caller: Who, body: Annotated[Any, Body()] = None) -> Response:
     """Keep-alive: the time to live becomes at least ``duration`` seconds from now (a body that is no
     object is no duration: the default)."""
-    duration = _parse(m.RefreshRequest, body if isinstance(body, dict) else None).duration
+    duration = parse(m.RefreshRequest, body if isinstance(body, dict) else None).duration
     info = _live(svc, sandbox_id, caller)
     if info.expires_at.timestamp() - time.time() < duration:
         svc.mgr.set_timeout(sandbox_id, float(duration), caller=caller)
@@ -334,7 +353,7 @@ async def refresh(sandbox_id: str, svc: Svc, caller: Who, body: Annotated[Any, B
 
 @router.post("/sandboxes/{sandbox_id}/pause", **doc(204, None, m.PauseRequest))
 async def pause_sandbox(sandbox_id: str, svc: Svc, caller: Who, body: Annotated[Any, Body()] = None) -> Response:
-    _parse(m.PauseRequest, body)
+    parse(m.PauseRequest, body)
     info = _live(svc, sandbox_id, caller)
     if info.state == State.paused:
         return plain_error(409, f"sandbox {sandbox_id} is already paused")
@@ -347,7 +366,7 @@ async def pause_sandbox(sandbox_id: str, svc: Svc, caller: Who, body: Annotated[
 
 
 async def _connect(sandbox_id: str, svc: E2BService, caller: Caller, body: Any) -> Response:
-    req: m.ConnectRequest = _parse(m.ConnectRequest, body)
+    req: m.ConnectRequest = parse(m.ConnectRequest, body)
     info = _live(svc, sandbox_id, caller)
     resumed = info.state == State.paused
     if resumed:
@@ -355,7 +374,7 @@ async def _connect(sandbox_id: str, svc: E2BService, caller: Caller, body: Any) 
         svc.mgr.set_timeout(sandbox_id, float(req.timeout), caller=caller)
     elif info.expires_at.timestamp() - time.time() < req.timeout:  # a running one only gets longer
         svc.mgr.set_timeout(sandbox_id, float(req.timeout), caller=caller)
-    return _json(_sandbox(svc, info), 201 if resumed else 200)
+    return json_answer(_sandbox(svc, info), 201 if resumed else 200)
 
 
 _CONNECT = doc(200, m.Sandbox, m.ConnectRequest, also={201: m.Sandbox})  # 201: it was paused and is resumed
@@ -390,12 +409,12 @@ async def metrics(sandbox_id: str, svc: Svc, caller: Who) -> Response:
 @router.post("/sandboxes/{sandbox_id}/snapshots", **doc(201, m.SnapshotInfo, m.SnapshotRequest))
 async def snapshot(sandbox_id: str, svc: Svc, caller: Who, body: Annotated[Any, Body()] = None) -> Response:
     """pack_diff: the sandbox's changes become a new image, which a create can name as its template."""
-    req: m.SnapshotRequest = _parse(m.SnapshotRequest, body)
+    req: m.SnapshotRequest = parse(m.SnapshotRequest, body)
     _live(svc, sandbox_id, caller)
     name = req.name or f"e2b-snapshots/{sandbox_id}:{int(time.time() * 1000)}"
     rec = svc.mgr.record(sandbox_id, caller=caller)
     image = await svc.call(rec, "snapshot", SnapshotRequest(name=name), caller=caller)
-    return _json(m.SnapshotInfo(snapshot_id=image.name, names=[image.name]), 201)
+    return json_answer(m.SnapshotInfo(snapshot_id=image.name, names=[image.name]), 201)
 
 
 @router.delete("/templates/{template_id:path}", **doc(204))
@@ -411,7 +430,7 @@ async def delete_snapshot(template_id: ImageName, svc: Svc, caller: Who) -> Resp
 @router.post("/sandboxes/{sandbox_id}/fork", **doc(201, list[m.ForkResult], m.ForkRequest))
 async def fork(sandbox_id: str, svc: Svc, caller: Who, body: Annotated[Any, Body()] = None) -> Response:
     """VM kinds: copies restored from one memory snapshot (all or none in dsec)."""
-    req: m.ForkRequest = _parse(m.ForkRequest, body)
+    req: m.ForkRequest = parse(m.ForkRequest, body)
     _live(svc, sandbox_id, caller)
     result = await svc.mgr.fork(
         sandbox_id, ForkRequest(n=req.count, timeout=float(req.timeout) if req.timeout else None), caller=caller
@@ -422,7 +441,7 @@ async def fork(sandbox_id: str, svc: Svc, caller: Who, body: Annotated[Any, Body
 
 @router.put("/sandboxes/{sandbox_id}/network", **doc(204, None, m.NetworkUpdate))
 async def update_network(sandbox_id: str, svc: Svc, caller: Who, body: Annotated[Any, Body()] = None) -> Response:
-    req: m.NetworkUpdate = _parse(m.NetworkUpdate, body)
+    req: m.NetworkUpdate = parse(m.NetworkUpdate, body)
     if req.rules:
         raise InvalidRequest(f"network rules {UNSUPPORTED}")
     net = m.NetworkConfig(allowOut=req.allow_out, denyOut=req.deny_out)
@@ -434,16 +453,18 @@ async def update_network(sandbox_id: str, svc: Svc, caller: Who, body: Annotated
 
 
 def unsupported(request: Request) -> Response:
-    """Every other E2B endpoint (templates, volumes, secrets, logs, ...): a 501 that says so."""
+    """Every other E2B endpoint (templates, secrets, logs, ...): a 501 that says so."""
     return plain_error(501, f"{request.method} {request.url.path} {UNSUPPORTED}")
 
 
 def openapi_document() -> dict[str, Any]:
-    """The control routes' OpenAPI document, from their models (control_doc.py)."""
+    """The control routes' OpenAPI document (volumes' too), from their models (control_doc.py)."""
     from fastapi import FastAPI
 
     from ..protocol.version import __version__
+    from . import volumes  # its routes take this module's caller and service
 
     app = FastAPI(title="dsec E2B-compatible control API", version=__version__)
     app.include_router(router)
+    app.include_router(volumes.router)
     return add_bodies(app.openapi())

@@ -14,7 +14,8 @@ from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema
 from ..protocol.names import MAX_REFERENCE, NAME_BODY, ImageName
 from ..protocol.network import ALLOW_DESTINATION
 from ..protocol.sandbox import KINDS, MAX_TTL_S, TRAJECTORY_ID
-from ..protocol.types import MAX_LABEL_KEY, MAX_LABEL_VALUE, MAX_LABELS, Env
+from ..protocol.types import MAX_LABEL_KEY, MAX_LABEL_VALUE, MAX_LABELS, PATH_MAX, Env
+from ..protocol.volumes import MAX_VOLUMES, MOUNT_PATH, RESERVED_PATTERN, VOLUME_NAME, VolumeName
 
 # the envd version this layer speaks: the SDK turns features on by it (octet-stream uploads from 0.5.7,
 # file metadata from 0.6.2, watch entries from 0.6.3, network-mount watches from 0.6.4)
@@ -72,6 +73,10 @@ METADATA_SCHEMA = {
 Metadata = Annotated[dict[str, str], WithJsonSchema(METADATA_SCHEMA)]
 
 
+# a mount's volume: its name, read-write, or with ':ro' (E2B's mounts have no flag for it)
+MOUNT_REF = VOLUME_NAME.removesuffix("$") + "(:(ro|rw))?$"
+
+
 class _In(BaseModel):
     model_config = ConfigDict(extra="ignore", populate_by_name=True)
 
@@ -101,6 +106,34 @@ class Lifecycle(_In):
     auto_resume: Any = Field(None, alias="autoResume")
 
 
+class VolumeMount(_In):
+    """One of a creation's ``volumeMounts`` (E2B's SandboxVolumeMount)."""
+
+    name: Annotated[
+        str,
+        WithJsonSchema(
+            {
+                "type": "string",
+                "maxLength": 66,
+                "pattern": MOUNT_REF,
+                "description": "A volume's name; 'NAME:ro' mounts it read-only (a dsec extension).",
+            }
+        ),
+    ] = Field(..., min_length=1, max_length=66)
+    # the creation checks the path as it checks dsec's own mounts, saying what is wrong with it
+    path: Annotated[
+        str,
+        WithJsonSchema(
+            {
+                "type": "string",
+                "minLength": 2,
+                "maxLength": PATH_MAX,
+                "allOf": [{"pattern": MOUNT_PATH}, {"not": {"pattern": RESERVED_PATTERN}}],
+            }
+        ),
+    ] = Field(..., min_length=1, max_length=PATH_MAX)
+
+
 class NewSandbox(_In):
     """POST /v2/sandboxes (and the older POST /sandboxes)."""
 
@@ -118,7 +151,7 @@ class NewSandbox(_In):
     env_vars: Env = Field(default_factory=dict, alias="envVars")
     mcp: Annotated[Any, UNSUPPORTED] = None
     iam: Annotated[Any, UNSUPPORTED] = None
-    volume_mounts: Annotated[list[Any] | None, UNSUPPORTED] = Field(None, alias="volumeMounts")
+    volume_mounts: list[VolumeMount] | None = Field(None, alias="volumeMounts", max_length=MAX_VOLUMES)
     lifecycle: Lifecycle | None = None
     secure: bool | None = None
 
@@ -189,10 +222,16 @@ class ListedSandbox(_Out):
     alias: str | None = None
 
 
+class MountedVolume(_Out):
+    name: str
+    path: str
+
+
 class SandboxDetail(ListedSandbox):
     envd_access_token: str | None = Field(None, alias="envdAccessToken")
     allow_internet_access: bool | None = Field(None, alias="allowInternetAccess")
     domain: str | None = None
+    volume_mounts: list[MountedVolume] = Field(default_factory=list, alias="volumeMounts")
 
 
 class SandboxMetric(_Out):
@@ -220,6 +259,23 @@ class ForkError(_Out):
 class ForkResult(_Out):
     sandbox: Sandbox | None = None
     error: ForkError | None = None
+
+
+class NewVolume(_In):
+    """POST /volumes. A volume of dsec's default size (docs/e2b.md): E2B's API names none."""
+
+    name: VolumeName
+
+
+class Volume(_Out):
+    volume_id: str = Field(..., alias="volumeID", description="Its name: dsec names volumes by name.")
+    name: str
+
+
+class VolumeAndToken(Volume):
+    """A volume, with the token that opens its content API (``Authorization: Bearer``) to the caller."""
+
+    token: str
 
 
 class Error(_Out):

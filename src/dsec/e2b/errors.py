@@ -1,8 +1,9 @@
 """The one place where dsec's errors become the E2B wires' errors: the control API's ``{code, message}``
-with an HTTP status, the envd API's Connect codes, and envd's plain-HTTP answers (``/files``, and the
-proxy's 502 for a sandbox that cannot be reached) — chosen so that the SDK raises the exception an E2B
-user expects (``SandboxNotFoundException``, ``NotFoundException``, ``TimeoutException``,
-``RateLimitException``, ``InvalidArgumentException``, ...)."""
+with an HTTP status, the envd API's Connect codes, envd's plain-HTTP answers (``/files``, and the
+proxy's 502 for a sandbox that cannot be reached), and the volume content API's answers — chosen so
+that the SDK raises the exception an E2B user expects (``SandboxNotFoundException``,
+``NotFoundException``, ``TimeoutException``, ``RateLimitException``, ``InvalidArgumentException``,
+``VolumePathNotFoundException``, ``AuthenticationException``, ...)."""
 
 from __future__ import annotations
 
@@ -23,9 +24,11 @@ from ..errors import (
     SandboxTimeout,
     StorageFull,
     Unauthorized,
+    VolumeExists,
 )
 from .connect import RpcError
 from .control_models import Error
+from .volume_models import ContentError
 
 # E2B's proxy answers 502 with this wording for a sandbox it cannot find; the SDK turns a message
 # containing "was not found" into SandboxNotRunningException ("killed or reached its timeout")
@@ -41,7 +44,7 @@ def control_status(e: DsecError) -> int:
         return 403
     if isinstance(e, QuotaExceeded):
         return 429
-    if isinstance(e, InvalidState):
+    if isinstance(e, InvalidState | VolumeExists):
         return 409
     if isinstance(e, InvalidRequest | LimitExceeded):
         return 400
@@ -103,3 +106,19 @@ def files_status(e: DsecError) -> int:
     if isinstance(e, SandboxGone):
         return 502
     return control_status(e)
+
+
+def content_status(e: DsecError) -> int:
+    """The volume content API's answers: 404 a missing path (``VolumePathNotFoundException``), 409 a
+    volume a sandbox writes, 507 a volume full to its quota; else as the control API answers."""
+    if isinstance(e, NotFound):
+        return 404
+    if isinstance(e, LimitExceeded | StorageFull):
+        return 507
+    return control_status(e)
+
+
+def content_error(e: DsecError) -> Response:
+    status = content_status(e)
+    body = ContentError(code=e.code, message=e.message).wire()
+    return Response(body, status_code=status, media_type="application/json")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import posixpath
+import secrets
 import time
 import urllib.parse
 import uuid
@@ -22,7 +23,7 @@ from ..protocol.network import NetworkSpec
 from ..protocol.sandbox import KINDS
 from ..store.records import SandboxRecord
 from ..tenancy import Caller
-from .auth import EnvdTokens
+from .auth import EnvdTokens, VolumeTokens
 
 # metadata keys that choose what E2B has no word for (the rest of the metadata is the sandbox's labels)
 META_KIND = "dsec.kind"
@@ -87,10 +88,19 @@ class Watcher:
 
 
 class E2BService:
-    def __init__(self, mgr: SandboxManager, options: E2BOptions, tokens: EnvdTokens, operator_token: str) -> None:
+    def __init__(
+        self,
+        mgr: SandboxManager,
+        options: E2BOptions,
+        tokens: EnvdTokens,
+        operator_token: str,
+        volume_tokens: VolumeTokens | None = None,
+    ) -> None:
         self.mgr = mgr
         self.options = options
         self.tokens = tokens
+        # None: a key of this service's own (a test's); the daemon's are made with its envd key
+        self.volume_tokens = volume_tokens or VolumeTokens(secrets.token_bytes(32))
         self.operator_token = operator_token
         self._cursors: dict[str, int] = {}  # sandbox id -> next trajectory position of its E2B calls
         self._idempotent: dict[tuple[str, str], tuple[str, float]] = {}

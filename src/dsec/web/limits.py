@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ..errors import LimitExceeded
@@ -13,16 +15,19 @@ UPLOAD_SUFFIXES = ("/files", "/archive", "/build-contexts")
 
 
 class BodyLimit:
-    """Answers 413 for a declared length over the limit, and stops reading an undeclared body past it."""
+    """Answers 413 for a declared length over the limit, and stops reading an undeclared body past it.
+    ``streamed``: paths whose handlers write the body somewhere bounded as it arrives, never holding it
+    in memory, and bound it themselves."""
 
-    def __init__(self, app: ASGIApp) -> None:
+    def __init__(self, app: ASGIApp, streamed: re.Pattern[str] | None = None) -> None:
         self.app = app
+        self.streamed = streamed
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
+        path: str = scope.get("path", "")
+        if scope["type"] != "http" or (self.streamed is not None and self.streamed.match(path)):
             await self.app(scope, receive, send)
             return
-        path: str = scope.get("path", "")
         limit = MAX_UPLOAD_BODY if path.endswith(UPLOAD_SUFFIXES) else MAX_JSON_BODY
         for name, value in scope.get("headers", []):
             if name == b"content-length" and value.isdigit() and int(value) > limit:

@@ -244,3 +244,37 @@ async def test_batches_mount_them_too(node: Node) -> None:
     assert sum(1 for e in events if e.sandbox is not None) == 1  # one writer at a time
     assert [e.error.code for e in events if e.error is not None] == ["volume_in_use"]
     assert sorted(u.mode for u in mgr.volume("v").users) == ["ro", "ro", "ro", "rw"]
+
+
+async def test_lent_to_the_content_api_for_one_call(node: Node) -> None:
+    """A volume nobody mounts is mounted for a content call and unmounted after; a write meanwhile is a
+    writer (a sandbox asking to write is refused, readers are not) and the volume cannot be removed."""
+    mgr, _, host = node
+    await mgr.create_volume(VolumeCreate(name="v"))
+    async with mgr.volumes.lend("v", OPERATOR, "ro") as root:
+        assert root == mgr.volumes.mount_point("v") and host.mounted == {root}
+    await settle(mgr)
+    assert host.mounted == set()
+    async with mgr.volumes.lend("v", OPERATOR, "rw"):
+        with pytest.raises(VolumeInUse, match="E2B content API"):
+            await mgr.create(req({"/d": "v"}))
+        with pytest.raises(VolumeInUse, match="E2B content API"):
+            await mgr.remove_volume("v")
+        reader = await mgr.create(req({"/d": ["v", "ro"]}))
+    await settle(mgr)
+    assert host.mounted == {mgr.volumes.mount_point("v")}  # the reader still uses it
+    writer = await mgr.create(req({"/w": "v"}))  # the content write is done
+    with pytest.raises(VolumeInUse, match=f"read-write by sandbox {writer.id}"):
+        async with mgr.volumes.lend("v", OPERATOR, "rw"):
+            pass
+    with pytest.raises(Forbidden):
+        async with mgr.volumes.lend("v", ALICE, "rw"):
+            pass
+    for s in (reader, writer):
+        await mgr.kill(s.id)
+    await settle(mgr)
+    assert host.mounted == set()
+    await mgr.remove_volume("v")
+    with pytest.raises(VolumeNotFound):
+        async with mgr.volumes.lend("v", OPERATOR, "ro"):
+            pass

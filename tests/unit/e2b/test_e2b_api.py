@@ -4,19 +4,15 @@ The fake backend's live commands behave like ``cat``: what is fed on stdin comes
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import gzip
 import json
-import socket
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import httpx
 import pytest
 
 from dsec.core.manager import SandboxManager
-from dsec.e2b.app import create_e2b_app
 from dsec.e2b.auth import EnvdTokens
 from dsec.e2b.control import network_spec
 from dsec.e2b.control_models import NetworkConfig
@@ -37,26 +33,6 @@ from e2b.sandbox.commands.command_handle import CommandExitException  # noqa: E4
 from e2b.sandbox.signature import get_signature  # noqa: E402
 
 Core = tuple[SandboxManager, FakeBackend]
-
-
-@pytest.fixture
-async def served(core: Core, workdir: Path) -> AsyncIterator[tuple[str, SandboxManager, FakeBackend]]:
-    import uvicorn
-
-    mgr, backend = core
-    app = create_e2b_app(mgr, E2BOptions(listen="http://127.0.0.1:1", network=None), workdir, TOKEN)
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    base = f"http://127.0.0.1:{sock.getsockname()[1]}"
-    server = uvicorn.Server(uvicorn.Config(app, lifespan="off", log_level="warning", timeout_graceful_shutdown=1))
-    serving = asyncio.create_task(server.serve(sockets=[sock]))
-    while not server.started:  # noqa: ASYNC110 (uvicorn sets a flag, no event)
-        await asyncio.sleep(0.01)
-    try:
-        yield base, mgr, backend
-    finally:
-        server.should_exit = True
-        await asyncio.wait_for(serving, 5)
 
 
 def _opts(base: str, key: str = TOKEN) -> dict[str, str]:
@@ -108,7 +84,7 @@ async def test_control_api_errors(served: tuple[str, SandboxManager, FakeBackend
         assert bad.status_code == 400 and bad.json()["code"] == 400 and "templateID" in bad.json()["message"]
         assert (await http.get("/v2/sandboxes", params={"state": "exploded"})).status_code == 400
         assert (await http.get("/v2/sandboxes", params={"nextToken": "!!"})).status_code == 400
-        assert (await http.get("/volumes")).status_code == 501
+        assert (await http.get("/secrets")).status_code == 501
         assert (await http.post("/sandboxes/sb-nope/timeout", json={"timeout": 5})).status_code == 404
         # a method a path of ours does not have: a 405 naming every method it has (not E2B's 501)
         for method in ("DELETE", "TRACE"):
@@ -273,3 +249,25 @@ def test_the_cluster_gateways_e2b_helpers() -> None:
     assert _after(token) == _key(older)
     with pytest.raises(Failure):
         _after("%%%")
+
+
+async def test_the_cluster_gateway_refuses_volumes() -> None:
+    """A volume is one node's: the gateway's E2B API refuses them clearly, before any key or node."""
+    from typing import cast
+
+    from dsec.cluster.e2b import E2BGateway
+    from dsec.cluster.gateway import Gateway
+
+    gateway = E2BGateway(cast(Gateway, None))
+    for method, path in (("POST", "/volumes"), ("GET", "/volumes/v"), ("PUT", "/volumecontent/v/file")):
+        sent: list[dict[str, object]] = []
+
+        async def send(message: dict[str, object], sent: list[dict[str, object]] = sent) -> None:
+            sent.append(message)
+
+        async def receive() -> dict[str, object]:
+            return {"type": "http.request", "body": b"", "more_body": False}
+
+        await gateway({"type": "http", "method": method, "path": path, "headers": []}, receive, send)
+        body = json.loads(cast(bytes, sent[1]["body"]))
+        assert sent[0]["status"] == 400 and "one node's disk" in body["message"], path
