@@ -30,8 +30,8 @@ demo: install
 	$(VENV)/bin/dsec demo
 
 lint: install
-	$(VENV)/bin/ruff format --check src tests tools
-	$(VENV)/bin/ruff check src tests tools
+	$(VENV)/bin/ruff format --check src tests tools examples
+	$(VENV)/bin/ruff check src tests tools examples
 	$(VENV)/bin/mypy
 	$(VENV)/bin/lint-imports --no-cache
 

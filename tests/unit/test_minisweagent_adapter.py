@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +22,7 @@ pytest.importorskip("minisweagent")
 from minisweagent.environments.local import LocalEnvironment
 from minisweagent.exceptions import Submitted
 
-from dsec.integrations.minisweagent import DsecEnvironmentConfig, check_submitted, observation
+from dsec.integrations.minisweagent import DsecEnvironment, DsecEnvironmentConfig, check_submitted, observation
 
 
 def _local(command: str, timeout: int | None = None) -> Any:
@@ -98,3 +99,12 @@ def test_a_timeout_reads_exactly_as_the_local_environment_reports_it() -> None:
 def test_the_submission_signal_is_the_local_environments(command: str, output: str, code: int) -> None:
     ours = _submitted(observation(command, 30, dsec.ExecResult(exit_code=code, stdout=output)))
     assert ours == _local(command)
+
+
+def test_no_daemon_is_a_clear_error_at_once() -> None:
+    started = time.monotonic()
+    with pytest.raises(dsec.DaemonUnreachable, match="is `dsec serve` running"):
+        DsecEnvironment(url="unix:///nonexistent/dsec.sock", token="t")
+    with pytest.raises(dsec.InvalidRequest, match="unsupported daemon URL"):
+        DsecEnvironment(url="ftp://example.com", token="t")
+    assert time.monotonic() - started < 30
