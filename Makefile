@@ -23,15 +23,15 @@ system-deps:
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -c constraints.txt -e '.[dev,bench,cluster]'
+	$(PY) -m pip install -q -c constraints.txt -e '.[dev,bench,cluster,minisweagent]'
 	touch $(STAMP)
 
 demo: install
 	$(VENV)/bin/dsec demo
 
 lint: install
-	$(VENV)/bin/ruff format --check src tests tools
-	$(VENV)/bin/ruff check src tests tools
+	$(VENV)/bin/ruff format --check src tests tools examples
+	$(VENV)/bin/ruff check src tests tools examples
 	$(VENV)/bin/mypy
 	$(VENV)/bin/lint-imports --no-cache
 

@@ -38,6 +38,12 @@ def test_the_product_never_loads_the_benchmarks() -> None:
     assert [m for m in loaded if m.startswith("dsec_bench")] == []
 
 
+def test_nothing_of_dsec_loads_the_harness_integrations() -> None:
+    # each is an optional extra (mini-swe-agent, ...), loaded only by the harness that selects it
+    loaded = _loaded("dsec", "dsec.sdk.sync", "dsec.cli.main", "dsec.daemon", "dsec.demo.rollouts")
+    assert [m for m in loaded if m.startswith("dsec.integrations")] == []
+
+
 def test_the_cli_loads_only_the_bench_command_group() -> None:
     loaded = _loaded("dsec.cli.main")
     assert "dsec_bench.cli" in loaded
