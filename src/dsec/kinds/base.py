@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import posixpath
+import socket
 from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
@@ -176,6 +177,18 @@ class Backend(ABC):
                 f"named volumes are not supported for {self.kind} sandboxes: {self.volumes_unsupported}; "
                 "use kind='container' or 'function'"
             )
+
+    def check_ports(self) -> None:
+        """Refuse exposing ports on a kind that cannot reach its sandboxes' loopback yet."""
+        raise InvalidRequest(
+            f"ports of {self.kind} sandboxes cannot be exposed yet; use kind='container' or 'function'"
+        )
+
+    async def connect_port(self, rec: SandboxRecord, port: int) -> socket.socket:
+        """A connected, non-blocking socket to ``port`` on the sandbox's loopback (``PortUnreachable``
+        when nothing listens there)."""
+        self.check_ports()
+        raise AssertionError("unreachable")
 
     def check_network(self, policy: NetworkSpec) -> None:
         """Refuse a network policy this kind cannot enforce, before anything is made."""

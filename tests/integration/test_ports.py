@@ -1,0 +1,117 @@
+"""Exposed ports (issue 22, item 1): a server on a sandbox's loopback reached through the daemon's port
+proxy with the port's own secret, never the API token; gone with the sandbox or when unexposed."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+
+import httpx
+import pytest
+
+import dsec
+
+from .conftest import Daemon, free_port, scratch_dir, shut_down, start_daemon
+
+SERVER = (
+    "mkdir -p /srv/www && echo hello from inside > /srv/www/hi.txt && cd /srv/www && "
+    "nohup python3 -m http.server {port} --bind 127.0.0.1 >/tmp/http.log 2>&1 &"
+)
+
+
+@pytest.fixture(autouse=True)
+def _env() -> None:
+    """Replaces the suite's fixture of this name: ports are reached over TCP, so this module runs a daemon
+    of its own on a loopback port (the session's listens on a unix socket)."""
+
+
+@pytest.fixture(scope="module")
+def daemon() -> Iterator[Daemon]:
+    with scratch_dir("dsec-ports-") as workdir:
+        d = start_daemon(workdir / "state", listen=f"http://127.0.0.1:{free_port()}")
+        try:
+            yield d
+        finally:
+            shut_down(d)
+
+
+@pytest.fixture
+def make_sandbox(daemon: Daemon) -> Iterator[Callable[..., dsec.Sandbox]]:
+    made: list[dsec.Sandbox] = []
+
+    def make(**kw: object) -> dsec.Sandbox:
+        sb = dsec.Sandbox.create(client=daemon.client(), timeout=300, **kw)  # type: ignore[arg-type]
+        made.append(sb)
+        return sb
+
+    yield make
+    for sb in made:
+        sb.kill()
+
+
+def _expose(daemon: Daemon, sb: dsec.Sandbox, port: int) -> str:
+    headers = {"Authorization": f"Bearer {daemon.token}"}
+    reply = httpx.post(f"{daemon.url}/v1/sandboxes/{sb.id}/ports", json={"port": port}, headers=headers, timeout=30)
+    assert reply.status_code == 200, reply.text
+    return str(daemon.url + reply.json()["path"])
+
+
+def _wait(url: str) -> httpx.Response:
+    deadline = time.monotonic() + 30
+    while True:
+        reply = httpx.get(url, timeout=10)
+        if reply.status_code != 502 or time.monotonic() > deadline:
+            return reply
+        time.sleep(0.2)
+
+
+@pytest.mark.parametrize("kind", ["container", "function"])
+def test_a_server_inside_is_reached_through_its_exposed_port(
+    daemon: Daemon, make_sandbox: Callable[..., dsec.Sandbox], kind: str
+) -> None:
+    sb = make_sandbox(kind=kind)
+    sb.exec(SERVER.format(port=8000))
+    base = sb.expose(8000)  # the SDK's way; _expose below is the HTTP API's
+    assert base.startswith(daemon.url + "/ports/") and base.endswith("/")
+    assert daemon.token not in base
+    reply = _wait(base + "hi.txt")
+    assert (reply.status_code, reply.text) == (200, "hello from inside\n")
+    posted = httpx.post(base + "nothing", content=b"x" * 100_000, timeout=30)  # a body through, refused inside
+    assert posted.status_code == 501
+    assert _expose(daemon, sb, 8000) == base  # exposing again: the same address
+    wrong = base.replace("/8000/", "/8001/")
+    assert httpx.get(wrong + "hi.txt", timeout=10).status_code == 404
+    tampered = base[:-3] + ("a" if base[-3] != "a" else "b") + base[-2:]
+    assert httpx.get(tampered + "hi.txt", timeout=10).status_code == 404
+
+
+def test_nothing_listening_is_a_502_and_the_address_ends_with_the_sandbox(
+    daemon: Daemon, make_sandbox: Callable[..., dsec.Sandbox]
+) -> None:
+    sb = make_sandbox()
+    base = _expose(daemon, sb, 8123)
+    reply = httpx.get(base, timeout=30)
+    assert reply.status_code == 502 and reply.json()["error"]["code"] == "port_unreachable"
+    sb.exec(SERVER.format(port=8123))
+    assert _wait(base + "hi.txt").status_code == 200
+    sb.kill()
+    assert httpx.get(base + "hi.txt", timeout=10).status_code == 404
+
+
+def test_unexposed_ports_and_kinds_without_ports_are_refused(
+    daemon: Daemon, make_sandbox: Callable[..., dsec.Sandbox]
+) -> None:
+    sb = make_sandbox()
+    sb.exec(SERVER.format(port=8200))
+    base = _expose(daemon, sb, 8200)
+    assert _wait(base + "hi.txt").status_code == 200
+    headers = {"Authorization": f"Bearer {daemon.token}"}
+    listed = httpx.get(f"{daemon.url}/v1/sandboxes/{sb.id}/ports", headers=headers, timeout=30).json()
+    assert [p["port"] for p in listed["ports"]] == [8200]
+    gone = httpx.delete(f"{daemon.url}/v1/sandboxes/{sb.id}/ports/8200", headers=headers, timeout=30)
+    assert gone.status_code == 204
+    assert httpx.get(base + "hi.txt", timeout=10).status_code == 404
+    bad = httpx.post(f"{daemon.url}/v1/sandboxes/{sb.id}/ports", json={"port": 70000}, headers=headers, timeout=30)
+    assert bad.status_code in (400, 422)
+    anon = httpx.post(f"{daemon.url}/v1/sandboxes/{sb.id}/ports", json={"port": 8200}, timeout=30)
+    assert anon.status_code == 401
