@@ -3,11 +3,23 @@ proxy with the port's own secret, never the API token; gone with the sandbox or 
 
 from __future__ import annotations
 
+import socket
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
+from wsproto import ConnectionType, WSConnection
+from wsproto.events import (
+    AcceptConnection,
+    BytesMessage,
+    CloseConnection,
+    RejectConnection,
+    Request,
+    TextMessage,
+)
 
 import dsec
 
@@ -115,3 +127,63 @@ def test_unexposed_ports_and_kinds_without_ports_are_refused(
     assert bad.status_code in (400, 422)
     anon = httpx.post(f"{daemon.url}/v1/sandboxes/{sb.id}/ports", json={"port": 8200}, timeout=30)
     assert anon.status_code == 401
+
+
+def _ws_talk(url: str, messages: list[str | bytes], subprotocols: list[str]) -> tuple[str | None, list[object], int]:
+    """Open a WebSocket at ``url`` (ws over the daemon's TCP listener), send ``messages``, read as many
+    answers, close with 4001; the subprotocol chosen, the answers and the close code that came back."""
+    rest = url.removeprefix("http://")
+    hostport, _, path = rest.partition("/")
+    host, _, port = hostport.partition(":")
+    ws = WSConnection(ConnectionType.CLIENT)
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        sock.sendall(ws.send(Request(host=hostport, target="/" + path, subprotocols=subprotocols)))
+        answers: list[object] = []
+        parts: list[Any] = []
+        chosen: str | None = None
+        close_code = -1
+        sent = False
+        while close_code == -1:
+            data = sock.recv(65536)
+            ws.receive_data(data or None)
+            for event in ws.events():
+                if isinstance(event, AcceptConnection):
+                    chosen = event.subprotocol
+                elif isinstance(event, RejectConnection):
+                    return None, [event.status_code], -1
+                elif isinstance(event, TextMessage | BytesMessage):
+                    parts.append(event.data)
+                    if event.message_finished:  # a big message arrives in pieces
+                        answers.append("".join(parts) if isinstance(event, TextMessage) else b"".join(parts))
+                        parts = []
+                elif isinstance(event, CloseConnection):
+                    close_code = event.code
+            if chosen is not None and not sent:
+                for m in messages:
+                    sock.sendall(ws.send(TextMessage(data=m) if isinstance(m, str) else BytesMessage(data=m)))
+                sent = True
+            if sent and len(answers) == len(messages) and ws.state.name == "OPEN":
+                sock.sendall(ws.send(CloseConnection(code=4001)))
+            if not data:
+                break
+        return chosen, answers, close_code
+
+
+def test_websockets_pass_through_with_their_subprotocol_and_close_code(
+    daemon: Daemon, make_sandbox: Callable[..., dsec.Sandbox]
+) -> None:
+    sb = make_sandbox()
+    sb.files.write("/srv/ws_echo.py", (Path(__file__).parent / "ws_echo.py").read_bytes())
+    sb.exec("nohup python3 /srv/ws_echo.py 8300 >/tmp/ws.log 2>&1 &")
+    base = sb.expose(8300)
+    deadline = time.monotonic() + 30
+    while True:
+        chosen, answers, code = _ws_talk(base + "ws?x=1", ["hello", b"\x00\x01" * 40000], ["env.v1", "other"])
+        if chosen is not None or time.monotonic() > deadline:
+            break
+        time.sleep(0.3)
+    assert chosen == "env.v1"
+    assert answers == ["/ws?x=1 hello", b"\x00\x01" * 40000]  # 80 kB binary: more than one read each way
+    assert code == 4001
+    _, refused, _ = _ws_talk(base.replace("/8300/", "/8301/") + "ws", ["x"], [])
+    assert refused == [404]  # a port not exposed: the proxy refuses the handshake

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 from collections.abc import Iterable
 
@@ -23,6 +24,7 @@ from ..core.ports import PortActions
 from ..errors import DsecError, InvalidRequest, PortUnreachable
 from ..protocol.ports import PORTS_PREFIX
 from ..web.errors import error_response
+from .port_websocket import Relay, deny
 
 log = logging.getLogger("dsec.ports")
 
@@ -66,6 +68,43 @@ def _response_headers(headers: Iterable[tuple[bytes, bytes]]) -> list[tuple[byte
     return [(n.lower(), v) for n, v in headers if n.lower() not in HOP_BY_HOP]
 
 
+def _target(scope: Scope, rest: str) -> str:
+    query: bytes = scope.get("query_string", b"")
+    return rest + ("?" + query.decode("latin-1") if query else "")
+
+
+def _error_body(e: DsecError) -> bytes:
+    return json.dumps({"error": {"code": e.code, "message": e.message, "detail": e.detail}}).encode()
+
+
+async def _websocket(
+    scope: Scope,
+    receive: Receive,
+    send: Send,
+    stream: tuple[asyncio.StreamReader, asyncio.StreamWriter],
+    port: int,
+    target: str,
+    prefix: str,
+) -> None:
+    reader, writer = stream
+    try:
+        if (await receive())["type"] != "websocket.connect":
+            return
+        relay = Relay(reader, writer)
+        try:
+            accepted = await relay.handshake(port, target, scope, prefix)
+        except (DsecError, OSError, TimeoutError) as e:
+            err = e if isinstance(e, DsecError) else PortUnreachable(f"port {port}: {e}")
+            await deny(scope, send, err.http_status, _error_body(err))
+            return
+        await send({"type": "websocket.accept", "subprotocol": accepted.subprotocol})
+        await relay.run(receive, send)
+    finally:
+        writer.close()
+        with contextlib.suppress(OSError):
+            await writer.wait_closed()
+
+
 class PortProxy:
     def __init__(self, app: ASGIApp, ports: PortActions) -> None:
         self.app = app
@@ -73,20 +112,26 @@ class PortProxy:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         path: str = scope.get("path", "")
-        if scope["type"] != "http" or not path.startswith(PORTS_PREFIX):
+        if scope["type"] not in ("http", "websocket") or not path.startswith(PORTS_PREFIX):
             await self.app(scope, receive, send)
             return
         try:
             sandbox_id, port, secret, rest = split_path(path)
             sock = await self.ports.connect(sandbox_id, port, secret)
         except DsecError as e:
-            await error_response(e.http_status, e.code, e.message, e.detail)(scope, receive, send)
+            if scope["type"] == "websocket":
+                await deny(scope, send, e.http_status, _error_body(e))
+            else:
+                await error_response(e.http_status, e.code, e.message, e.detail)(scope, receive, send)
             return
         self.ports.opened(sandbox_id)
         try:
             reader, writer = await asyncio.open_connection(sock=sock)
             prefix = path[: len(path) - len(rest) + 1]
-            await self._exchange(scope, receive, send, (reader, writer), port, rest, prefix)
+            if scope["type"] == "websocket":
+                await _websocket(scope, receive, send, (reader, writer), port, _target(scope, rest), prefix)
+            else:
+                await self._exchange(scope, receive, send, (reader, writer), port, rest, prefix)
         finally:
             self.ports.closed(sandbox_id)
 
@@ -102,7 +147,7 @@ class PortProxy:
     ) -> None:
         reader, writer = stream
         conn = h11.Connection(h11.CLIENT)
-        target = rest + ("?" + scope["query_string"].decode("latin-1") if scope.get("query_string") else "")
+        target = _target(scope, rest)
         started = False
         try:
             headers = upstream_headers(scope, port, prefix)
