@@ -77,7 +77,7 @@ def _wait(url: str) -> httpx.Response:
         time.sleep(0.2)
 
 
-@pytest.mark.parametrize("kind", ["container", "function"])
+@pytest.mark.parametrize("kind", ["container", "function", "microvm"])
 def test_a_server_inside_is_reached_through_its_exposed_port(
     daemon: Daemon, make_sandbox: Callable[..., dsec.Sandbox], kind: str
 ) -> None:

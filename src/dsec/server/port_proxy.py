@@ -35,6 +35,10 @@ HOP_BY_HOP = frozenset(
 )
 
 
+class _ClientGone(Exception):
+    """The client disconnected before its request was sent on: nobody waits for an answer."""
+
+
 def split_path(path: str) -> tuple[str, int, str, str]:
     """``/ports/{sandbox}/{port}/{secret}/{rest}`` → (sandbox, port, secret, "/" + rest)."""
     parts = path[len(PORTS_PREFIX) :].split("/", 3)
@@ -152,8 +156,13 @@ class PortProxy:
         try:
             headers = upstream_headers(scope, port, prefix)
             writer.write(conn.send(h11.Request(method=scope["method"], target=target, headers=headers)))
-            await _send_body(receive, conn, writer)
+            try:
+                await _send_body(receive, conn, writer)
+            except OSError as e:  # the server may have answered without reading it all (413, 501): read on
+                log.debug("port %d: request body not taken whole: %s", port, e)
             started = await _relay_response(conn, reader, send)
+        except _ClientGone:
+            return
         except (OSError, h11.ProtocolError, TimeoutError) as e:
             if started:  # the answer is under way: all that can be done is to cut it short
                 log.info("port %d: response cut short: %s", port, e)
@@ -170,7 +179,7 @@ async def _send_body(receive: Receive, conn: h11.Connection, writer: asyncio.Str
     while True:
         message = await receive()
         if message["type"] == "http.disconnect":
-            raise OSError("the client went away")
+            raise _ClientGone
         body = message.get("body", b"")
         if body:
             writer.write(conn.send(h11.Data(data=body)))
