@@ -69,7 +69,9 @@ def _expose(daemon: Daemon, sb: dsec.Sandbox, port: int) -> str:
 
 
 def _wait(url: str) -> httpx.Response:
-    deadline = time.monotonic() + 30
+    """The first answer that is not 502: a server just started in a sandbox (python3 under TCG, with a
+    loaded host, takes seconds) is not listening yet."""
+    deadline = time.monotonic() + 120
     while True:
         reply = httpx.get(url, timeout=10)
         if reply.status_code != 502 or time.monotonic() > deadline:
