@@ -3,7 +3,10 @@ proxy with the port's own secret, never the API token; gone with the sandbox or 
 
 from __future__ import annotations
 
+import os
 import socket
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -189,3 +192,24 @@ def test_websockets_pass_through_with_their_subprotocol_and_close_code(
     assert code == 4001
     _, refused, _ = _ws_talk(base.replace("/8300/", "/8301/") + "ws", ["x"], [])
     assert refused == [404]  # a port not exposed: the proxy refuses the handshake
+
+
+def test_the_command_line_exposes_and_unexposes(daemon: Daemon, make_sandbox: Callable[..., dsec.Sandbox]) -> None:
+    sb = make_sandbox()
+    sb.exec(SERVER.format(port=8400))
+    env = {**os.environ, "DSEC_URL": daemon.url, "DSEC_TOKEN": daemon.token, "COLUMNS": "300"}
+    out = subprocess.run(
+        [sys.executable, "-m", "dsec", "expose", sb.id, "8400"], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 0, out.stderr
+    url = out.stdout.strip()
+    assert url == sb.expose(8400) and _wait(url + "hi.txt").text == "hello from inside\n"
+    gone = subprocess.run(
+        [sys.executable, "-m", "dsec", "unexpose", sb.id, "8400"], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert gone.returncode == 0, gone.stderr
+    assert httpx.get(url + "hi.txt", timeout=10).status_code == 404
+    again = subprocess.run(
+        [sys.executable, "-m", "dsec", "unexpose", sb.id, "8400"], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert again.returncode == 2 and "not exposed" in again.stderr and "Traceback" not in again.stderr

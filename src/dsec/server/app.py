@@ -50,5 +50,5 @@ def create_app(manager: SandboxManager, token: str) -> FastAPI:
     # outside the body limit: its 413s are answers too
     app.add_middleware(Idempotency, error=error_response, memory=remembered)
     app.add_middleware(AuditMiddleware)  # outside the others, so their answers are audited too
-    app.add_middleware(PortProxy, ports=manager.ports)  # a sandbox's own traffic: none of the API's rules
+    app.add_middleware(PortProxy, manager=manager)  # a sandbox's own traffic: none of the API's rules
     return app

@@ -20,6 +20,7 @@ from collections.abc import Iterable
 import h11
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from ..core.manager import SandboxManager
 from ..core.ports import PortActions
 from ..errors import DsecError, InvalidRequest, PortUnreachable
 from ..protocol.ports import PORTS_PREFIX
@@ -110,9 +111,13 @@ async def _websocket(
 
 
 class PortProxy:
-    def __init__(self, app: ASGIApp, ports: PortActions) -> None:
+    def __init__(self, app: ASGIApp, manager: SandboxManager) -> None:
         self.app = app
-        self.ports = ports
+        self.manager = manager  # looked up per request: tests swap the manager behind one app
+
+    @property
+    def ports(self) -> PortActions:
+        return self.manager.ports
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         path: str = scope.get("path", "")
