@@ -266,6 +266,14 @@ class DigestMismatch(RegistryError, ValueError):
     code = "digest_mismatch"
 
 
+class PortUnreachable(DsecError, ConnectionError):
+    """An exposed port of a sandbox could not be reached: nothing listens on it inside the sandbox, or it
+    did not accept in time. The sandbox itself is fine."""
+
+    code = "port_unreachable"
+    http_status = 502
+
+
 ERRORS_BY_CODE: dict[str, type[DsecError]] = {
     cls.code: cls
     for cls in (
@@ -303,6 +311,7 @@ ERRORS_BY_CODE: dict[str, type[DsecError]] = {
         RegistryUnreachable,
         RegistryAuthFailed,
         DigestMismatch,
+        PortUnreachable,
     )
 }
 

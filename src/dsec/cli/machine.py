@@ -64,3 +64,34 @@ def fork(
         return
     for sb in copies:
         console.print(sb.id)
+
+
+def expose(
+    sandbox_id: Annotated[str, typer.Argument(help="The sandbox.")],
+    port: Annotated[int, typer.Argument(min=1, max=65535, help="A TCP port on the sandbox's loopback.")],
+    url: UrlOpt = None,
+    token: TokenOpt = None,
+) -> None:
+    """Print the URL at which a server on PORT inside the sandbox is reached (HTTP and WebSocket), through
+    the daemon, with a secret of the port's own: it can be handed to anything, and ends with the sandbox."""
+    from ..sdk.sync import Sandbox
+
+    try:
+        console.print(Sandbox.connect(sandbox_id, client=_client(url, token)).expose(port), soft_wrap=True)
+    except DsecError as e:
+        _fail(e)
+
+
+def unexpose(
+    sandbox_id: Annotated[str, typer.Argument(help="The sandbox.")],
+    port: Annotated[int, typer.Argument(min=1, max=65535, help="An exposed port.")],
+    url: UrlOpt = None,
+    token: TokenOpt = None,
+) -> None:
+    """Make a port's URL stop working (connections already open through it stay until they close)."""
+    from ..sdk.sync import Sandbox
+
+    try:
+        Sandbox.connect(sandbox_id, client=_client(url, token)).unexpose(port)
+    except DsecError as e:
+        _fail(e)

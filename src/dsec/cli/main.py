@@ -1,5 +1,5 @@
-"""``dsec``: serve, run, ps, exec, rm, pause, resume, fork, snapshot, top, image, volume, tenant, trajectory,
-version, demo, bench."""
+"""``dsec``: serve, run, ps, exec, rm, pause, resume, fork, expose, unexpose, snapshot, top, image, volume,
+tenant, trajectory, version, demo, bench."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from .common import TokenOpt, UrlOpt, console, err, ident, show
 from .common import client as _client
 from .common import fail as _fail
 from .image import image_app
-from .machine import fork, pause, resume
+from .machine import expose, fork, pause, resume, unexpose
 from .serve import serve
 from .tenant import audit, tenant_app
 from .top import top
@@ -305,7 +305,7 @@ def demo(
     raise typer.Exit(demo_main(n=n, concurrency=concurrency, state_dir=state_dir, url=url, token=token))
 
 
-for _command in (pause, resume, fork, audit, top):
+for _command in (pause, resume, fork, expose, unexpose, audit, top):
     app.command()(_command)
 
 

@@ -59,6 +59,7 @@ from .imageops import ImageActions
 from .lifecycle import Kinds, Lifecycle
 from .metrics import NodeMetrics
 from .oneshot import Runner
+from .ports import PortActions
 from .processes import ProcessTable
 from .record_writes import RecordWrites
 from .sandboxes import Sandboxes
@@ -112,6 +113,7 @@ class SandboxManager:
             self.node_name,
         )
         self.files = FileActions(self.sandboxes)
+        self.ports = PortActions(self.sandboxes)
         self.image_actions = ImageActions(self.sandboxes, self.images)
         self.grader = Grader(self.lifecycle, self.images)
         self.builds = Builder(self.lifecycle, self.images)

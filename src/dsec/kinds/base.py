@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import posixpath
+import socket
 from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
@@ -19,6 +20,7 @@ from ..protocol.run import PoolInfo
 from ..protocol.sandbox import ExecRequest, ExecResult, FileEntry, NetworkStatus
 from ..store.records import SandboxRecord
 from .execio import ExecIO
+from .port_relay import connect_by_exec
 from .state import KindState
 
 # Called with ("stdout" | "stderr", chunk) as output arrives, for streaming execs.
@@ -49,6 +51,7 @@ class Backend(ABC):
     kind: ClassVar[str]
     # why the kind cannot mount named volumes (None: it can)
     volumes_unsupported: ClassVar[str | None] = "this kind does not mount them"
+    guest_busybox: ClassVar[str | None] = None  # a busybox in the sandbox: its nc reaches exposed ports
 
     def __init__(self, ctx: BackendContext) -> None:
         self.ctx = ctx
@@ -176,6 +179,19 @@ class Backend(ABC):
                 f"named volumes are not supported for {self.kind} sandboxes: {self.volumes_unsupported}; "
                 "use kind='container' or 'function'"
             )
+
+    def check_ports(self) -> None:
+        """Refuse exposing ports on a kind that has no way to its sandboxes' loopback."""
+        if self.guest_busybox is None:
+            raise InvalidRequest(f"ports of {self.kind} sandboxes cannot be exposed")
+
+    async def connect_port(self, rec: SandboxRecord, port: int) -> socket.socket:
+        """A connected, non-blocking socket to ``port`` on the sandbox's loopback (``PortUnreachable``
+        when nothing listens there). This default, for sandboxes the host cannot enter, runs the
+        connection through a command in the sandbox (port_relay.py)."""
+        self.check_ports()
+        assert self.guest_busybox is not None
+        return await connect_by_exec(lambda req, cb, io: self.exec(rec, req, cb, io), self.guest_busybox, port)
 
     def check_network(self, policy: NetworkSpec) -> None:
         """Refuse a network policy this kind cannot enforce, before anything is made."""

@@ -29,6 +29,7 @@ class ExecIO:
         self._pending = 0
         self._stdin_closed = False
         self._wake = asyncio.Event()
+        self._taken = asyncio.Event()  # set when the command takes input (or ends): feeders waiting for room
         self._signal: Callable[[int], None] | None = None
         self._ended = False
 
@@ -49,6 +50,13 @@ class ExecIO:
             self._chunks.append(bytes(data))
             self._pending += len(data)
             self._wake.set()
+
+    async def room(self, limit: int) -> None:
+        """Wait until at most ``limit`` bytes of input are queued (or the command ended): a feeder that
+        streams waits here instead of growing the queue to its bound."""
+        while self._pending > limit and not self._ended:
+            self._taken.clear()
+            await self._taken.wait()
 
     def close_stdin(self) -> None:
         """End of input: the command reads EOF once what was queued is consumed (closing twice is fine)."""
@@ -86,6 +94,7 @@ class ExecIO:
         self._chunks.clear()
         self._pending = 0
         self._wake.set()
+        self._taken.set()
 
     async def next_chunk(self) -> bytes | None:
         """The next piece of standard input; None once input is closed (or the command ended)."""
@@ -93,6 +102,7 @@ class ExecIO:
             if self._chunks:
                 chunk = self._chunks.popleft()
                 self._pending -= len(chunk)
+                self._taken.set()
                 return chunk
             if self._stdin_closed or self._ended:
                 return None

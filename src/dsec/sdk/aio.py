@@ -9,12 +9,13 @@ import contextlib
 import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable
 from types import TracebackType
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 from ..errors import DsecError, InvalidRequest, error_from_wire, validation_message
 from ..protocol.grade import GRADE_DIR, GradeRequest, GradeResult
 from ..protocol.names import PullPolicy
 from ..protocol.network import NetworkSpec
+from ..protocol.ports import ExposedPort, ExposeRequest
 from ..protocol.sandbox import (
     DEFAULT_OUTPUT_CAP,
     ExecEvent,
@@ -491,6 +492,18 @@ class AsyncSandbox:
         """The policy in force, the sandbox's address, denied packets and DNS queries, what it may reach now."""
         reply = await self._t.request("GET", f"/v1/sandboxes/{self.id}/network")
         return NetworkStatus.model_validate_json(reply.content)
+
+    async def expose(self, port: int, protocol: Literal["http"] = "http") -> str:
+        """The URL at which a server on ``port`` of the sandbox's loopback is reached (HTTP), through the
+        daemon, with a secret of the port's own in it (never this client's token): hand it to anything.
+        The same URL again for a port already exposed; it stops working when the sandbox ends."""
+        body = ExposeRequest(port=port, protocol=protocol).model_dump()
+        reply = await self._t.request("POST", f"/v1/sandboxes/{self.id}/ports", json=body)
+        return self._t.public_url(ExposedPort.model_validate_json(reply.content).path)
+
+    async def unexpose(self, port: int) -> None:
+        """The port's URL stops working (connections open through it stay until they close)."""
+        await self._t.request("DELETE", f"/v1/sandboxes/{self.id}/ports/{port}")
 
     async def kill(self) -> None:
         """Stop the sandbox and free everything it holds. Killing a stopped sandbox is not an error."""

@@ -89,6 +89,15 @@ class Transport:
         self.url, self.token = resolve_target(url, token)
         self.http = make_http(self.url, self.token)
 
+    def public_url(self, path: str) -> str:
+        """``path`` on the daemon's listener as a URL anyone can use: only a daemon on TCP has one."""
+        if not self.url.startswith(("http://", "https://")):
+            raise InvalidRequest(
+                f"this client reaches the daemon at {self.url}, which no other program can use: exposed ports "
+                "need the daemon on TCP (dsec serve --listen http://HOST:PORT) and DSEC_URL pointing there"
+            )
+        return self.url.rstrip("/") + path
+
     async def request(
         self,
         method: str,

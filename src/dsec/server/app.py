@@ -18,6 +18,7 @@ from ..web.idempotency import Idempotency, Memory
 from ..web.limits import BodyLimit
 from .allow import allowed_methods
 from .openapi import include_routes
+from .port_proxy import PortProxy
 
 if TYPE_CHECKING:
     pass
@@ -48,5 +49,6 @@ def create_app(manager: SandboxManager, token: str) -> FastAPI:
     app.add_middleware(BodyLimit)
     # outside the body limit: its 413s are answers too
     app.add_middleware(Idempotency, error=error_response, memory=remembered)
-    app.add_middleware(AuditMiddleware)  # added last: outside the others, so their answers are audited too
+    app.add_middleware(AuditMiddleware)  # outside the others, so their answers are audited too
+    app.add_middleware(PortProxy, manager=manager)  # a sandbox's own traffic: none of the API's rules
     return app

@@ -8,7 +8,16 @@ from typing import Any
 from fastapi import FastAPI
 
 from ..protocol.version import __version__
-from . import image_routes, node_routes, routes, run_routes, tenant_routes, trajectory_routes, volume_routes
+from . import (
+    image_routes,
+    node_routes,
+    port_routes,
+    routes,
+    run_routes,
+    tenant_routes,
+    trajectory_routes,
+    volume_routes,
+)
 
 
 def include_routes(app: FastAPI) -> None:
@@ -20,6 +29,7 @@ def include_routes(app: FastAPI) -> None:
     app.include_router(run_routes.router)
     app.include_router(trajectory_routes.router)
     app.include_router(volume_routes.router)
+    app.include_router(port_routes.router)
 
 
 def openapi_spec() -> dict[str, Any]:

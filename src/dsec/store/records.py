@@ -27,6 +27,7 @@ CORE_KEYS = (
     "waiting",
     "started_from",
     "volumes",
+    "ports",
 )
 
 
@@ -80,6 +81,7 @@ class SandboxRecord:
     started_from: StartedFrom | None = None
     waiting: str | None = None  # what its creation waits for (a VM boot slot, ...)
     volumes: list[VolumeMount] = field(default_factory=list)  # named volumes it mounts, by the core's grant
+    ports: dict[int, tuple[str, float]] = field(default_factory=dict)  # exposed port -> (secret, when)
 
     def persisted(self) -> dict[str, Any]:
         """The kind's state and the core's fields, as stored."""
@@ -93,6 +95,7 @@ class SandboxRecord:
             "waiting": self.waiting,
             "started_from": self.started_from,
             "volumes": [v.to_json() for v in self.volumes] or None,
+            "ports": {str(p): [secret, at] for p, (secret, at) in self.ports.items()} or None,
         }
         return {**self.runtime, **{k: v for k, v in core.items() if v is not None}}
 
@@ -116,6 +119,12 @@ class SandboxRecord:
         volumes = core.get("volumes")
         mounts = [VolumeMount.from_json(v) for v in volumes] if isinstance(volumes, list) else []
         self.volumes = [m for m in mounts if m is not None]
+        ports = core.get("ports")
+        self.ports = {
+            int(p): (str(g[0]), float(g[1]))
+            for p, g in (ports.items() if isinstance(ports, dict) else ())
+            if str(p).isdigit() and isinstance(g, list) and len(g) == 2
+        }
 
     def info(self) -> SandboxInfo:
         return SandboxInfo(

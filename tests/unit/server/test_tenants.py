@@ -149,6 +149,9 @@ REQUESTS: dict[tuple[str, str], dict[str, Any]] = {
     ("POST", "/fork"): {"json": {"n": 1}},
     ("GET", "/network"): {},
     ("PUT", "/network"): {"json": "full"},
+    ("GET", "/ports"): {},
+    ("POST", "/ports"): {"json": {"port": 8000}},
+    ("DELETE", "/ports/{port}"): {},
     ("POST", "/grade"): {"json": {"cmd": "true", "paths": ["/work"], "tests": {"t.sh": "exit 0"}}},
 }
 
@@ -174,8 +177,9 @@ def test_every_sandbox_route_answers_another_tenants_sandbox_like_a_missing_one(
     api.client.put(f"/v1/sandboxes/{sid}/files", params={"path": "/secret"}, content=b"alice's", headers=alice)
     for method, suffix in routes:
         kwargs = REQUESTS[(method, suffix)]
-        theirs = api.client.request(method, f"/v1/sandboxes/{sid}{suffix}", headers=bob, **kwargs)
-        missing = api.client.request(method, f"/v1/sandboxes/{MISSING}{suffix}", headers=bob, **kwargs)
+        path = suffix.replace("{port}", "8000")
+        theirs = api.client.request(method, f"/v1/sandboxes/{sid}{path}", headers=bob, **kwargs)
+        missing = api.client.request(method, f"/v1/sandboxes/{MISSING}{path}", headers=bob, **kwargs)
         assert theirs.status_code == 404, (method, suffix, theirs.text)
         assert theirs.text.replace(sid, MISSING) == missing.text, (method, suffix)
         assert theirs.headers.get("content-type") == missing.headers.get("content-type")

@@ -32,6 +32,7 @@ from ...images.store import ImageRef
 from ...isolation import cgroups, seccomp, users
 from ...isolation.idmap import idmapped_bind, make_userns
 from ...isolation.mounts import MS_NODEV, MS_NOSUID, is_mountpoint, mount, umount
+from ...isolation.netns import connect_in_netns
 from ...isolation.network.host import Attached
 from ...isolation.rootpath import RootFS
 from ...proc import run
@@ -374,6 +375,15 @@ class ContainerBackend(ContainerFiles, PolicyNetwork):
         owner = (base, base) if base is not None else None
         fs = RootFS(str(self.bundle_dir(rec) / "rootfs"), owner=owner)
         await asyncio.to_thread(fs.write, "/etc/resolv.conf", f"nameserver {resolver}\n".encode(), 0o644)
+
+    def check_ports(self) -> None:
+        pass
+
+    async def connect_port(self, rec: SandboxRecord, port: int) -> socket.socket:
+        pid = await self.init_pid(rec)
+        if pid is None:
+            raise SandboxGone(f"sandbox {rec.id} is no longer running")
+        return await connect_in_netns(pid, port)
 
     async def init_pid(self, rec: SandboxRecord) -> int | None:
         state = await self._running_state(rec)

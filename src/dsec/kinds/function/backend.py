@@ -18,6 +18,8 @@ import contextlib
 import dataclasses
 import logging
 import secrets
+import socket
+import struct
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Hashable
 from dataclasses import dataclass
@@ -339,6 +341,15 @@ class FunctionBackend(Backend):
         elif res.timed_out:
             worker.tainted = "a command was killed by its timeout"
         return res
+
+    def check_ports(self) -> None:
+        pass
+
+    async def connect_port(self, rec: SandboxRecord, port: int) -> socket.socket:
+        sock = await self.containers.connect_port(self._worker(rec).rec, port)
+        # closed with a reset, not a FIN: a TIME_WAIT left in the worker's namespace would fail its reset
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        return sock
 
     async def read_file(self, rec: SandboxRecord, path: str) -> bytes:
         return await self.containers.read_file(self._worker(rec).rec, path)

@@ -78,6 +78,7 @@ TEMPLATES = os.environ.get("DSEC_VM_TEMPLATES", "1") != "0"
 class MicroVMBackend(PolicyNetwork):
     kind: ClassVar[str] = "microvm"
     machine: ClassVar[str] = "microvm"
+    guest_busybox: ClassVar[str | None] = "/.dsec/busybox"  # the helper disk's, read-only to the workload
     # the guest kernel has no 9p, virtiofsd is not on the node, and an ext4 image shared as a disk
     # cannot have a writer and readers in other kernels at once (docs/volumes.md)
     volumes_unsupported = "a VM's guest would need the volume shared into it (virtio-fs), which dsec does not do yet"

@@ -72,6 +72,8 @@ mount -t sysfs sysfs /sys
 mount -t devtmpfs devtmpfs /dev
 case " $(cat /proc/cmdline) " in *" dsec.probe=1 "*) echo dsec-probe-ok > /dev/console; poweroff -f;; esac
 for m in $(cat /modules.order); do insmod "/modules/$m.ko" 2>/dev/null; done
+# loopback, as on any machine (network=None means loopback only; exposed ports are reached on it)
+ip link set lo up 2>/dev/null
 say() { echo "dsec-init: $*" > /dev/console 2>/dev/null || echo "dsec-init: $*" > /newroot/dev/console; }
 fail() { say "$*"; sleep 1; poweroff -f; }
 arg() { for w in $(cat /proc/cmdline); do case "$w" in "$1="*) echo "${w#*=}";; esac; done; }
