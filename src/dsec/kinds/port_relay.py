@@ -26,6 +26,7 @@ log = logging.getLogger("dsec.ports")
 
 MAX_BUFFERED = 16 << 20
 READ_SIZE = 64 << 10
+DRAIN_TIMEOUT = 30.0  # seconds for the client to take the answer's end once the command has ended
 
 Run = Callable[[ExecRequest, Callable[[str, bytes], None], ExecIO], Coroutine[Any, Any, ExecResult]]
 
@@ -64,8 +65,7 @@ async def _pump(run: Run, req: ExecRequest, sock: socket.socket) -> None:
 
     async def to_client() -> None:
         nonlocal buffered
-        while True:
-            data = await out.get()
+        while data := await out.get():  # b"": the command ended and everything before it was sent
             buffered -= len(data)
             await loop.sock_sendall(sock, data)
 
@@ -79,12 +79,13 @@ async def _pump(run: Run, req: ExecRequest, sock: socket.socket) -> None:
             io.feed(data)
 
     command = asyncio.create_task(run(req, on_output, io))
-    tasks = [asyncio.create_task(to_client()), asyncio.create_task(from_client()), asyncio.create_task(overflow.wait())]
+    sender = asyncio.create_task(to_client())
+    others = [asyncio.create_task(from_client()), asyncio.create_task(overflow.wait())]
     try:
         # the command ends, the client goes (the proxy closes only once it is done), or output overflows
-        await asyncio.wait([command, *tasks], return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait([command, sender, *others], return_when=asyncio.FIRST_COMPLETED)
     finally:
-        for t in tasks:
+        for t in others:
             t.cancel()
         if not command.done():
             with contextlib.suppress(Exception):
@@ -92,11 +93,19 @@ async def _pump(run: Run, req: ExecRequest, sock: socket.socket) -> None:
         with contextlib.suppress(BaseException):
             await command
     try:
-        # what the server said last reaches the client before the close (a server may answer and close
-        # without reading the whole request: an early 413, a 501)
-        while not out.empty() and not overflow.is_set():
-            await loop.sock_sendall(sock, out.get_nowait())
-    except OSError as e:
+        # what the server said last reaches the client before the end (a server may answer and close
+        # without reading the whole request: an early 413, a 501); a send cut short would lose bytes
+        if not overflow.is_set() and not sender.done():
+            out.put_nowait(b"")
+            await asyncio.wait_for(sender, DRAIN_TIMEOUT)
+        # the end of the answer, then whatever the client still sends is read and dropped until it
+        # closes: a unix socket closed with unread input resets its peer, which could lose the answer
+        sock.shutdown(socket.SHUT_WR)
+        async with asyncio.timeout(DRAIN_TIMEOUT):
+            while await loop.sock_recv(sock, READ_SIZE):
+                pass
+    except (OSError, TimeoutError) as e:
         log.debug("port relay: %s", e)
     finally:
+        sender.cancel()
         sock.close()

@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import socket
 from collections.abc import Iterable
 
 import h11
@@ -135,12 +136,12 @@ class PortProxy:
             return
         self.ports.opened(sandbox_id)
         try:
-            reader, writer = await asyncio.open_connection(sock=sock)
             prefix = path[: len(path) - len(rest) + 1]
             if scope["type"] == "websocket":
-                await _websocket(scope, receive, send, (reader, writer), port, _target(scope, rest), prefix)
+                stream = await asyncio.open_connection(sock=sock)
+                await _websocket(scope, receive, send, stream, port, _target(scope, rest), prefix)
             else:
-                await self._exchange(scope, receive, send, (reader, writer), port, rest, prefix)
+                await self._exchange(scope, receive, send, sock, port, rest, prefix)
         finally:
             self.ports.closed(sandbox_id)
 
@@ -149,23 +150,27 @@ class PortProxy:
         scope: Scope,
         receive: Receive,
         send: Send,
-        stream: tuple[asyncio.StreamReader, asyncio.StreamWriter],
+        sock: socket.socket,
         port: int,
         rest: str,
         prefix: str,
     ) -> None:
-        reader, writer = stream
+        # the socket itself, not asyncio streams: a stream that failed to write (a server that answered
+        # and closed before reading the whole request) refuses to hand over what it had already read
+        loop = asyncio.get_running_loop()
         conn = h11.Connection(h11.CLIENT)
         target = _target(scope, rest)
         started = False
         try:
             headers = upstream_headers(scope, port, prefix)
-            writer.write(conn.send(h11.Request(method=scope["method"], target=target, headers=headers)))
+            await loop.sock_sendall(
+                sock, conn.send(h11.Request(method=scope["method"], target=target, headers=headers))
+            )
             try:
-                await _send_body(receive, conn, writer)
+                await _send_body(receive, conn, sock)
             except OSError as e:  # the server may have answered without reading it all (413, 501): read on
                 log.debug("port %d: request body not taken whole: %s", port, e)
-            started = await _relay_response(conn, reader, send)
+            started = await _relay_response(conn, sock, send)
         except _ClientGone:
             return
         except (OSError, h11.ProtocolError, TimeoutError) as e:
@@ -175,33 +180,29 @@ class PortProxy:
             err = PortUnreachable(f"port {port} of the sandbox did not answer properly: {e}")
             await error_response(err.http_status, err.code, err.message)(scope, receive, send)
         finally:
-            writer.close()
-            with contextlib.suppress(OSError):
-                await writer.wait_closed()
+            sock.close()
 
 
-async def _send_body(receive: Receive, conn: h11.Connection, writer: asyncio.StreamWriter) -> None:
+async def _send_body(receive: Receive, conn: h11.Connection, sock: socket.socket) -> None:
     while True:
         message = await receive()
         if message["type"] == "http.disconnect":
             raise _ClientGone
         body = message.get("body", b"")
         if body:
-            writer.write(conn.send(h11.Data(data=body)))
-            await writer.drain()
+            await asyncio.get_running_loop().sock_sendall(sock, conn.send(h11.Data(data=body)))
         if not message.get("more_body", False):
-            writer.write(conn.send(h11.EndOfMessage()))
-            await writer.drain()
+            await asyncio.get_running_loop().sock_sendall(sock, conn.send(h11.EndOfMessage()))
             return
 
 
-async def _relay_response(conn: h11.Connection, reader: asyncio.StreamReader, send: Send) -> bool:
+async def _relay_response(conn: h11.Connection, sock: socket.socket, send: Send) -> bool:
     """Stream the server's answer to the client; True once its start was sent."""
     started = False
     while True:
         event = conn.next_event()
         if event is h11.NEED_DATA:
-            data = await asyncio.wait_for(reader.read(READ_SIZE), IDLE_TIMEOUT)
+            data = await asyncio.wait_for(asyncio.get_running_loop().sock_recv(sock, READ_SIZE), IDLE_TIMEOUT)
             conn.receive_data(data)
             continue
         if isinstance(event, h11.InformationalResponse):
