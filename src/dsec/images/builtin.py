@@ -4,13 +4,20 @@ from __future__ import annotations
 
 import asyncio
 import os
+import secrets
 import shutil
 import subprocess
 from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ..errors import BackendError
 from ..proc import run
+from ..protocol.build import LayerRole
+from .model import ImageVersion
+
+if TYPE_CHECKING:
+    from .store import ImageStore
 
 # Each builder creates its target directory itself (mmdebstrap insists on doing so).
 Builder = Callable[[Path], Awaitable[None]]
@@ -60,7 +67,38 @@ async def _debian(target: Path) -> None:
         raise BackendError(f"mmdebstrap failed with status {status}: {tail}")
 
 
+# Built-in images made by a Dockerfile build (images/code/Dockerfile): the core registers how, as only it
+# can run the builder sandboxes (ImageStore.recipes); built on first use like the others.
+Recipe = Callable[[], Awaitable[None]]
+RECIPES: dict[str, tuple[str, Path]] = {
+    "dsec/code:1": (
+        "Python 3.11 with a Jupyter kernel, numpy, pandas, matplotlib; gcc/g++, Go, a JDK, Node.js (for run_code)",
+        Path(__file__).parent / "code" / "Dockerfile",
+    ),
+}
+
 BUILTIN: dict[str, tuple[str, Builder]] = {
     "dsec/busybox:latest": ("busybox-static userland (fast tests)", _busybox),
     "dsec/debian:12": ("Debian 12 minbase + bash, coreutils, python3, git, ca-certificates", _debian),
 }
+
+
+def builtin_names() -> dict[str, str]:
+    """Every built-in image's name and description, built or not."""
+    return {**{n: d for n, (d, _) in BUILTIN.items()}, **{n: d for n, (d, _) in RECIPES.items()}}
+
+
+async def build_builtin(store: ImageStore, name: str) -> None:
+    """Build one of BUILTIN's images from its root file system and publish it as one base layer."""
+    description, builder = BUILTIN[name]
+    work = store.layers.tmp / f"build-{secrets.token_hex(4)}"
+    try:
+        work.mkdir(parents=True)
+        await builder(work / "rootfs")
+        staged = await store.pack(work / "rootfs", store.scrub, drop_devices=True)
+        async with store.catalog.publishing():
+            ref = await store.publish_layer(staged, LayerRole.base, f"built-in {name}")
+            version = ImageVersion(name=name, layers=[ref], description=description, scrubbed=staged.scan.scrubbed)
+            await store.catalog.publish(version)
+    finally:
+        await asyncio.to_thread(shutil.rmtree, work, True)

@@ -10,11 +10,12 @@ import pytest
 
 from dsec.errors import ImageExists, ImageInUse, ImageNotFound, InvalidRequest
 from dsec.images import erofs
+from dsec.images.builtin import builtin_names
 from dsec.images.chunks import chunk_key
 from dsec.images.model import ImageVersion, image_key, layer_key, tag_key
 from dsec.images.oci import read_image
 from dsec.images.scrub import DEFAULT_RULES, ScrubRules
-from dsec.images.store import BUILTIN, ImageRef, ImageStore, normalize
+from dsec.images.store import ImageRef, ImageStore, normalize
 from dsec.protocol.build import LayerRole
 from dsec.protocol.names import MAX_REFERENCE, MAX_STORED
 
@@ -78,7 +79,7 @@ def store_at(root: Path) -> ImageStore:
 
 async def test_an_empty_store_lists_builtins_not_ready(tmp_path: Path) -> None:
     images = await store_at(tmp_path).list()
-    assert {i.name for i in images} == set(BUILTIN)
+    assert {i.name for i in images} == set(builtin_names())
     assert all(not i.ready and i.size == 0 and i.description for i in images)
 
 
