@@ -47,6 +47,7 @@ from .errors import (
     VolumeNotFound,
 )
 from .protocol.build import BuildSpec, ImageSpec
+from .protocol.code import CodeError, CodeResult
 from .protocol.grade import GradeResult
 from .protocol.network import NetworkAllow
 from .protocol.pull import PullProgress, PushResult
@@ -79,6 +80,8 @@ __all__ = [
     "BuildSpec",
     "CallInterrupted",
     "Client",
+    "CodeError",
+    "CodeResult",
     "DaemonUnreachable",
     "DigestMismatch",
     "DsecError",

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import builtins
 import contextlib
+import functools
 import logging
 import os
 from collections.abc import Sequence
@@ -16,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import DsecError, KindUnavailable
+from ..images.builtin import RECIPES
 from ..images.store import ImageRef, ImageStore
 from ..isolation.network.host import NetworkHost
 from ..isolation.network.options import NetworkOptions
@@ -52,6 +54,7 @@ from . import forks
 from .actions import Actions
 from .admission import Admission, AdmissionOptions
 from .builds import Builder
+from .code import CodeRunner
 from .dockerfile.build import DockerfileBuild
 from .files import FileActions
 from .grading import Grader
@@ -117,11 +120,14 @@ class SandboxManager:
         self.image_actions = ImageActions(self.sandboxes, self.images)
         self.grader = Grader(self.lifecycle, self.images)
         self.builds = Builder(self.lifecycle, self.images)
+        for name, (_, dockerfile) in RECIPES.items():
+            self.images.recipes[name] = functools.partial(self._build_recipe, name, dockerfile)
         self.runner = Runner(self.lifecycle, self.files)
         self.actions = Actions(self)
         self.trajectories = Trajectories(self.lifecycle, self, state_dir, trajectory)
         self.actions.recorder = self.trajectories
         self.processes = ProcessTable(self.sandboxes, self.actions)
+        self.code = CodeRunner(self.actions)
         self.usage = UsageMonitor(self.sandboxes, self.lifecycle.evict, evict_at)
         self.metrics.watch(self.usage, self.runner.pools)
         self._reaper: asyncio.Task[None] | None = None
@@ -356,6 +362,11 @@ class SandboxManager:
 
     async def build_dockerfile(self, req: DockerfileBuildRequest, *, caller: Caller = OPERATOR) -> BuildResult:
         return await DockerfileBuild(self.builds, req, caller).run()
+
+    async def _build_recipe(self, name: str, dockerfile: Path) -> None:
+        """A built-in image that is a Dockerfile build of dsec's own (dsec/code:1), built by the operator."""
+        text = await asyncio.to_thread(dockerfile.read_text)
+        await DockerfileBuild(self.builds, DockerfileBuildRequest(name=name, dockerfile=text)).run()
 
     async def grade(self, sandbox_id: str, req: GradeRequest, *, caller: Caller = OPERATOR) -> GradeResult:
         """Run ``req.cmd`` in a fresh sibling of the candidate's pristine image against a read-only copy

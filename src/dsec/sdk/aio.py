@@ -31,6 +31,7 @@ from ..protocol.sandbox import (
     SnapshotRequest,
 )
 from ..protocol.trajectory import RecordedCall
+from .code import CodeMixin
 from .creating import (
     CREATE_TIMEOUT,
     DEFAULT_WAIT_FOR_CAPACITY,
@@ -98,7 +99,7 @@ def default_client() -> AsyncClient:
     return client
 
 
-class AsyncSandbox:
+class AsyncSandbox(CodeMixin):
     """One sandbox. Create with ``await AsyncSandbox.create(...)``; ``async with`` kills it on exit."""
 
     def __init__(self, info: SandboxInfo, client: AsyncClient) -> None:

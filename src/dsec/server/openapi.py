@@ -9,6 +9,7 @@ from fastapi import FastAPI
 
 from ..protocol.version import __version__
 from . import (
+    code_routes,
     image_routes,
     node_routes,
     port_routes,
@@ -30,6 +31,7 @@ def include_routes(app: FastAPI) -> None:
     app.include_router(trajectory_routes.router)
     app.include_router(volume_routes.router)
     app.include_router(port_routes.router)
+    app.include_router(code_routes.router)
 
 
 def openapi_spec() -> dict[str, Any]:

@@ -152,6 +152,9 @@ REQUESTS: dict[tuple[str, str], dict[str, Any]] = {
     ("GET", "/ports"): {},
     ("POST", "/ports"): {"json": {"port": 8000}},
     ("DELETE", "/ports/{port}"): {},
+    ("POST", "/code"): {"json": {"code": "1"}},
+    ("GET", "/code/contexts"): {},
+    ("DELETE", "/code/contexts/{context}"): {},
     ("POST", "/grade"): {"json": {"cmd": "true", "paths": ["/work"], "tests": {"t.sh": "exit 0"}}},
 }
 
@@ -177,7 +180,7 @@ def test_every_sandbox_route_answers_another_tenants_sandbox_like_a_missing_one(
     api.client.put(f"/v1/sandboxes/{sid}/files", params={"path": "/secret"}, content=b"alice's", headers=alice)
     for method, suffix in routes:
         kwargs = REQUESTS[(method, suffix)]
-        path = suffix.replace("{port}", "8000")
+        path = suffix.replace("{port}", "8000").replace("{context}", "default")
         theirs = api.client.request(method, f"/v1/sandboxes/{sid}{path}", headers=bob, **kwargs)
         missing = api.client.request(method, f"/v1/sandboxes/{MISSING}{path}", headers=bob, **kwargs)
         assert theirs.status_code == 404, (method, suffix, theirs.text)
