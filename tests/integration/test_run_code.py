@@ -7,9 +7,13 @@ from __future__ import annotations
 
 import base64
 import secrets
+import shutil
+import signal
 import struct
 import subprocess
+import tempfile
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 
@@ -17,7 +21,7 @@ import dsec
 from dsec.protocol.build import ImageSpec
 from dsec.protocol.code import CODE_IMAGE, MAX_CONTEXTS
 
-from .conftest import Daemon
+from .conftest import Daemon, release_node, start_daemon
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -172,3 +176,22 @@ def test_the_context_lives_in_the_sandbox_not_in_the_caller(python_sandbox: dsec
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "'set by the first client'"
+
+
+@pytest.mark.timeout(900)
+def test_a_context_outlives_a_daemon_killed_and_restarted(code_image: str) -> None:
+    """The state is in the sandbox's kernel, not the daemon: a SIGKILLed daemon's successor reaches it."""
+    state = Path(tempfile.mkdtemp(prefix="dsec-code-restart-"))
+    d = start_daemon(state)
+    try:
+        sb = dsec.Sandbox.create(image=code_image, client=d.client())
+        assert sb.run_code("answer = 6 * 7").engine == "jupyter"
+        d.stop(signal.SIGKILL)
+        d = start_daemon(state)
+        again = dsec.Sandbox.connect(sb.id, client=d.client())
+        assert again.run_code("answer").text == "42"
+        again.kill()
+    finally:
+        d.stop()
+        release_node(state)
+    shutil.rmtree(state, ignore_errors=True)
