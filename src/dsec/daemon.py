@@ -1,12 +1,13 @@
-"""The node daemon as a process: its core, the node API and, when asked, the E2B-compatible API on a
-listener of its own, served by uvicorn. It sits above both APIs (server/ and e2b/), which know nothing
-of each other.
+"""The node daemon as a process: its core, the node API and, when asked, the E2B-compatible API and the
+SandboxFusion-compatible API, each on a listener of its own, served by uvicorn. It sits above the APIs
+(server/, e2b/, fusion/), which know nothing of each other.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -31,6 +32,7 @@ from .web.listeners import ByListener
 
 if TYPE_CHECKING:
     from .e2b.service import E2BOptions
+    from .fusion.service import FusionOptions
 
 log = logging.getLogger("dsec.server")
 
@@ -88,9 +90,11 @@ def serve(
     admission: AdmissionOptions | None = None,
     evict_at: float = DEFAULT_EVICT_AT,
     e2b: E2BOptions | None = None,
+    fusion: FusionOptions | None = None,
 ) -> None:
     """``function``: the function kind's FunctionOptions (kept opaque here: the server knows no kind).
-    ``e2b``: also serve the E2B-compatible API on its own listener (docs/e2b.md)."""
+    ``e2b``: also serve the E2B-compatible API on its own listener (docs/e2b.md); ``fusion``: the
+    SandboxFusion-compatible API on its own (docs/sandbox-fusion.md)."""
     import uvicorn
 
     state_dir = state_dir.resolve()
@@ -101,8 +105,8 @@ def serve(
     listen = listen or default_listen(state_dir)
     where = parse_listen(listen)
     e2b_where = parse_listen(e2b.listen) if e2b is not None else None
-    if e2b_where is not None and e2b_where == where:
-        raise InvalidRequest(f"--e2b-listen {e2b.listen if e2b else ''} must differ from --listen {listen}")
+    fusion_where = parse_listen(fusion.listen) if fusion is not None else None
+    _distinct({"--listen": where, "--e2b-listen": e2b_where, "--sandbox-fusion-listen": fusion_where})
     uds = where.get("uds")
     if isinstance(uds, str) and os.path.exists(uds):
         os.unlink(uds)  # a stale socket from a killed daemon
@@ -120,9 +124,14 @@ def serve(
         "timeout_graceful_shutdown": 5,
         "timeout_keep_alive": tokens.KEEP_ALIVE_S,
     }
-    sockets = None
+    others: list[tuple[dict[str, Any], Callable[[int], ASGIApp]]] = []
     if e2b is not None and e2b_where is not None:
-        app, sockets = _with_e2b(app, manager, e2b, state_dir, token, settings, where, e2b_where)
+        others.append((e2b_where, lambda port: _e2b_app(manager, e2b, state_dir, token, e2b_where, port)))
+    if fusion is not None and fusion_where is not None:
+        others.append((fusion_where, lambda port: _fusion_app(manager, fusion, token, fusion_where, port)))
+    sockets = None
+    if others:
+        app, sockets = _with_listeners(app, settings, where, others)
     server = uvicorn.Server(uvicorn.Config(app, **settings, **where))
     log.info("dsec %s listening on %s (state in %s)", __version__, listen, state_dir)
     server.run(sockets=sockets)
@@ -161,29 +170,56 @@ def _manager(
     )
 
 
-def _with_e2b(
+def _distinct(listeners: dict[str, dict[str, Any] | None]) -> None:
+    seen: dict[str, str] = {}
+    for flag, where in listeners.items():
+        if where is None:
+            continue
+        key = repr(sorted(where.items()))
+        if key in seen:
+            raise InvalidRequest(f"{flag} must differ from {seen[key]}")
+        seen[key] = flag
+
+
+def _with_listeners(
     app: ASGIApp,
-    manager: SandboxManager,
-    e2b: E2BOptions,
-    state_dir: Path,
-    token: str,
     settings: dict[str, Any],
     where: dict[str, Any],
-    e2b_where: dict[str, Any],
+    others: list[tuple[dict[str, Any], Callable[[int], ASGIApp]]],
 ) -> tuple[ASGIApp, list[Any]]:
-    """The app that also answers the E2B listener, and both listeners' sockets, bound now."""
+    """The app that also answers each other listener (its app made for the port it got), and every
+    listener's socket, bound now."""
     import uvicorn
 
-    from .e2b.app import create_e2b_app
-
-    e2b_socket = uvicorn.Config(app, **settings, **e2b_where).bind_socket()
-    port = e2b_socket.getsockname()[1]
+    bound = []
+    for other_where, make in others:
+        sock = uvicorn.Config(app, **settings, **other_where).bind_socket()
+        bound.append((sock, make))
     main_socket = uvicorn.Config(app, **settings, **where).bind_socket()
-    for sock in (e2b_socket, main_socket):
+    for sock in (main_socket, *(s for s, _ in bound)):
         # uvicorn makes them inheritable (for its worker processes): the layer fetcher the daemon
         # starts, which outlives it, would otherwise hold the listeners and swallow connections
         sock.set_inheritable(False)
-    both = ByListener(app, create_e2b_app(manager, e2b, state_dir, token), port)
+    for sock, make in bound:
+        port = sock.getsockname()[1]
+        app = ByListener(app, make(port), port)  # nested: each picks out its own port, the rest goes on
+    return app, [main_socket, *(s for s, _ in bound)]
+
+
+def _e2b_app(
+    manager: SandboxManager, e2b: E2BOptions, state_dir: Path, token: str, e2b_where: dict[str, Any], port: int
+) -> ASGIApp:
+    from .e2b.app import create_e2b_app
+
     manager.e2b_url = f"http://{e2b_where['host']}:{port}"
     log.info("E2B-compatible API on http://%s:%d (E2B_API_URL and E2B_SANDBOX_URL)", e2b_where["host"], port)
-    return both, [main_socket, e2b_socket]
+    return create_e2b_app(manager, e2b, state_dir, token)
+
+
+def _fusion_app(
+    manager: SandboxManager, fusion: FusionOptions, token: str, fusion_where: dict[str, Any], port: int
+) -> ASGIApp:
+    from .fusion.app import create_fusion_app
+
+    log.info("SandboxFusion-compatible API on http://%s:%d/run_code", fusion_where["host"], port)
+    return create_fusion_app(manager, fusion, token)

@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     from ..core.trajectory.recorder import TrajectoryOptions
     from ..daemon import ImageOptions
     from ..e2b.service import E2BOptions
+    from ..fusion.service import FusionOptions
     from ..images.registry import RegistryOptions
     from ..isolation.network.options import NetworkOptions
 
@@ -197,6 +198,19 @@ E2BNetworkOpt = Annotated[
         "host, private ranges or other sandboxes) or 'none' (loopback only)."
     ),
 ]
+FusionListenOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--sandbox-fusion-listen",
+        help="Also serve the SandboxFusion API (POST /run_code, as verl and the sandbox-fusion client call "
+        "it) on http://HOST:PORT. It has no credentials, as SandboxFusion has none: bind it to loopback or a "
+        "trusted network (docs/sandbox-fusion.md).",
+    ),
+]
+FusionImageOpt = Annotated[
+    str,
+    typer.Option("--sandbox-fusion-image", help="The image SandboxFusion calls run in (every language's tools)."),
+]
 LogLevelOpt = Annotated[str, typer.Option(help="debug, info, warning, error.")]
 
 
@@ -238,6 +252,8 @@ def serve(
     e2b_kind: E2BKindOpt = "container",
     e2b_template: E2BTemplateOpt = None,
     e2b_network: E2BNetworkOpt = "full",
+    sandbox_fusion_listen: FusionListenOpt = None,
+    sandbox_fusion_image: FusionImageOpt = "dsec/code:1",
     log_level: LogLevelOpt = "info",
 ) -> None:
     """Run the node daemon."""
@@ -262,8 +278,20 @@ def serve(
             cpu_capacity, memory_capacity, cpu_ratio, memory_ratio, queue_timeout, max_queue, node_name
         )
         e2b = _e2b_options(e2b_listen, e2b_image, e2b_kind, e2b_template, e2b_network)
+        fusion = _fusion_options(sandbox_fusion_listen, sandbox_fusion_image)
         run_server(
-            state_dir, listen, options, log_level, audit, network, function, trajectory, admission, evict_at, e2b=e2b
+            state_dir,
+            listen,
+            options,
+            log_level,
+            audit,
+            network,
+            function,
+            trajectory,
+            admission,
+            evict_at,
+            e2b=e2b,
+            fusion=fusion,
         )
     except DsecError as e:
         _fail(e)
@@ -380,3 +408,11 @@ def _e2b_options(
     from ..e2b.service import E2BOptions
 
     return E2BOptions.of(listen, image, kind, template or [], network)
+
+
+def _fusion_options(listen: str | None, image: str) -> FusionOptions | None:
+    if listen is None:
+        return None
+    from ..fusion.service import FusionOptions
+
+    return FusionOptions.of(listen, image)
