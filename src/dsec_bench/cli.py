@@ -290,6 +290,33 @@ def bench_e2b(
     raise typer.Exit(e2b_main(n=n, creates=creates, json_out=json_out, state_dir=state_dir, repository=repository))
 
 
+@bench_app.command("fusion")
+def bench_fusion(
+    n: Annotated[int, typer.Option("--n", help="Sequential calls per latency measurement.", min=1)] = 200,
+    calls: Annotated[int, typer.Option("--calls", help="Calls per throughput measurement.", min=1)] = 400,
+    json_out: JsonOut = Path("bench-fusion.json"),
+    state_dir: DaemonState = Path("/var/lib/dsec-bench-fusion"),
+    repository: Repository = None,
+    skip: Annotated[
+        list[str] | None, typer.Option("--skip", help="A peer not to measure: podman or crun (repeatable).")
+    ] = None,
+) -> None:
+    """print(1) in Python through the SandboxFusion API (the sandbox-fusion client, as verl calls it) beside a
+    fresh container per call on the same image (podman run --rm, crun run): p50 and calls/s at 1/8/32."""
+    from .fusion import SYSTEMS
+    from .fusion import main as fusion_main
+
+    unknown = set(skip or ()) - set(SYSTEMS[1:])
+    if unknown:
+        err.print(f"[red]error[/red]: --skip takes {' or '.join(SYSTEMS[1:])}, not {', '.join(sorted(unknown))}")
+        raise typer.Exit(2)
+    raise typer.Exit(
+        fusion_main(
+            n=n, calls=calls, json_out=json_out, state_dir=state_dir, repository=repository, skip=set(skip or ())
+        )
+    )
+
+
 @bench_app.command("tiers")
 def bench_tiers(
     n: Annotated[
