@@ -45,10 +45,22 @@ EXPECTED = "1\n"
 PODMAN_REPO = "localhost/dsec-bench-code"  # tagged with the dsec image's digest: a rebuilt image is imported anew
 LABELS = {"dsec.fusion": "1"}  # what the SandboxFusion API labels every call's sandbox with
 SYSTEMS = ("fusion", "podman", "crun")
+LABELS_OF = {"fusion": "SandboxFusion API", "podman": "podman run --rm", "crun": "crun run (fresh)"}
+PODMAN_LABEL = "dsec-bench=fusion"
 CONCURRENCY = (1, 8, 32)
 WARMUP = 5  # untimed calls first: the pool makes its workers, page caches fill
-PEER_N = 30  # a fresh container costs hundreds of ms: more samples add minutes, not precision
-PEER_MIN_CALLS = 16  # a peer's throughput: max(this, 2 × concurrency) calls, at most --calls
+# podman costs hundreds of ms a call: more samples add minutes, not precision (crun gets as many as dsec)
+PODMAN_N = 30
+PODMAN_MIN_CALLS = 32  # podman's throughput: max(this, 2 × concurrency) calls, at most --calls
+
+
+def samples(system: str, n: int, calls: int, concurrency: int) -> tuple[int, int]:
+    """(sequential calls, calls at ``concurrency``) a system is measured with."""
+    if system == "podman":
+        return min(n, PODMAN_N), min(calls, max(PODMAN_MIN_CALLS, 2 * concurrency))
+    return n, calls
+
+
 CALL_TIMEOUT = 120.0
 STOP_TIMEOUT = 120.0  # the daemon destroys its idle workers one by one as it stops
 
@@ -97,20 +109,35 @@ def command_call(argv_for: Callable[[], list[str]], scratch: Path) -> Call:
 # ---- measurements ------------------------------------------------------------------------------------
 
 
-def latency(console: Console, label: str, call: Call, n: int) -> Json:
-    for _ in range(WARMUP):
-        if (why := call()) is not None:
-            raise RuntimeError(f"{label}: a warm-up call failed: {why}")
-    times: list[float] = []
-    with phase(console, label, n) as tick:
-        for _ in range(n):
-            t0 = time.perf_counter()
-            why = call()
-            times.append(time.perf_counter() - t0)
-            if why is not None:
-                raise RuntimeError(f"{label}: a call failed: {why}")
-            tick()
-    return summarize(times)
+def latencies(console: Console, systems: dict[str, Call], n: int, calls: int) -> Json:
+    """Sequential calls, one of each system in turn (the order rotating), so that every system meets the
+    same load on a machine that others share; a system whose call fails is dropped with why."""
+    out: Json = {}
+    alive = dict(systems)
+    for name, call in systems.items():
+        for _ in range(WARMUP):
+            if (why := call()) is not None:
+                out[name] = {"error": f"a warm-up call failed: {why}"}
+                alive.pop(name, None)
+                break
+    counts = {name: samples(name, n, calls, 1)[0] for name in alive}
+    times: dict[str, list[float]] = {name: [] for name in alive}
+    with phase(console, f"print(1), one call at a time, in turn: {', '.join(alive)}", sum(counts.values())) as tick:
+        for i in range(max(counts.values(), default=0)):
+            names = list(alive)
+            for name in names[i % len(names) :] + names[: i % len(names)]:
+                if name not in alive or len(times[name]) >= counts[name]:
+                    continue
+                t0 = time.perf_counter()
+                why = alive[name]()
+                elapsed = time.perf_counter() - t0
+                if why is not None:
+                    out[name] = {"error": f"a call failed: {why}"}
+                    del alive[name]
+                    continue
+                times[name].append(elapsed)
+                tick()
+    return out | {name: summarize(times[name]) for name in alive}
 
 
 def sustained(console: Console, label: str, call: Call, calls: int, concurrency: int, pids: dict[str, int]) -> Json:
@@ -193,57 +220,49 @@ def podman_image(console: Console, base: list[str], rootfs: Path, tag: str, scra
 # ---- the systems -------------------------------------------------------------------------------------
 
 
-def measure_system(
-    console: Console, name: str, call: Call, n: int, calls: int, pids: dict[str, int], peer: bool
-) -> tuple[Json, list[Json]]:
-    count = min(n, PEER_N) if peer else n
-    lat = guarded(None, lambda: latency(console, f"{name}: print(1), one at a time", call, count))
-    rates = []
+def throughputs(console: Console, systems: dict[str, Call], n: int, calls: int, pids: dict[str, int]) -> Json:
+    """Each concurrency in turn, every system at it before the next: the systems compared at a level are
+    measured minutes apart at most."""
+    out: Json = {name: [] for name in systems}
     for c in CONCURRENCY:
-        total = min(calls, max(PEER_MIN_CALLS, 2 * c)) if peer else calls
-        rates.append(guarded(c, partial(sustained, console, name, call, total, c, pids)))
-    return lat, rates
+        for name, call in systems.items():
+            total = samples(name, n, calls, c)[1]
+            out[name].append(guarded(c, partial(sustained, console, LABELS_OF[name], call, total, c, pids)))
+    return out
 
 
-def measure_peers(
-    console: Console,
-    rootfs: Path,
-    tag: str,
-    python: str,
-    n: int,
-    calls: int,
-    pids: dict[str, int],
-    skip: set[str],
-) -> tuple[Json, Json, Json]:
-    lat: Json = {}
-    tp: Json = {}
+@contextlib.contextmanager
+def peer_calls(
+    console: Console, rootfs: Path, tag: str, python: str, scratch: Path, skip: set[str]
+) -> Iterator[tuple[dict[str, Call], Json]]:
+    """The peers' calls on the image's files, and their versions; what they leave is removed after."""
+    calls: dict[str, Call] = {}
     versions: Json = {}
-    with tempfile.TemporaryDirectory(prefix="dsec-bench-fusion-") as tmp:
-        scratch = Path(tmp)
-        if "crun" not in skip and (crun := shutil.which("crun")):
-            base = [crun, "--root", str(scratch / "crun-state")]
-            bundle = make_bundle(crun, scratch / "bundle", rootfs, [python, "-c", CODE])
-
-            def fresh(base: list[str] = base, bundle: Path = bundle) -> list[str]:
-                return [*base, "run", "--bundle", str(bundle), f"dsec-bench-fusion-{uuid.uuid4().hex[:12]}"]
-
-            try:
-                call = command_call(fresh, scratch)
-                lat["crun"], tp["crun"] = measure_system(console, "crun run (fresh)", call, n, calls, pids, True)
-            finally:
-                listing = subprocess.run([*base, "list", "-q"], capture_output=True, text=True, timeout=60)
-                for cid in listing.stdout.split():
-                    subprocess.run([*base, "delete", "--force", cid], capture_output=True, timeout=60)
-            versions["crun"] = first_line([crun, "--version"])
-        if "podman" not in skip:
-            base = [ensure_podman(console), *PODMAN_FLAGS]
-            image = podman_image(console, base, rootfs, tag, scratch)
-            run = [*base, "run", "--rm", *PODMAN_RUN_FLAGS, "--label", "dsec-bench=fusion"]
-            argv_p = [*run, image, python, "-c", CODE]
-            call = command_call(lambda: argv_p, scratch)
-            lat["podman"], tp["podman"] = measure_system(console, "podman run --rm", call, n, calls, pids, True)
-            versions["podman"] = first_line([*base, "--version"]) + f" ({shlex.join(argv_p)})"
-    return lat, tp, versions
+    crun = shutil.which("crun") if "crun" not in skip else None
+    crun_base = [crun or "crun", "--root", str(scratch / "crun-state")]
+    if crun is not None:
+        bundle = make_bundle(crun, scratch / "bundle", rootfs, [python, "-c", CODE])
+        run = [*crun_base, "run", "--bundle", str(bundle)]
+        calls["crun"] = command_call(lambda: [*run, f"dsec-bench-fusion-{uuid.uuid4().hex[:12]}"], scratch)
+        versions["crun"] = first_line([crun, "--version"])
+    podman_base: list[str] = []
+    if "podman" not in skip:
+        podman_base = [ensure_podman(console), *PODMAN_FLAGS]
+        image = podman_image(console, podman_base, rootfs, tag, scratch)
+        argv = [*podman_base, "run", "--rm", *PODMAN_RUN_FLAGS, "--label", PODMAN_LABEL, image, python, "-c", CODE]
+        calls["podman"] = command_call(lambda: argv, scratch)
+        versions["podman"] = first_line([*podman_base, "--version"]) + f" ({shlex.join(argv)})"
+    try:
+        yield calls, versions
+    finally:
+        if crun is not None:  # everything under the private --root is ours, what a failed run left included
+            listing = subprocess.run([*crun_base, "list", "-q"], capture_output=True, text=True, timeout=60)
+            for cid in listing.stdout.split():
+                subprocess.run([*crun_base, "delete", "--force", cid], capture_output=True, timeout=60)
+        if podman_base:  # --rm removes a container only when podman gets that far; the label finds the rest
+            ps = [*podman_base, "ps", "-aq", "--filter", f"label={PODMAN_LABEL}"]
+            if left := subprocess.run(ps, capture_output=True, text=True, timeout=60).stdout.split():
+                subprocess.run([*podman_base, "rm", "-f", *left], capture_output=True, timeout=120)
 
 
 # ---- the run -----------------------------------------------------------------------------------------
@@ -273,24 +292,21 @@ async def measure(
         await ensure_image(console, client)
         python, py_version = await interpreter(url)
         pids = {"daemon": proc.pid, "bench": os.getpid()}
-        lat, tp = {}, {}
-        lat["fusion"], tp["fusion"] = await asyncio.to_thread(
-            measure_system, console, "SandboxFusion API", fusion_call(url), n, calls, pids, False
-        )
         # the daemon's own mounts of the image's layers (its function workers hold them)
         info = await client.image(IMAGE)
         layers = [state_dir / "images" / "mnt" / layer.digest for layer in info.layers]
         tag = (info.digest or "latest").removeprefix("blake3:")[:16]
         with (
-            tempfile.TemporaryDirectory(prefix="dsec-bench-fusion-root-") as tmp,
+            tempfile.TemporaryDirectory(prefix="dsec-bench-fusion-") as tmp,
             merged_rootfs(layers, Path(tmp)) as root,
+            peer_calls(console, root, tag, python, Path(tmp), skip) as (peers, versions),
         ):
-            peer_lat, peer_tp, versions = await asyncio.to_thread(
-                measure_peers, console, root, tag, python, n, calls, pids, skip
-            )
+            systems = {"fusion": fusion_call(url), **peers}
+            lat = await asyncio.to_thread(latencies, console, systems, n, calls)
+            tp = await asyncio.to_thread(throughputs, console, systems, n, calls, pids)
         pools = [p.model_dump() for p in await client.pools()]
     versions |= {"daemon": version, "python": f"{python} {py_version}", "sandbox_fusion": client_version()}
-    return {"latency": lat | peer_lat, "throughput": tp | peer_tp, "versions": versions, "pools": pools, "url": url}
+    return {"latency": lat, "throughput": tp, "versions": versions, "pools": pools}
 
 
 def client_version() -> str:
@@ -387,9 +403,9 @@ def main(
         "host": host_facts() | {"nproc": len(os.sched_getaffinity(0)), "loadavg": [load_before, os.getloadavg()]},
         "params": {
             "n": n,
-            "peer_n": min(n, PEER_N),
             "calls": calls,
-            "peer_calls": {str(c): min(calls, max(PEER_MIN_CALLS, 2 * c)) for c in CONCURRENCY},
+            "podman_n": samples("podman", n, calls, 1)[0],
+            "podman_calls": {str(c): samples("podman", n, calls, c)[1] for c in CONCURRENCY},
             "concurrency": list(CONCURRENCY),
             "warmup": WARMUP,
             "repository": str(repository or ""),

@@ -70,3 +70,28 @@ def test_a_measurement_with_failed_calls_counts_for_nothing_and_fails_the_run() 
 def test_the_peers_start_only_from_the_daemons_mounted_layers(tmp_path: Path) -> None:
     with pytest.raises(RuntimeError, match="not mounted"), fb.merged_rootfs([tmp_path], tmp_path):
         pass
+
+
+def test_latencies_take_the_systems_in_turn_and_drop_one_that_fails() -> None:
+    order: list[str] = []
+
+    def call(name: str, fail_at: int | None = None) -> fb.Call:
+        def one() -> str | None:
+            order.append(name)
+            return "exit 1: no" if fail_at is not None and order.count(name) == fail_at else None
+
+        return one
+
+    systems = {"fusion": call("fusion"), "podman": call("podman"), "crun": call("crun", fail_at=fb.WARMUP + 3)}
+    out = fb.latencies(Console(quiet=True), systems, 40, 100)
+    timed = order[3 * fb.WARMUP :]
+    assert timed[:6] == ["fusion", "podman", "crun", "podman", "crun", "fusion"]  # the order rotates
+    assert out["fusion"]["n"] == 40 and out["podman"]["n"] == fb.PODMAN_N  # podman: fewer samples
+    assert out["crun"] == {"error": "a call failed: exit 1: no"}
+
+
+def test_podman_gets_fewer_samples_than_the_others() -> None:
+    assert fb.samples("fusion", 200, 400, 32) == (200, 400) == fb.samples("crun", 200, 400, 32)
+    assert fb.samples("podman", 200, 400, 1) == (fb.PODMAN_N, fb.PODMAN_MIN_CALLS)
+    assert fb.samples("podman", 200, 400, 32) == (fb.PODMAN_N, 64)
+    assert fb.samples("podman", 3, 4, 32) == (3, 4)
