@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import base64
 import importlib.resources
+import os
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,6 +25,7 @@ import dsec
 from .conftest import Daemon, free_port, scratch_dir, shut_down, start_daemon
 
 IMAGE = "dsec/code:1"
+ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.timeout(300)
 
 
@@ -220,3 +224,21 @@ def test_the_rest_of_the_listener(fusion: tuple[Daemon, str]) -> None:
     assert missing.status_code == 404 and missing.json() == {"detail": "Not Found"}
     # the node's own API stays on its listener, and no call left a sandbox behind
     assert [s.id for s in d.client().list(labels={"dsec.fusion": "1"})] == []
+
+
+def test_the_example_scores_solutions_as_verl_does(fusion: tuple[Daemon, str]) -> None:
+    _, url = fusion
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "sandbox_fusion_dsec.py")],
+        env=os.environ | {"SANDBOX_FUSION_ENDPOINT": url},
+        capture_output=True,
+        text=True,
+        timeout=240,
+        stdin=subprocess.DEVNULL,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stdout.splitlines()
+    for language in ("python", "cpp", "java", "go"):
+        assert f"{language:7} ['pass', 'pass', 'pass']  reward 1.00" in lines, done.stdout
+    assert "typo    compile error" in lines and "loop    timeout" in lines, done.stdout
+    assert any(line.startswith("client  Success [1, 2, 3] in sb-") for line in lines), done.stdout
