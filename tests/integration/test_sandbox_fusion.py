@@ -242,3 +242,21 @@ def test_the_example_scores_solutions_as_verl_does(fusion: tuple[Daemon, str]) -
         assert f"{language:7} ['pass', 'pass', 'pass']  reward 1.00" in lines, done.stdout
     assert "typo    compile error" in lines and "loop    timeout" in lines, done.stdout
     assert any(line.startswith("client  Success [1, 2, 3] in sb-") for line in lines), done.stdout
+
+
+def test_three_listeners_each_answer_their_own_api() -> None:
+    """The node API, the E2B API and the SandboxFusion API on one daemon: each port serves its API only."""
+    with scratch_dir("dsec-fusion-three-") as work:
+        node, fusion = f"http://127.0.0.1:{free_port()}", f"http://127.0.0.1:{free_port()}"
+        d = start_daemon(work / "state", "--sandbox-fusion-listen", fusion, e2b=True, listen=node)
+        try:
+            assert d.e2b_url is not None
+            assert requests.get(f"{fusion}/v1/ping", timeout=10).json() == "pong"
+            assert requests.get(f"{d.e2b_url}/health", timeout=10).status_code in (200, 204)
+            assert d.client().health().version
+            for other in (node, d.e2b_url):  # not theirs: refused (401, 404, E2B's 501), never run
+                answer = requests.post(f"{other}/run_code", json={"code": "", "language": "python"}, timeout=10)
+                assert answer.status_code >= 400 and "run_result" not in answer.text
+            assert requests.get(f"{fusion}/v1/health", timeout=10).status_code == 404
+        finally:
+            shut_down(d)

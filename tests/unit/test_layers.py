@@ -20,7 +20,9 @@ def _loaded(*modules: str) -> list[str]:
 
 
 def test_the_daemon_never_loads_the_client() -> None:
-    loaded = _loaded("dsec.daemon", "dsec.server.app", "dsec.e2b.app", "dsec.cluster.gateway", "dsec.core.manager")
+    loaded = _loaded(
+        "dsec.daemon", "dsec.server.app", "dsec.e2b.app", "dsec.fusion.app", "dsec.cluster.gateway", "dsec.core.manager"
+    )
     assert "dsec.server.app" in loaded
     assert [m for m in loaded if m.startswith("dsec.sdk")] == []
     assert [m for m in loaded if m.startswith("dsec_bench")] == []

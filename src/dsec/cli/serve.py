@@ -277,21 +277,13 @@ def serve(
         admission = _admission_options(
             cpu_capacity, memory_capacity, cpu_ratio, memory_ratio, queue_timeout, max_queue, node_name
         )
-        e2b = _e2b_options(e2b_listen, e2b_image, e2b_kind, e2b_template, e2b_network)
-        fusion = _fusion_options(sandbox_fusion_listen, sandbox_fusion_image)
+        # the other APIs the daemon serves, each on its own listener: (E2B's, SandboxFusion's)
+        apis = (
+            _e2b_options(e2b_listen, e2b_image, e2b_kind, e2b_template, e2b_network),
+            _fusion_options(sandbox_fusion_listen, sandbox_fusion_image),
+        )
         run_server(
-            state_dir,
-            listen,
-            options,
-            log_level,
-            audit,
-            network,
-            function,
-            trajectory,
-            admission,
-            evict_at,
-            e2b=e2b,
-            fusion=fusion,
+            state_dir, listen, options, log_level, audit, network, function, trajectory, admission, evict_at, *apis
         )
     except DsecError as e:
         _fail(e)
