@@ -32,7 +32,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from dsec import AsyncClient, DsecError, ImageNotFound
+from dsec import AsyncClient, DsecError
 
 from .common import Json, host_facts, phase, private_daemon, repository_flags, summarize, tail, unwind_on_sigterm
 from .function import cpu_now, rate_entry, ratio
@@ -173,15 +173,11 @@ def guarded(concurrency: int | None, measure: Callable[[], Json]) -> Json:
 
 
 async def ensure_image(console: Console, client: AsyncClient) -> None:
-    try:
-        await client.image(IMAGE)
-    except ImageNotFound:
-        import importlib.resources
-
-        console.print(f"building {IMAGE} from its packaged recipe (minutes, once per layer repository)")
-        recipe = importlib.resources.files("dsec") / "images" / "code" / "Dockerfile"
-        with tempfile.TemporaryDirectory(prefix="dsec-bench-fusion-ctx-") as context:
-            await client.build_dockerfile(IMAGE, context, dockerfile=str(recipe))
+    """The built-in image, built by its Dockerfile on first use (minutes, once per layer repository)."""
+    console.print(f"ensuring {IMAGE} is built")
+    info = await client.build_image(IMAGE)
+    if not info.ready:
+        raise RuntimeError(f"{IMAGE} is not ready after its build")
 
 
 @contextlib.contextmanager

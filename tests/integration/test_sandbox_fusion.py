@@ -7,7 +7,6 @@ in SandboxFusion's shapes, never a 500."""
 from __future__ import annotations
 
 import base64
-import importlib.resources
 import os
 import subprocess
 import sys
@@ -20,8 +19,6 @@ import pytest
 import requests
 import sandbox_fusion as sf
 
-import dsec
-
 from .conftest import Daemon, free_port, scratch_dir, shut_down, start_daemon
 
 IMAGE = "dsec/code:1"
@@ -31,26 +28,17 @@ pytestmark = pytest.mark.timeout(300)
 
 @pytest.fixture(scope="module")
 def fusion() -> Iterator[tuple[Daemon, str]]:
-    """A daemon serving the SandboxFusion API, its image built (a cache hit once the shared test
-    repository has it), and the API's URL."""
+    """A daemon serving the SandboxFusion API, its image built (found once the shared test repository
+    has it), and the API's URL."""
     with scratch_dir("dsec-fusion-") as work:
         url = f"http://127.0.0.1:{free_port()}"
         d = start_daemon(work / "state", "--sandbox-fusion-listen", url)
         try:
-            ensure_code_image(d.client(), work / "context")
+            # the built-in image, built by its Dockerfile on first use: once per layer repository
+            assert d.client().build_image(IMAGE).ready
             yield d, url
         finally:
             shut_down(d)
-
-
-def ensure_code_image(client: dsec.Client, context: Path) -> None:
-    """dsec/code:1 from its packaged recipe, unless the repository has it (published images are immutable)."""
-    try:
-        client.image(IMAGE)
-    except dsec.ImageNotFound:
-        recipe = importlib.resources.files("dsec") / "images" / "code" / "Dockerfile"
-        context.mkdir()
-        client.build_dockerfile(IMAGE, context, dockerfile=Path(str(recipe)))
 
 
 def run(url: str, **kw: Any) -> sf.RunCodeResponse:
