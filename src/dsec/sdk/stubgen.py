@@ -29,6 +29,7 @@ from typing import Any, Literal
 
 from ..errors import DsecError
 from ..protocol.build import BuildSpec, ImageSpec
+from ..protocol.code import CodeResult
 from ..protocol.grade import GradeResult
 from ..protocol.network import NetworkSpec
 from ..protocol.node import NodeStatus, TenantQuota
