@@ -248,3 +248,46 @@ def test_three_listeners_each_answer_their_own_api() -> None:
             assert requests.get(f"{fusion}/v1/health", timeout=10).status_code == 404
         finally:
             shut_down(d)
+
+
+def jupyter(url: str, **kw: Any) -> sf.RunJupyterResponse:
+    return sf.run_jupyter(sf.RunJupyterRequest(**kw), endpoint=url, max_attempts=1, client_timeout=300)
+
+
+def test_run_jupyter_runs_cells_in_one_kernel(fusion: tuple[Daemon, str]) -> None:
+    _, url = fusion
+    cells = [
+        "import pandas as pd\ndf = pd.DataFrame({'a': [1, 2, 3]})\nprint('rows', len(df))",
+        "df.a.sum()",
+        "import matplotlib.pyplot as plt\nplt.plot(df.a)\nplt.show()",
+        "df.b",
+        "open('out.txt', 'w').write(open('in.txt').read().upper())",
+    ]
+    r = jupyter(url, cells=cells, files={"in.txt": b64(b"shout")}, fetch_files=["out.txt"])
+    assert r.status == "Success" and r.driver is not None and r.driver.status == "Finished"
+    assert len(r.cells) == len(cells)
+    assert r.cells[0].stdout == "rows 3\n" and r.cells[0].display == []
+    assert r.cells[1].display == [{"text/plain": "np.int64(6)"}]  # the state of cell 0 carried over
+    assert base64.b64decode(r.cells[2].display[0]["image/png"])[:4] == b"\x89PNG"
+    assert r.cells[3].error[0]["ename"] == "AttributeError" and "b" in r.cells[3].error[0]["evalue"]
+    assert base64.b64decode(r.files["out.txt"]) == b"SHOUT"
+
+
+def test_run_jupyter_time_limits_end_the_run(fusion: tuple[Daemon, str]) -> None:
+    _, url = fusion
+    r = jupyter(url, cells=["x = 1", "import time\ntime.sleep(30)", "x"], cell_timeout=2, total_timeout=20)
+    assert r.status == "Failed" and r.driver is not None and r.driver.status == "TimeLimitExceeded"
+    assert len(r.cells) == 2 and r.cells[1].error[0]["ename"] == "TimeoutError"
+    assert r.driver.execution_time is not None and r.driver.execution_time < 15
+    total = jupyter(url, cells=["import time\ntime.sleep(30)"], total_timeout=3)
+    assert total.status == "Failed" and total.cells[0].error[0]["ename"] == "TimeoutError"
+
+
+def test_run_jupyter_refuses_what_it_cannot_run(fusion: tuple[Daemon, str]) -> None:
+    _, url = fusion
+    other = requests.post(f"{url}/run_jupyter", json={"cells": ["1"], "kernel": "ir"}, timeout=60)
+    assert (
+        other.status_code == 200 and other.json()["status"] == "SandboxError" and "python3" in other.json()["message"]
+    )
+    empty = requests.post(f"{url}/run_jupyter", json={"cells": []}, timeout=60)
+    assert empty.status_code == 422 and "cells" in empty.json()["detail"]

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import base64
 import binascii
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -19,6 +19,7 @@ from ..protocol.types import PATH_MAX, PATH_NO_DOTDOT, clean_abs
 
 MAX_TIMEOUT_S = 3600.0  # a call is one program's compile and run, each bounded by its own timeout
 MAX_LANGUAGE = 64
+MAX_CELLS = 256
 MIB = 1 << 20
 
 
@@ -30,16 +31,11 @@ def run_path(path: str) -> str:
     return clean_abs(path if path.startswith("/") else f"{RUN_DIR}/{path}", "file path")
 
 
-class RunCodeRequest(BaseModel):
+class _WithFiles(BaseModel):
+    """What both calls take besides their code: files in, files back, a memory limit."""
+
     model_config = ConfigDict(extra="ignore")
 
-    code: str = Field(..., max_length=MAX_CODE, description="The source to run.")
-    language: str = Field(
-        ..., min_length=1, max_length=MAX_LANGUAGE, description="python, bash, sh, c, cpp, go, java or nodejs."
-    )
-    compile_timeout: float = Field(10, gt=0, le=MAX_TIMEOUT_S, description="Seconds the compile may take.")
-    run_timeout: float = Field(10, gt=0, le=MAX_TIMEOUT_S, description="Seconds the program may run.")
-    stdin: str | None = Field(None, max_length=MAX_STDIN, description="Text fed to the program's standard input.")
     files: dict[str, str | None] = Field(
         default_factory=dict,
         json_schema_extra={
@@ -99,6 +95,34 @@ class RunCodeRequest(BaseModel):
         return self.memory_limit_MB * MIB if self.memory_limit_MB is not None and self.memory_limit_MB > 0 else None
 
 
+class RunCodeRequest(_WithFiles):
+    code: str = Field(..., max_length=MAX_CODE, description="The source to run.")
+    language: str = Field(
+        ..., min_length=1, max_length=MAX_LANGUAGE, description="python, bash, sh, c, cpp, go, java or nodejs."
+    )
+    compile_timeout: float = Field(10, gt=0, le=MAX_TIMEOUT_S, description="Seconds the compile may take.")
+    run_timeout: float = Field(10, gt=0, le=MAX_TIMEOUT_S, description="Seconds the program may run.")
+    stdin: str | None = Field(None, max_length=MAX_STDIN, description="Text fed to the program's standard input.")
+
+
+class RunJupyterRequest(_WithFiles):
+    cells: list[str] = Field(
+        ..., min_length=1, max_length=MAX_CELLS, description="Python cells, run in order in one kernel."
+    )
+    cell_timeout: float = Field(
+        0, ge=0, le=MAX_TIMEOUT_S, description="Seconds each cell may take; 0: no limit but the total."
+    )
+    total_timeout: float = Field(45, gt=0, le=MAX_TIMEOUT_S, description="Seconds all the cells may take.")
+    kernel: str = Field("python3", max_length=MAX_LANGUAGE, description="Only 'python3'.")
+
+    @field_validator("cells")
+    @classmethod
+    def _cells(cls, v: list[str]) -> list[str]:
+        if sum(len(c) for c in v) > MAX_CODE:
+            raise ValueError(f"the cells hold more than {MAX_CODE} characters in all")
+        return v
+
+
 def _decode(path: str, content: str) -> bytes:
     try:
         return base64.b64decode(content, validate=True)
@@ -138,3 +162,24 @@ class RunCodeResponse(BaseModel):
     @classmethod
     def sandbox_error(cls, message: str) -> RunCodeResponse:
         return cls(status="SandboxError", message=message)
+
+
+class CellRunResult(BaseModel):
+    stdout: str = ""
+    stderr: str = ""
+    display: list[dict[str, str]] = Field(
+        default_factory=list, description="The cell's displays, then its last expression's value: MIME type -> content."
+    )
+    error: list[dict[str, Any]] = Field(default_factory=list, description="{ename, evalue, traceback} of its error.")
+
+
+class RunJupyterResponse(BaseModel):
+    status: RunStatus = Field(
+        description="Success: every cell ran (a cell's own error is in its result); Failed: the time ran out; "
+        "SandboxError: the cells could not be run (message says why)."
+    )
+    message: str = ""
+    driver: CommandRunResult | None = Field(None, description="The whole run: Finished or TimeLimitExceeded.")
+    cells: list[CellRunResult] = Field(default_factory=list, description="One per cell that ran, in order.")
+    executor_pod_name: str | None = Field(None, description="The id of the dsec sandbox that ran the call.")
+    files: dict[str, str] = Field(default_factory=dict, description="fetch_files' path -> content in base64.")

@@ -1,5 +1,5 @@
-"""The SandboxFusion API's routes: ``POST /run_code`` and SandboxFusion's health check ``GET /v1/ping``.
-Each route module keeps its own router; app.py includes them all."""
+"""The SandboxFusion API's routes: ``POST /run_code``, ``POST /run_jupyter`` and SandboxFusion's health
+check ``GET /v1/ping``. Each route module keeps its own router; app.py includes them all."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from ..tenancy import OPERATOR
 from ..web.audit import note
 from ..web.auth import name_caller
 from .errors import answer_for
-from .models import RunCodeRequest, RunCodeResponse
+from .models import RunCodeRequest, RunCodeResponse, RunJupyterRequest, RunJupyterResponse
 from .service import FusionService
 
 router = APIRouter()
@@ -25,6 +25,20 @@ async def run_code(body: RunCodeRequest, request: Request) -> Any:
     service: FusionService = request.app.state.fusion
     try:
         answer = await service.run_code(body)
+    except Exception as e:  # every failure is an answer of SandboxFusion's shape, never a 500
+        return answer_for(e)
+    if answer.executor_pod_name is not None:
+        note(request.scope, sandbox=answer.executor_pod_name)
+    return JSONResponse(answer.model_dump(mode="json"))
+
+
+@router.post("/run_jupyter", response_model=RunJupyterResponse)
+async def run_jupyter(body: RunJupyterRequest, request: Request) -> Any:
+    name_caller(request.scope, OPERATOR)
+    note(request.scope, command=["run_jupyter", f"{len(body.cells)} cells"])
+    service: FusionService = request.app.state.fusion
+    try:
+        answer = await service.run_jupyter(body)
     except Exception as e:  # every failure is an answer of SandboxFusion's shape, never a 500
         return answer_for(e)
     if answer.executor_pod_name is not None:
