@@ -195,3 +195,32 @@ def test_a_context_outlives_a_daemon_killed_and_restarted(code_image: str) -> No
         d.stop()
         release_node(state)
     shutil.rmtree(state, ignore_errors=True)
+
+
+def test_other_languages_are_compiled_and_run_once(code_image: str, make_sandbox: Callable[..., dsec.Sandbox]) -> None:
+    sb = make_sandbox(image=code_image, kind="container")
+    sb.files.write("/tmp/main.cpp", b"a user's file of the same name as the source, left alone")
+    hello = {
+        "cpp": '#include <iostream>\nint main() { std::cout << "cpp " << 6 * 7 << "\\n"; }',
+        "go": 'package main\nimport "fmt"\nfunc main() { fmt.Println("go", 6*7) }',
+        "java": 'public class Main { public static void main(String[] a) { System.out.println("java " + 6 * 7); } }',
+        "nodejs": "console.log('nodejs', 6 * 7)",
+        "bash": "echo bash $((6 * 7))",
+    }
+    for language, code in hello.items():
+        r = sb.run_code(code, language=language, timeout=120)
+        assert (r.stdout, r.error, r.engine) == (f"{language} 42\n", None, "process"), (language, r)
+    assert sb.files.read("/tmp/main.cpp").startswith(b"a user's file")
+    broken = sb.run_code("int main() { return undefined_name; }", language="cpp", timeout=120)
+    assert broken.error is not None and broken.error.name == "CompileError"
+    assert any("undefined_name" in line for line in broken.error.traceback)
+    failing = sb.run_code("echo out; exit 3", language="bash")
+    assert (
+        failing.stdout == "out\n"
+        and failing.error is not None
+        and failing.error.value == "the program ended with status 3"
+    )
+    slow = sb.run_code("sleep 30", language="bash", timeout=1)
+    assert slow.error is not None and slow.error.name == "TimeoutError"
+    with pytest.raises(dsec.errors.InvalidRequest, match="only python keeps a context"):
+        sb.run_code("echo", language="bash", context="mine")

@@ -127,7 +127,7 @@ class SandboxManager:
         self.trajectories = Trajectories(self.lifecycle, self, state_dir, trajectory)
         self.actions.recorder = self.trajectories
         self.processes = ProcessTable(self.sandboxes, self.actions)
-        self.code = CodeRunner(self.actions)
+        self.code = CodeRunner(self.actions, self.lifecycle, self.files)
         self.usage = UsageMonitor(self.sandboxes, self.lifecycle.evict, evict_at)
         self.metrics.watch(self.usage, self.runner.pools)
         self._reaper: asyncio.Task[None] | None = None

@@ -13,6 +13,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from .languages import LanguageName
 from .sandbox import MAX_EXEC_TIMEOUT_S
 
 MAX_CODE = 1 << 20
@@ -31,7 +32,11 @@ class CodeRequest(BaseModel):
     code: str = Field(
         ..., max_length=MAX_CODE, description="The cell: Python source (statements, then maybe an expression)."
     )
-    language: Literal["python"] = Field("python", description="The context's language.")
+    language: LanguageName = Field(
+        "python",
+        description="python runs in a context that keeps its state; another language is compiled (if it is) and "
+        "run once, its output the result's streams (no context).",
+    )
     context: str | None = Field(
         None,
         pattern=CONTEXT_PATTERN,
@@ -61,9 +66,10 @@ class CodeResult(BaseModel):
     )
     error: CodeError | None = Field(None, description="The error the cell raised, or the timeout that stopped it.")
     execution_count: int = Field(0, ge=0)
-    context: str = Field(description="The context the code ran in.")
-    engine: Literal["jupyter", "python"] = Field(
-        description="'jupyter': a Jupyter kernel of the image; 'python': dsec's plain interpreter (no ipykernel)."
+    context: str = Field(description="The context the code ran in ('' for another language than python).")
+    engine: Literal["jupyter", "python", "process"] = Field(
+        description="'jupyter': a Jupyter kernel of the image; 'python': dsec's plain interpreter (no ipykernel); "
+        "'process': another language, compiled and run once."
     )
     truncated: bool = Field(False, description="Output past 1 MiB per stream or 16 MiB of rich data was dropped.")
     duration: float = Field(0.0, ge=0, description="Seconds the call took, as the daemon measured it.")

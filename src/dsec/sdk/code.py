@@ -30,7 +30,8 @@ class CodeMixin:
         rich displays (``outputs``, ``.images`` for matplotlib PNGs) and the code's error, if any
         (``error.name``, ``.value``, ``.traceback``: not raised). ``timeout`` interrupts the code and keeps
         the context. Needs ``python3`` in the image; ``dsec/code:1`` has a Jupyter kernel with numpy,
-        pandas and matplotlib, other images get a plain interpreter."""
+        pandas and matplotlib, other images get a plain interpreter. Another ``language`` (cpp, c, go,
+        java, nodejs, bash, sh) is compiled and run once, keeping nothing (``context`` must be None)."""
         body = {"code": code, "language": language, "context": context, "timeout": timeout}
         try:
             CodeRequest.model_validate(body)

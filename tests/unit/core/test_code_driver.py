@@ -129,7 +129,7 @@ class Exec:
 
 
 async def run_with(result: ExecResult) -> Any:
-    runner = CodeRunner(Exec(result))  # type: ignore[arg-type]
+    runner = CodeRunner(Exec(result), None, None)  # type: ignore[arg-type]
     return await runner.run("sb", CodeRequest(code="1", timeout=5), caller=OPERATOR)
 
 
@@ -148,7 +148,7 @@ async def test_the_runner_gives_the_code_time_to_start_a_kernel() -> None:
     answer = {"stdout": "", "stderr": "", "result": {"text/plain": "1"}, "outputs": [], "error": None}
     answer |= {"execution_count": 1, "engine": "jupyter", "truncated": False}
     fake = Exec(ExecResult(exit_code=0, stdout=json.dumps(answer)))
-    result = await CodeRunner(fake).run("sb", CodeRequest(code="1", timeout=5), caller=OPERATOR)  # type: ignore[arg-type]
+    result = await CodeRunner(fake, None, None).run("sb", CodeRequest(code="1", timeout=5), caller=OPERATOR)  # type: ignore[arg-type]
     assert result.text == "1" and result.context == "default"
     req = fake.requests[0]
     assert req.timeout > 5 + 180 and json.loads(req.stdin or "") == {"op": "run", "code": "1", "timeout": 5.0}

@@ -9,24 +9,32 @@ daemon restart; the exec goes through the sandbox's one action path, so a trajec
 
 from __future__ import annotations
 
+import contextlib
 import json
+import secrets
 import time
 from pathlib import Path
 from typing import Any
 
 from pydantic import ValidationError
 
-from ...errors import BackendError, InvalidState, QuotaExceeded
+from ...errors import BackendError, DsecError, InvalidRequest, InvalidState, QuotaExceeded
 from ...protocol.code import DEFAULT_CONTEXT, MAX_CONTEXTS, CodeError, CodeRequest, CodeResult
+from ...protocol.languages import CompileRunResult
 from ...protocol.sandbox import MAX_EXEC_TIMEOUT_S, MAX_OUTPUT_CAP, ExecRequest, ExecResult
 from ...tenancy import Caller
 from ..actions import Actions
+from ..compiled import compile_and_run
+from ..files import FileActions
+from ..lifecycle import Lifecycle
 
 DRIVER = (Path(__file__).parent / "driver.py").read_text()
 BOOT = "import sys; exec(sys.argv[1])"
 START_BUDGET = 240.0  # the driver waits up to 180 s for a kernel to start; the rest is the exec's own cost
 NO_SERVER, TOO_MANY = 3, 4  # the driver's exit statuses
 NOT_FOUND = 127  # the shell's: no python3 in the image
+ONCE_DIR = "/tmp/.dsec-once"  # where another language's source is compiled and run, a directory per call
+STREAM_CAP = 1 << 20  # bytes kept per stream, as a cell's
 
 
 def _argv(op: str, context: str) -> list[str]:
@@ -34,10 +42,14 @@ def _argv(op: str, context: str) -> list[str]:
 
 
 class CodeRunner:
-    def __init__(self, actions: Actions) -> None:
+    def __init__(self, actions: Actions, lifecycle: Lifecycle, files: FileActions) -> None:
         self.actions = actions
+        self.lifecycle = lifecycle
+        self.files = files
 
     async def run(self, sandbox_id: str, req: CodeRequest, *, caller: Caller) -> CodeResult:
+        if req.language != "python":
+            return await self.once(sandbox_id, req, caller=caller)
         context = req.context or DEFAULT_CONTEXT
         body = json.dumps({"op": "run", "code": req.code, "timeout": req.timeout})
         started = time.monotonic()
@@ -59,6 +71,31 @@ class CodeRunner:
                 f"the code context {context!r} ended while running the code; its state is lost "
                 f"(stderr: {res.stderr[-500:]!r})"
             ) from None
+
+    async def once(self, sandbox_id: str, req: CodeRequest, *, caller: Caller) -> CodeResult:
+        """Another language: compiled (if it is) and run once, in a directory of its own; no state is kept."""
+        if req.context is not None:
+            raise InvalidRequest(f"only python keeps a context; {req.language} code runs once (leave context unset)")
+        started = time.monotonic()
+        where = f"{ONCE_DIR}/{secrets.token_hex(6)}"
+        await self.files.mkdir(sandbox_id, where, caller=caller)
+        try:
+            done = await compile_and_run(
+                self.lifecycle,
+                self.files,
+                sandbox_id,
+                req.language,
+                req.code,
+                compile_timeout=req.timeout,
+                run_timeout=req.timeout,
+                cwd=where,
+                output_limit=STREAM_CAP,
+                caller=caller,
+            )
+        finally:
+            with contextlib.suppress(DsecError):
+                await self.files.remove(sandbox_id, where, recursive=True, caller=caller)
+        return once_result(done, req.timeout, time.monotonic() - started)
 
     async def contexts(self, sandbox_id: str, *, caller: Caller) -> list[str]:
         res = await self._exec(sandbox_id, "list", DEFAULT_CONTEXT, "", 60.0, caller)
@@ -90,3 +127,38 @@ class CodeRunner:
         if res.exit_code == NO_SERVER:
             raise BackendError(f"the code context {context!r} could not start: {detail}")
         raise BackendError(f"run_code's driver ended with status {res.exit_code} (signal {res.signal}): {detail}")
+
+
+def once_result(done: CompileRunResult, timeout: float, duration: float) -> CodeResult:
+    """A compile-and-run as a cell's result: the run's output (the compiler's, if it failed), and an error
+    for a compile that failed, a run past its time or one that did not exit with 0."""
+    failed = next((s for s in (done.compile, done.run) if s is not None and s.status == "error"), None)
+    if failed is not None:
+        raise InvalidState(
+            f"{done.language} cannot run in this image: {failed.stderr.strip()[:300]} (dsec/code:1 has it)"
+        )
+    step = done.run if done.run is not None else done.compile
+    assert step is not None
+    error: CodeError | None = None
+    if step.status == "timeout":
+        error = CodeError(name="TimeoutError", value=f"the code ran past its {timeout:g}s timeout and was killed")
+    elif step is done.compile and step.exit_code != 0:
+        error = CodeError(
+            name="CompileError",
+            value=f"the compiler exited with status {step.exit_code}",
+            traceback=step.stderr.splitlines()[-50:],
+        )
+    elif step.exit_code != 0:
+        how = f"signal {step.signal}" if step.signal else f"status {step.exit_code}"
+        error = CodeError(
+            name="ExitError", value=f"the program ended with {how}", traceback=step.stderr.splitlines()[-50:]
+        )
+    return CodeResult(
+        stdout=step.stdout,
+        stderr=step.stderr,
+        error=error,
+        context="",
+        engine="process",
+        truncated=step.truncated,
+        duration=duration,
+    )
