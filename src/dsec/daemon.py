@@ -5,6 +5,7 @@ of each other.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from dataclasses import dataclass
@@ -183,6 +184,9 @@ def _with_e2b(
         # uvicorn makes them inheritable (for its worker processes): the layer fetcher the daemon
         # starts, which outlives it, would otherwise hold the listeners and swallow connections
         sock.set_inheritable(False)
+    # E2B's get_host(port) names PORT-ID.DOMAIN: by default a name of this machine's loopback that
+    # browsers and curl resolve (*.localhost), with the listener's port
+    e2b = dataclasses.replace(e2b, domain=e2b.domain or f"localhost:{port}")
     both = ByListener(app, create_e2b_app(manager, e2b, state_dir, token), port)
     manager.e2b_url = f"http://{e2b_where['host']}:{port}"
     log.info("E2B-compatible API on http://%s:%d (E2B_API_URL and E2B_SANDBOX_URL)", e2b_where["host"], port)

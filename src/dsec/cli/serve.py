@@ -197,6 +197,13 @@ E2BNetworkOpt = Annotated[
         "host, private ranges or other sandboxes) or 'none' (loopback only)."
     ),
 ]
+E2BDomainOpt = Annotated[
+    str | None,
+    typer.Option(
+        help="E2B's sandbox domain: get_host(port) answers PORT-ID.DOMAIN, which must reach the E2B listener "
+        "(wildcard DNS, or a Host header). Default: localhost:PORT of --e2b-listen."
+    ),
+]
 LogLevelOpt = Annotated[str, typer.Option(help="debug, info, warning, error.")]
 
 
@@ -238,6 +245,7 @@ def serve(
     e2b_kind: E2BKindOpt = "container",
     e2b_template: E2BTemplateOpt = None,
     e2b_network: E2BNetworkOpt = "full",
+    e2b_domain: E2BDomainOpt = None,
     log_level: LogLevelOpt = "info",
 ) -> None:
     """Run the node daemon."""
@@ -261,7 +269,7 @@ def serve(
         admission = _admission_options(
             cpu_capacity, memory_capacity, cpu_ratio, memory_ratio, queue_timeout, max_queue, node_name
         )
-        e2b = _e2b_options(e2b_listen, e2b_image, e2b_kind, e2b_template, e2b_network)
+        e2b = _e2b_options(e2b_listen, e2b_image, e2b_kind, e2b_template, e2b_network, e2b_domain)
         run_server(
             state_dir, listen, options, log_level, audit, network, function, trajectory, admission, evict_at, e2b=e2b
         )
@@ -373,10 +381,10 @@ def _admission_options(
 
 
 def _e2b_options(
-    listen: str | None, image: str, kind: str, template: list[str] | None, network: str
+    listen: str | None, image: str, kind: str, template: list[str] | None, network: str, domain: str | None
 ) -> E2BOptions | None:
     if listen is None:
         return None
     from ..e2b.service import E2BOptions
 
-    return E2BOptions.of(listen, image, kind, template or [], network)
+    return E2BOptions.of(listen, image, kind, template or [], network, domain)
