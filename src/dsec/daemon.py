@@ -5,6 +5,7 @@ SandboxFusion-compatible API, each on a listener of its own, served by uvicorn. 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from collections.abc import Callable
@@ -211,6 +212,9 @@ def _e2b_app(
 ) -> ASGIApp:
     from .e2b.app import create_e2b_app
 
+    # E2B's get_host(port) names PORT-ID.DOMAIN: by default a name of this machine's loopback that
+    # browsers and curl resolve (*.localhost), with the listener's port
+    e2b = dataclasses.replace(e2b, domain=e2b.domain or f"localhost:{port}")
     manager.e2b_url = f"http://{e2b_where['host']}:{port}"
     log.info("E2B-compatible API on http://%s:%d (E2B_API_URL and E2B_SANDBOX_URL)", e2b_where["host"], port)
     return create_e2b_app(manager, e2b, state_dir, token)

@@ -1,5 +1,6 @@
 """Fake node daemons for the gateway's tests: the node API's shape (status, create, batch, list, info,
-kill, exec, streamed exec, trajectory info, metrics) over real HTTP on loopback, no sandboxes behind.
+kill, exec, streamed exec, trajectory info, metrics, a port's traffic) over real HTTP on loopback, no
+sandboxes behind.
 
 Each fake is a real uvicorn server, so the gateway's own connections, pooling and streaming are the
 ones exercised, and stopping a fake is what losing a node looks like from the gateway.
@@ -108,7 +109,8 @@ class FakeNode:
 
         @app.middleware("http")
         async def auth(request: Request, call_next: Any) -> Response:
-            if request.url.path != "/v1/health" and request.headers.get("authorization") != f"Bearer {TOKEN}":
+            open_paths = request.url.path == "/v1/health" or request.url.path.startswith("/ports/")
+            if not open_paths and request.headers.get("authorization") != f"Bearer {TOKEN}":
                 return JSONResponse({"error": {"code": "unauthorized", "message": "no", "detail": {}}}, 401)
             response: Response = await call_next(request)
             return response
@@ -209,6 +211,19 @@ class FakeNode:
                 "rebuilds": 0,
             }
             return JSONResponse(info)
+
+        @app.api_route("/ports/{rest:path}", methods=["GET", "POST", "PUT"])
+        async def port(rest: str, request: Request) -> Response:
+            """A sandbox's port, as the node's proxy takes it (no token): what reached the node, said
+            back; the secret ``wrong`` is refused as the node refuses any wrong address."""
+            if rest.split("/")[2:3] == ["wrong"]:
+                return JSONResponse({"error": {"code": "not_found", "message": "no such port", "detail": {}}}, 404)
+            size = 0
+            async for chunk in request.stream():
+                size += len(chunk)
+            said = {"node": node.name, "method": request.method, "target": request.scope["raw_path"].decode()}
+            said |= {"query": request.url.query, "size": size, "headers": [list(h) for h in request.headers.items()]}
+            return JSONResponse(said)
 
         @app.get("/metrics")
         async def metrics() -> Response:

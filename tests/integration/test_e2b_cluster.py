@@ -3,22 +3,19 @@ gateway --e2b-listen``, driven by the unmodified ``e2b`` SDK through the gateway
 
 from __future__ import annotations
 
+import hashlib
 import secrets
-import shutil
-import subprocess
-import sys
-import tempfile
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
-from pathlib import Path
+from urllib.parse import urlsplit
 
-import httpx
 import pytest
 
 import dsec
 
-from .conftest import IMAGES_DIR, free_port, release_node
+from .port_servers import TOKEN, fetch, serve
+from .static_cluster import Cluster, static_cluster
+from .wsclient import ws_talk
 
 e2b = pytest.importorskip("e2b")
 from e2b import Sandbox, SandboxQuery  # noqa: E402
@@ -26,85 +23,10 @@ from e2b.exceptions import SandboxNotFoundException, SandboxNotRunningException 
 from e2b.sandbox.commands.command_handle import CommandExitException  # noqa: E402
 
 
-@dataclass
-class Cluster:
-    token: str
-    nodes: list[tuple[str, Path, subprocess.Popen[bytes]]]  # (dsec URL, state dir, process)
-    gateway: subprocess.Popen[bytes]
-    e2b_url: str
-
-    def opts(self) -> dict[str, str]:
-        return {"api_key": self.token, "api_url": self.e2b_url, "sandbox_url": self.e2b_url}
-
-
-def _spawn(argv: list[str], log: Path) -> subprocess.Popen[bytes]:
-    with log.open("ab") as out:
-        return subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=out)
-
-
-def _wait(url: str, proc: subprocess.Popen[bytes], log: Path, ok: int = 200) -> None:
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, log.read_text()[-3000:]
-        try:
-            if httpx.get(url, timeout=2).status_code == ok:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.1)
-    raise AssertionError(f"{url} did not answer: {log.read_text()[-3000:]}")
-
-
-def _stop(proc: subprocess.Popen[bytes]) -> None:
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[Cluster]:
-    root = Path(tempfile.mkdtemp(prefix="dsec-e2b-cluster-"))
-    root.chmod(0o711)  # crun, in a sandbox's user namespace, walks down to the state directories
-    token = secrets.token_urlsafe(32)
-    (root / "token").write_text(token + "\n")
-    nodes = []
-    for name in ("n1", "n2"):
-        state = root / name
-        state.mkdir()
-        (state / "token").write_text(token + "\n")  # a cluster's nodes share the operator token
-        url, e2b_url = f"http://127.0.0.1:{free_port()}", f"http://127.0.0.1:{free_port()}"
-        argv = [sys.executable, "-m", "dsec", "serve", "--state-dir", str(state), "--listen", url]
-        argv += ["--e2b-listen", e2b_url, "--node-name", name, "--repository", str(IMAGES_DIR / "repository")]
-        nodes.append((url, state, _spawn(argv, state / "daemon.log")))
-    gateway = None
-    try:
-        for url, state, proc in nodes:
-            _wait(f"{url}/v1/health", proc, state / "daemon.log")
-        listen, e2b_listen = f"http://127.0.0.1:{free_port()}", f"http://127.0.0.1:{free_port()}"
-        argv = [sys.executable, "-m", "dsec", "cluster", "gateway", "--token-file", str(root / "token")]
-        argv += ["--listen", listen, "--e2b-listen", e2b_listen, "--interval", "0.2", "--misses", "2"]
-        for url, _, _ in nodes:
-            argv += ["--node", url]
-        gateway = _spawn(argv, root / "gateway.log")
-        _wait(f"{e2b_listen}/health", gateway, root / "gateway.log", ok=204)
-        yield Cluster(token, nodes, gateway, e2b_listen)
-    finally:
-        if gateway is not None:
-            _stop(gateway)
-        for url, state, proc in nodes:
-            try:
-                client = dsec.Client(url=url, token=token)
-                for info in client.list():
-                    dsec.Sandbox.connect(info.id, client=client).kill()
-            except dsec.DsecError:
-                pass
-            _stop(proc)
-            release_node(state)
-        shutil.rmtree(root, ignore_errors=True)
+    with static_cluster("dsec-e2b-cluster-") as running:
+        yield running
 
 
 def test_the_sdk_through_the_gateway_reaches_every_node(cluster: Cluster) -> None:
@@ -146,6 +68,41 @@ def test_the_sdk_through_the_gateway_reaches_every_node(cluster: Cluster) -> Non
         for box in boxes:
             box.kill()
     assert Sandbox.list(query=SandboxQuery(metadata={"run": tag}), **cluster.opts()).next_items() == []
+
+
+def test_get_host_through_the_gateway(cluster: Cluster) -> None:
+    """A sandbox's port through the gateway's E2B listener: the host get_host names is the gateway's, the
+    node checks the traffic token, and the server sees no token of the operator's."""
+    box = Sandbox.create(timeout=300, **cluster.opts())
+    try:
+        serve(box)
+        host = box.get_host(8000)
+        assert host == f"8000-{box.sandbox_id}.localhost:{urlsplit(cluster.e2b_url).port}"  # not the node's
+        assert Sandbox.connect(box.sandbox_id, **cluster.opts()).get_host(8000) == host
+        token = box.traffic_access_token
+        reply = fetch(cluster.e2b_url, host, "/hi.txt", token)
+        assert (reply.status_code, reply.text) == (200, "hello from inside\n")
+        told = dict(fetch(cluster.e2b_url, host, "/headers", token).json())
+        assert told["host"] == "127.0.0.1:8000" and told["x-forwarded-host"] == host
+        assert not {"authorization", "x-api-key", TOKEN, "e2b-sandbox-id", "e2b-sandbox-port"} & set(told)
+        body = bytes(range(256)) * 16384
+        posted = fetch(cluster.e2b_url, host, "/upload", token, "POST", content=body)
+        assert posted.text == f"{len(body)} {hashlib.sha256(body).hexdigest()}"
+        assert fetch(cluster.e2b_url, host, "/hi.txt", None).status_code == 403  # refused by the node
+        assert fetch(cluster.e2b_url, host, "/hi.txt", "not-the-token").status_code == 403
+        gone = host.replace(box.sandbox_id, "sb-000000000000")
+        assert fetch(cluster.e2b_url, gone, "/hi.txt", token, patient=False).status_code == 502
+        ws_host, pass_token = box.get_host(8300), [(TOKEN.encode(), str(token).encode())]
+        deadline = time.monotonic() + 30
+        while True:
+            chosen, answers, code = ws_talk(cluster.e2b_url + "/ws", ["hi"], ["v1"], host=ws_host, headers=pass_token)
+            if chosen is not None or time.monotonic() > deadline:
+                break
+            time.sleep(0.3)
+        assert (chosen, answers, code) == ("v1", ["/ws hi"], 4001)
+        assert ws_talk(cluster.e2b_url + "/ws", ["hi"], [], host=ws_host)[1] == [403]
+    finally:
+        box.kill()
 
 
 def test_a_wrong_key_and_a_lost_node(cluster: Cluster) -> None:

@@ -5,29 +5,19 @@ from __future__ import annotations
 
 import hashlib
 import os
-import socket
 import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
 
 import httpx
 import pytest
-from wsproto import ConnectionType, WSConnection
-from wsproto.events import (
-    AcceptConnection,
-    BytesMessage,
-    CloseConnection,
-    RejectConnection,
-    Request,
-    TextMessage,
-)
 
 import dsec
 
-from .conftest import Daemon, free_port, scratch_dir, shut_down, start_daemon
+from .conftest import Daemon, free_port, require_kind, scratch_dir, shut_down, start_daemon
+from .wsclient import ws_talk
 
 # python3's http.server, plus a POST that reads its body and answers with its length and digest (the
 # stock server answers POST with 501 without reading the body, and a TCP close with unread input is a
@@ -116,6 +106,19 @@ def test_a_server_inside_is_reached_through_its_exposed_port(
     assert httpx.get(tampered + "hi.txt", timeout=10).status_code == 404
 
 
+def test_a_server_in_a_vm_guest_is_reached_through_its_exposed_port(
+    daemon: Daemon, make_sandbox: Callable[..., dsec.Sandbox]
+) -> None:
+    """The vm kind (a q35 machine booting the image's own init; TCG here, so one round trip): busybox's
+    httpd in the guest, reached through the guest's nc relay."""
+    require_kind(daemon.client(), "vm")
+    sb = make_sandbox(kind="vm", image="dsec/busybox", memory="256Mi")
+    sb.exec("mkdir -p /srv/www && echo hello from the guest > /srv/www/hi.txt && httpd -p 127.0.0.1:8000 -h /srv/www")
+    base = sb.expose(8000)
+    reply = _wait(base + "hi.txt")
+    assert (reply.status_code, reply.text) == (200, "hello from the guest\n")
+
+
 def test_nothing_listening_is_a_502_and_the_address_ends_with_the_sandbox(
     daemon: Daemon, make_sandbox: Callable[..., dsec.Sandbox]
 ) -> None:
@@ -148,46 +151,6 @@ def test_unexposed_ports_and_kinds_without_ports_are_refused(
     assert anon.status_code == 401
 
 
-def _ws_talk(url: str, messages: list[str | bytes], subprotocols: list[str]) -> tuple[str | None, list[object], int]:
-    """Open a WebSocket at ``url`` (ws over the daemon's TCP listener), send ``messages``, read as many
-    answers, close with 4001; the subprotocol chosen, the answers and the close code that came back."""
-    rest = url.removeprefix("http://")
-    hostport, _, path = rest.partition("/")
-    host, _, port = hostport.partition(":")
-    ws = WSConnection(ConnectionType.CLIENT)
-    with socket.create_connection((host, int(port)), timeout=30) as sock:
-        sock.sendall(ws.send(Request(host=hostport, target="/" + path, subprotocols=subprotocols)))
-        answers: list[object] = []
-        parts: list[Any] = []
-        chosen: str | None = None
-        close_code = -1
-        sent = False
-        while close_code == -1:
-            data = sock.recv(65536)
-            ws.receive_data(data or None)
-            for event in ws.events():
-                if isinstance(event, AcceptConnection):
-                    chosen = event.subprotocol
-                elif isinstance(event, RejectConnection):
-                    return None, [event.status_code], -1
-                elif isinstance(event, TextMessage | BytesMessage):
-                    parts.append(event.data)
-                    if event.message_finished:  # a big message arrives in pieces
-                        answers.append("".join(parts) if isinstance(event, TextMessage) else b"".join(parts))
-                        parts = []
-                elif isinstance(event, CloseConnection):
-                    close_code = event.code
-            if chosen is not None and not sent:
-                for m in messages:
-                    sock.sendall(ws.send(TextMessage(data=m) if isinstance(m, str) else BytesMessage(data=m)))
-                sent = True
-            if sent and len(answers) == len(messages) and ws.state.name == "OPEN":
-                sock.sendall(ws.send(CloseConnection(code=4001)))
-            if not data:
-                break
-        return chosen, answers, close_code
-
-
 def test_websockets_pass_through_with_their_subprotocol_and_close_code(
     daemon: Daemon, make_sandbox: Callable[..., dsec.Sandbox]
 ) -> None:
@@ -197,14 +160,14 @@ def test_websockets_pass_through_with_their_subprotocol_and_close_code(
     base = sb.expose(8300)
     deadline = time.monotonic() + 30
     while True:
-        chosen, answers, code = _ws_talk(base + "ws?x=1", ["hello", b"\x00\x01" * 40000], ["env.v1", "other"])
+        chosen, answers, code = ws_talk(base + "ws?x=1", ["hello", b"\x00\x01" * 40000], ["env.v1", "other"])
         if chosen is not None or time.monotonic() > deadline:
             break
         time.sleep(0.3)
     assert chosen == "env.v1"
     assert answers == ["/ws?x=1 hello", b"\x00\x01" * 40000]  # 80 kB binary: more than one read each way
     assert code == 4001
-    _, refused, _ = _ws_talk(base.replace("/8300/", "/8301/") + "ws", ["x"], [])
+    _, refused, _ = ws_talk(base.replace("/8300/", "/8301/") + "ws", ["x"], [])
     assert refused == [404]  # a port not exposed: the proxy refuses the handshake
 
 

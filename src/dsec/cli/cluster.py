@@ -29,6 +29,13 @@ E2BListenOpt = Annotated[
         "--e2b-listen; `up` starts them so)."
     ),
 ]
+E2BDomainOpt = Annotated[
+    str | None,
+    typer.Option(
+        help="E2B's sandbox domain at the gateway: get_host(port) answers PORT-ID.DOMAIN, which must reach "
+        "--e2b-listen (wildcard DNS, or a Host header). Default: localhost:PORT of --e2b-listen."
+    ),
+]
 
 
 @cluster_app.command()
@@ -72,6 +79,7 @@ def up(
         bool, typer.Option(help="On stop, leave the nodes' sandboxes running (the next `up` re-adopts them).")
     ] = False,
     e2b_listen: E2BListenOpt = None,
+    e2b_domain: E2BDomainOpt = None,
     log_level: Annotated[str, typer.Option(help="debug, info, warning, error.")] = "info",
 ) -> None:
     """Start a node daemon on every Ray node and a gateway in front of them, in the foreground until
@@ -81,15 +89,13 @@ def up(
     import uvloop
 
     from ..cluster.options import RayOptions
-    from ..cluster.runner import listen_address, run_ray
+    from ..cluster.runner import run_ray
     from ..web.tokens import ensure_token
 
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     token_path = token_file or state_root / "token"
     try:
-        listen_address(listen)
-        if e2b_listen is not None:
-            listen_address(e2b_listen)
+        _check(listen, e2b_listen, e2b_domain)
         state_root.mkdir(parents=True, exist_ok=True)
         token = ensure_token(token_path)
         opts = RayOptions(
@@ -107,10 +113,22 @@ def up(
             keep_sandboxes=keep_sandboxes,
             ready=_announce(token_path, e2b_listen),
             e2b_listen=e2b_listen,
+            e2b_domain=e2b_domain,
         )
         uvloop.run(run_ray(opts))  # as uvicorn runs the daemon: the gateway's hop costs less
     except DsecError as e:
         _fail(e)
+
+
+def _check(listen: str, e2b_listen: str | None, e2b_domain: str | None) -> None:
+    """Bad addresses fail here, before any node daemon is started."""
+    from ..cluster.runner import listen_address
+    from ..e2b.hosts import check_domain
+
+    listen_address(listen)
+    if e2b_listen is not None:
+        listen_address(e2b_listen)
+    check_domain(e2b_domain)
 
 
 def _announce(token_path: Path, e2b_listen: str | None) -> Callable[[str], None]:
@@ -137,6 +155,7 @@ def gateway(
     interval: IntervalOpt = 1.0,
     misses: MissesOpt = 3,
     e2b_listen: E2BListenOpt = None,
+    e2b_domain: E2BDomainOpt = None,
 ) -> None:
     """A gateway over node daemons started some other way (no Ray), in the foreground."""
     import logging
@@ -146,7 +165,15 @@ def gateway(
 
     logging.basicConfig(level="INFO", format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        serve_static(node, read_token(token_file), listen, interval=interval, misses=misses, e2b_listen=e2b_listen)
+        serve_static(
+            node,
+            read_token(token_file),
+            listen,
+            interval=interval,
+            misses=misses,
+            e2b_listen=e2b_listen,
+            e2b_domain=e2b_domain,
+        )
     except DsecError as e:
         _fail(e)
 

@@ -211,6 +211,13 @@ FusionImageOpt = Annotated[
     str,
     typer.Option("--sandbox-fusion-image", help="The image SandboxFusion calls run in (every language's tools)."),
 ]
+E2BDomainOpt = Annotated[
+    str | None,
+    typer.Option(
+        help="E2B's sandbox domain: get_host(port) answers PORT-ID.DOMAIN, which must reach the E2B listener "
+        "(wildcard DNS, or a Host header). Default: localhost:PORT of --e2b-listen."
+    ),
+]
 LogLevelOpt = Annotated[str, typer.Option(help="debug, info, warning, error.")]
 
 
@@ -252,6 +259,7 @@ def serve(
     e2b_kind: E2BKindOpt = "container",
     e2b_template: E2BTemplateOpt = None,
     e2b_network: E2BNetworkOpt = "full",
+    e2b_domain: E2BDomainOpt = None,
     sandbox_fusion_listen: FusionListenOpt = None,
     sandbox_fusion_image: FusionImageOpt = "dsec/code:1",
     log_level: LogLevelOpt = "info",
@@ -279,7 +287,7 @@ def serve(
         )
         # the other APIs the daemon serves, each on its own listener: (E2B's, SandboxFusion's)
         apis = (
-            _e2b_options(e2b_listen, e2b_image, e2b_kind, e2b_template, e2b_network),
+            _e2b_options(e2b_listen, e2b_image, e2b_kind, e2b_template, e2b_network, e2b_domain),
             _fusion_options(sandbox_fusion_listen, sandbox_fusion_image),
         )
         run_server(
@@ -393,13 +401,13 @@ def _admission_options(
 
 
 def _e2b_options(
-    listen: str | None, image: str, kind: str, template: list[str] | None, network: str
+    listen: str | None, image: str, kind: str, template: list[str] | None, network: str, domain: str | None
 ) -> E2BOptions | None:
     if listen is None:
         return None
     from ..e2b.service import E2BOptions
 
-    return E2BOptions.of(listen, image, kind, template or [], network)
+    return E2BOptions.of(listen, image, kind, template or [], network, domain)
 
 
 def _fusion_options(listen: str | None, image: str) -> FusionOptions | None:

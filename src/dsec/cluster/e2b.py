@@ -8,7 +8,9 @@ Each node daemon serves the E2B API itself (``dsec serve --e2b-listen``) and say
 - lists are merged from every node and paged here;
 - every call that names a sandbox (in its path, or in envd's ``E2b-Sandbox-Id`` header) is passed,
   streaming both ways, to the E2B listener of the node that holds it;
-- volumes (``/volumes``, ``/volumecontent``) are refused, as the node API's are: they are one node's.
+- volumes (``/volumes``, ``/volumecontent``) are refused, as the node API's are: they are one node's;
+- a sandbox's ports (E2B's ``get_host``: ``PORT-ID.DOMAIN``) are relayed by ports.py, and the answers
+  that give a sandbox's domain give the gateway's (``--e2b-domain``), not the node's.
 
 The access token a node gave a sandbox opens it only on that node, which is where its calls are sent.
 The control API takes the cluster's operator token as its API key (tenants are per node and are not
@@ -34,7 +36,7 @@ from ..protocol.sandbox import Limits
 from .gateway import Gateway
 from .nodes import Node
 from .placement import Demand
-from .proxy import Failure, answer, body_of, forward, query, read_body, target
+from .proxy import Failure, answer, body_of, control_headers, forward, query, read_body, target
 from .wire import Broken, NodeClient
 
 log = logging.getLogger("dsec.cluster.e2b")
@@ -42,6 +44,7 @@ log = logging.getLogger("dsec.cluster.e2b")
 ENVD_PREFIXES = ("/process.Process/", "/filesystem.Filesystem/")
 ENVD_PATHS = ("/files", "/health")
 PAGE = 100  # E2B's largest page
+NAMING = (["connect"], ["resume"], ["fork"])  # POSTs whose answers give the sandbox's domain
 JSON_TYPE = [(b"content-type", b"application/json")]
 
 
@@ -68,8 +71,9 @@ def _demand(body: bytes) -> Demand:
 
 
 class E2BGateway:
-    def __init__(self, gateway: Gateway) -> None:
+    def __init__(self, gateway: Gateway, domain: str | None = None) -> None:
         self.gw = gateway
+        self.domain = domain  # the gateway's sandbox domain, in place of the nodes' in their answers
         self._clients: dict[str, NodeClient] = {}
 
     def client(self, node: Node) -> NodeClient | None:
@@ -123,7 +127,10 @@ class E2BGateway:
                 raise Failure(MethodNotAllowed, f"{method} {path}")
             return
         if parts[:1] == ["sandboxes"]:
-            await self._to_holder(scope, receive, send, parts[1])
+            if (method == "GET" and len(parts) == 2) or (method == "POST" and parts[2:] in NAMING):
+                await self._rebranded(scope, receive, send, parts[1])
+            else:
+                await self._to_holder(scope, receive, send, parts[1])
             return
         primary = self.gw.nodes.primary()  # templates (snapshots), and what no node offers: any node answers
         http = self.client(primary) if primary is not None else None
@@ -138,7 +145,7 @@ class E2BGateway:
         maybe = "; the call may or may not have taken effect" if sent else ""
         return Failure(DaemonUnreachable, f"node {name} does not answer{maybe}", status=502)
 
-    async def _holder(self, sandbox_id: str) -> tuple[Node, NodeClient] | None:
+    async def holder(self, sandbox_id: str) -> tuple[Node, NodeClient] | None:
         node = await self.gw.directory.locate(sandbox_id)
         if node is None or node.lost:
             return None
@@ -146,11 +153,35 @@ class E2BGateway:
         return None if http is None else (node, http)
 
     async def _to_holder(self, scope: Scope, receive: Receive, send: Send, sandbox_id: str) -> None:
-        found = await self._holder(sandbox_id)
+        found = await self.holder(sandbox_id)
         if found is None:
             raise Failure(SandboxNotFound, f"Sandbox {sandbox_id} not found on any reachable node")
         node, http = found
         await forward(http, scope, send, await body_of(receive), lambda sent: self._broken(node, sent))
+
+    async def _rebranded(self, scope: Scope, receive: Receive, send: Send, sandbox_id: str) -> None:
+        """An answer that names the sandbox's domain (get, connect, resume, fork), with the gateway's in it:
+        E2B's get_host must name the gateway, which the client reaches, not the node."""
+        found = await self.holder(sandbox_id)
+        if found is None:
+            raise Failure(SandboxNotFound, f"Sandbox {sandbox_id} not found on any reachable node")
+        node, http = found
+        try:
+            reply = await http.request(
+                scope["method"], target(scope), body=await read_body(receive), headers=control_headers(scope)
+            )
+        except Broken as e:
+            raise self._broken(node, e.sent) from e
+        await answer(send, reply.status, self._with_domain(reply.content), reply.response_headers())
+
+    def _with_domain(self, content: bytes) -> bytes:
+        if self.domain is None:
+            return content
+        try:
+            parsed = json.loads(content)
+        except ValueError:
+            return content
+        return json.dumps(_set_domain(parsed, self.domain)).encode()
 
     async def _envd(self, scope: Scope, receive: Receive, send: Send) -> None:
         sandbox_id = _header(scope, b"e2b-sandbox-id").decode(errors="replace").strip()
@@ -159,7 +190,7 @@ class E2BGateway:
                 await answer(send, 204, b"", [])
                 return
             raise Failure(InvalidRequest, "no E2b-Sandbox-Id header: point E2B_SANDBOX_URL at this gateway")
-        found = await self._holder(sandbox_id)
+        found = await self.holder(sandbox_id)
         if found is None:  # as E2B's proxy answers a sandbox that is gone, and as a node does
             raise Failure(SandboxGone, f"The sandbox {sandbox_id[:64]} was not found", status=502)
         node, http = found
@@ -186,7 +217,7 @@ class E2BGateway:
                     self.gw.directory.record_json(node, info.content)
             except (ValueError, KeyError, TypeError, Broken) as e:
                 log.warning("could not record the new E2B sandbox on %s: %s", node.name, e)
-        await answer(send, reply.status, reply.content, reply.response_headers())
+        await answer(send, reply.status, self._with_domain(reply.content), reply.response_headers())
 
     async def _list(self, scope: Scope, send: Send, *, v1: bool) -> None:
         """Every node's list, merged in the order asked, paged here with a token of the gateway's."""
@@ -233,6 +264,18 @@ class E2BGateway:
     async def aclose(self) -> None:
         for http in self._clients.values():
             await http.aclose()
+
+
+def _set_domain(value: Any, domain: str) -> Any:
+    """``value`` with every sandbox's ``domain`` (an object with a ``sandboxID``) set to ``domain``."""
+    if isinstance(value, list):
+        return [_set_domain(v, domain) for v in value]
+    if isinstance(value, dict):
+        out = {k: _set_domain(v, domain) for k, v in value.items()}
+        if "sandboxID" in out:
+            out["domain"] = domain
+        return out
+    return value
 
 
 def _key(item: dict[str, Any]) -> tuple[float, str]:

@@ -25,3 +25,4 @@ class RayOptions:
     keep_sandboxes: bool = False
     ready: Callable[[str], None] | None = None  # called with the gateway's URL once it serves
     e2b_listen: str | None = None  # the cluster's E2B API; every node then serves one on its own address
+    e2b_domain: str | None = None  # E2B's sandbox domain at the gateway (get_host); None: localhost:PORT

@@ -20,6 +20,7 @@ from ..web.tokens import KEEP_ALIVE_S
 from .gateway import Gateway
 from .nodes import NodeSet
 from .options import RayOptions
+from .ports import E2BGatewayPorts, GatewayPorts, PortTraffic
 
 log = logging.getLogger("dsec.cluster")
 
@@ -53,40 +54,47 @@ def _config(app: Any, host: str, port: int, log_level: str) -> Any:
     )
 
 
-def node_api(gateway: Gateway) -> Any:
-    """The gateway as served: it remembers Idempotency-Keys itself, so a repeated creation whose answer
-    was lost is answered again instead of being placed a second time (perhaps on another node)."""
+def node_api(gateway: Gateway, traffic: PortTraffic | None = None) -> Any:
+    """The gateway as served: sandboxes' ports outermost (their traffic is the sandboxes', not calls),
+    then Idempotency-Keys remembered by the gateway itself, so a repeated creation whose answer was
+    lost is answered again instead of being placed a second time (perhaps on another node)."""
     from ..web.errors import error_response
     from ..web.idempotency import Idempotency
 
-    return Idempotency(gateway, error=error_response)
+    return GatewayPorts(Idempotency(gateway, error=error_response), gateway, traffic or PortTraffic(gateway))
 
 
 def servers(
-    gateway: Gateway, listen: str, e2b_listen: str | None, log_level: str = "warning"
+    gateway: Gateway, listen: str, e2b_listen: str | None, log_level: str = "warning", e2b_domain: str | None = None
 ) -> tuple[Any, list[Any] | None]:
     """The gateway's uvicorn server and, with ``e2b_listen``, the sockets to serve it on: the gateway's
-    own and the E2B API's (cluster/e2b.py), one server for both as in the daemon."""
+    own and the E2B API's (cluster/e2b.py), one server for both as in the daemon. ``e2b_domain``: E2B's
+    sandbox domain (get_host's ``PORT-ID.DOMAIN``), by default ``localhost:PORT`` of the E2B listener."""
     import uvicorn
 
     from ..e2b.errors import plain_error
+    from ..e2b.hosts import check_domain
     from ..web.idempotency import Idempotency
     from ..web.listeners import ByListener
     from .e2b import E2BGateway
 
     host, port = listen_address(listen)
-    api = node_api(gateway)
+    traffic = PortTraffic(gateway)  # one bound per sandbox, whichever listener its traffic comes in on
+    api = node_api(gateway, traffic)
     if e2b_listen is None:
         return server(api, host, port, log_level), None
+    domain = check_domain(e2b_domain)
     e2b_host, e2b_port = listen_address(e2b_listen)
     sockets = [_config(gateway, host, port, log_level).bind_socket()]
     sockets.append(_config(gateway, e2b_host, e2b_port, log_level).bind_socket())
     for sock in sockets:
         sock.set_inheritable(False)  # uvicorn makes them inheritable for its workers; none here
     actual = sockets[1].getsockname()[1]
-    e2b_api = Idempotency(E2BGateway(gateway), error=lambda status, _code, message: plain_error(status, message))
-    app = ByListener(api, e2b_api, actual)
-    log.info("E2B-compatible API of the cluster on http://%s:%d", e2b_host, actual)
+    domain = domain or f"localhost:{actual}"
+    e2b = E2BGateway(gateway, domain)
+    e2b_api = Idempotency(e2b, error=lambda status, _code, message: plain_error(status, message))
+    app = ByListener(api, E2BGatewayPorts(e2b_api, e2b, traffic, domain), actual)
+    log.info("E2B-compatible API of the cluster on http://%s:%d (sandbox domain %s)", e2b_host, actual, domain)
     return uvicorn.Server(_config(app, host, port, log_level)), sockets
 
 
@@ -98,13 +106,14 @@ def serve_static(
     interval: float = 1.0,
     misses: int = 3,
     e2b_listen: str | None = None,
+    e2b_domain: str | None = None,
 ) -> None:
     """A gateway over node daemons that run already (started by hand, by systemd, ...); ``e2b_listen``:
     also the E2B API over the nodes' own E2B listeners."""
     nodes = NodeSet(token, interval=interval, misses=misses)
     for url in urls:
         nodes.add(url)
-    srv, sockets = servers(Gateway(nodes, token), listen, e2b_listen, log_level="info")
+    srv, sockets = servers(Gateway(nodes, token), listen, e2b_listen, log_level="info", e2b_domain=e2b_domain)
     srv.run(sockets=sockets)
 
 
@@ -151,7 +160,7 @@ async def run_ray(opts: RayOptions, stop: asyncio.Event | None = None) -> None:
         for d in daemons:
             nodes.add(d.url, d.name, ray_node=d.ray_node)
         gateway = Gateway(nodes, opts.token)
-        srv, sockets = servers(gateway, opts.listen, opts.e2b_listen, log_level="info")
+        srv, sockets = servers(gateway, opts.listen, opts.e2b_listen, log_level="info", e2b_domain=opts.e2b_domain)
         srv.install_signal_handlers = lambda: None  # ours: stop following Ray first, then the server
         serving = asyncio.create_task(srv.serve(sockets=sockets))
         watcher = asyncio.create_task(follow(gateway, fleet, stop))

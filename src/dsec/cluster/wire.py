@@ -12,6 +12,7 @@ node, even where a dead peer would never send a reset.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 from collections.abc import AsyncIterator, Iterable
@@ -199,6 +200,11 @@ class NodeClient:
         self._open.add(conn)
         return conn
 
+    @property
+    def authority(self) -> str:
+        """What the Host header to this node says."""
+        return self._host_header.decode()
+
     def _idle_add(self, conn: Connection) -> None:
         if self.closed or len(self._idle) >= MAX_IDLE or not conn.usable(KEEPALIVE_EXPIRY):
             self._forget(conn)
@@ -210,9 +216,11 @@ class NodeClient:
         conn.close()
         self._open.discard(conn)
 
-    def _head(self, method: str, target: str, headers: Iterable[tuple[bytes, bytes]], length: int | None) -> bytes:
+    def _head(
+        self, method: str, target: str, headers: Iterable[tuple[bytes, bytes]], length: int | None, authorize: bool
+    ) -> bytes:
         lines = [b"%s %s HTTP/1.1\r\nhost: %s\r\n" % (method.encode(), target.encode("latin-1"), self._host_header)]
-        authorized = False
+        authorized = not authorize
         for k, v in headers:
             if k in OWN_HEADERS:
                 continue
@@ -233,11 +241,14 @@ class NodeClient:
         *,
         length: int | None = None,
         timeout: float | None = None,
+        authorize: bool = True,
     ) -> Response:
         """Send a request; the answer once its status and headers are in. ``headers``: lowercase names.
-        A streamed ``body`` goes with ``length`` as its content-length, chunked without one."""
+        A streamed ``body`` goes with ``length`` as its content-length, chunked without one, each chunk
+        only once the node has taken the ones before (its memory, and ours, hold no whole upload).
+        ``authorize`` False: the operator's token is not added (traffic for a sandbox's own server)."""
         replayable = isinstance(body, bytes)
-        head = self._head(method, target, headers, len(body) if isinstance(body, bytes) else length)
+        head = self._head(method, target, headers, len(body) if isinstance(body, bytes) else length, authorize)
         reuse = replayable  # a stream cannot be sent twice: it goes on a new connection
         while True:
             conn = None
@@ -258,6 +269,7 @@ class NodeClient:
                     async for chunk in body:
                         if chunk:
                             conn.writer.write(b"%x\r\n%s\r\n" % (len(chunk), chunk) if length is None else chunk)
+                            await conn.writer.drain()
                     if length is None:
                         conn.writer.write(b"0\r\n\r\n")
                 await conn.writer.drain()
@@ -276,6 +288,16 @@ class NodeClient:
             except BaseException:
                 self._forget(conn)
                 raise
+
+    @contextlib.asynccontextmanager
+    async def stream(self) -> AsyncIterator[Connection]:
+        """A new connection for the caller alone (a WebSocket to pass through), never pooled; closed
+        when the caller is done, or at once when the client is (a node declared lost)."""
+        conn = await self._connect()
+        try:
+            yield conn
+        finally:
+            self._forget(conn)
 
     async def request(
         self,

@@ -16,13 +16,10 @@ import time
 from datetime import UTC, datetime
 
 from ..errors import LimitExceeded, NotFound
-from ..protocol.ports import ExposedPort, ExposeRequest, port_path
+from ..protocol.ports import MAX_CONNECTIONS, MAX_PORTS, ExposedPort, ExposeRequest, port_path
 from ..store.records import SandboxRecord
 from ..tenancy import OPERATOR, Caller
 from .sandboxes import Sandboxes
-
-MAX_PORTS = 16  # exposed at once per sandbox
-MAX_CONNECTIONS = 256  # open through the proxy at once per sandbox
 
 
 def _info(rec: SandboxRecord, port: int) -> ExposedPort:
@@ -59,18 +56,25 @@ class PortActions:
 
     async def connect(self, sandbox_id: str, port: int, secret: str) -> socket.socket:
         """A connection to an exposed port, for the proxy. Any mismatch is the same NotFound, so a URL
-        cannot be probed for which of its parts is wrong."""
+        cannot be probed for which of its parts is wrong. The caller calls ``closed`` when done with it."""
         rec = self.sandboxes.find_live(sandbox_id)
         grant = rec.ports.get(port) if rec is not None else None
         if rec is None or grant is None or not hmac.compare_digest(grant[0].encode(), secret.encode()):
             raise NotFound("no such exposed port (the sandbox ended, the port was unexposed, or the URL is wrong)")
+        return await self.reach(sandbox_id, port)
+
+    async def reach(self, sandbox_id: str, port: int) -> socket.socket:
+        """A connection to any port of a running sandbox, for a caller that has checked a credential of
+        its own (the E2B API's traffic token); counted against the sandbox's bound until ``closed``."""
         rec, backend = self.sandboxes.running(sandbox_id)
         if self._open.get(sandbox_id, 0) >= MAX_CONNECTIONS:
             raise LimitExceeded(f"sandbox {sandbox_id} has {MAX_CONNECTIONS} connections open through its ports")
-        return await backend.connect_port(rec, port)
-
-    def opened(self, sandbox_id: str) -> None:
         self._open[sandbox_id] = self._open.get(sandbox_id, 0) + 1
+        try:
+            return await backend.connect_port(rec, port)
+        except BaseException:
+            self.closed(sandbox_id)
+            raise
 
     def closed(self, sandbox_id: str) -> None:
         left = self._open.get(sandbox_id, 0) - 1

@@ -1,5 +1,6 @@
-"""The E2B-compatible API as one ASGI app: E2B's control API (``E2B_API_URL``) and its in-sandbox
-envd API (``E2B_SANDBOX_URL``) on the same listener, both served by the daemon's own core. The daemon
+"""The E2B-compatible API as one ASGI app: E2B's control API (``E2B_API_URL``), its in-sandbox envd
+API (``E2B_SANDBOX_URL``) and the sandboxes' ports (``get_host``, ports.py) on the same listener, all
+served by the daemon's own core. The daemon
 runs it on ``dsec serve --e2b-listen``; it starts and stops with the daemon (no lifespan of its own)."""
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from ..web.limits import BodyLimit
 from . import control, envd, files, fs_service, process_service, volume_content, volumes  # noqa: F401
 from .auth import EnvdTokens, VolumeTokens, load_key
 from .errors import control_error, plain_error
+from .ports import E2BPorts
 from .service import E2BOptions, E2BService
 
 log = logging.getLogger("dsec.e2b")
@@ -37,7 +39,8 @@ def create_e2b_app(manager: SandboxManager, options: E2BOptions, state_dir: Path
     app.state.manager = manager  # the audit log, and bearer tokens
     app.state.token = operator_token
     key = load_key(state_dir)
-    app.state.e2b = E2BService(manager, options, EnvdTokens(key), operator_token, VolumeTokens(key))
+    tokens = EnvdTokens(key)
+    app.state.e2b = E2BService(manager, options, tokens, operator_token, VolumeTokens(key))
 
     @app.exception_handler(DsecError)
     async def _dsec(_: Request, exc: DsecError) -> Response:
@@ -96,4 +99,6 @@ def create_e2b_app(manager: SandboxManager, options: E2BOptions, state_dir: Path
         Idempotency, error=lambda status, _code, message: plain_error(status, message), memory=remembered
     )
     app.add_middleware(AuditMiddleware, prefix="", unaudited=("/health",), label="e2b ")
+    # a sandbox's own traffic (get_host): none of the API's rules
+    app.add_middleware(E2BPorts, manager=manager, tokens=tokens, domain=options.domain)
     return app

@@ -10,6 +10,10 @@ only the daemon holds (``STATE_DIR/e2b.key``, 0600), so it needs no table, survi
 and opens exactly one sandbox. A signed file URL (E2B's ``signature`` query parameter) is checked the
 way the SDK makes it, over that same token.
 
+A sandbox's ports (E2B's ``get_host``) are reached with its traffic access token, E2B's
+``trafficAccessToken``, sent as the ``e2b-traffic-access-token`` header: an HMAC of the sandbox id
+under the same key, for another purpose than the envd token, so neither stands in for the other.
+
 The volume content API is reached with a per-volume token, E2B's volume ``token``: the control API's
 answers for a volume carry it and the SDK sends it as ``Authorization: Bearer``. It names the tenant it
 was given to and is an HMAC, under the same key, of that tenant, the volume's name and the moment the
@@ -89,12 +93,21 @@ class EnvdTokens:
     def __init__(self, key: bytes) -> None:
         self._key = key
 
-    def token(self, sandbox_id: str) -> str:
-        mac = hmac.new(self._key, b"envd\0" + sandbox_id.encode(), hashlib.sha256).digest()
+    def _mac(self, purpose: bytes, sandbox_id: str) -> str:
+        mac = hmac.new(self._key, purpose + b"\0" + sandbox_id.encode(), hashlib.sha256).digest()
         return base64.urlsafe_b64encode(mac).rstrip(b"=").decode()
+
+    def token(self, sandbox_id: str) -> str:
+        return self._mac(b"envd", sandbox_id)
 
     def check(self, sandbox_id: str, token: str) -> bool:
         return bool(token) and hmac.compare_digest(self.token(sandbox_id).encode(), token.encode())
+
+    def traffic_token(self, sandbox_id: str) -> str:
+        return self._mac(b"traffic", sandbox_id)
+
+    def check_traffic(self, sandbox_id: str, token: str) -> bool:
+        return bool(token) and hmac.compare_digest(self.traffic_token(sandbox_id).encode(), token.encode())
 
     def check_signature(
         self, sandbox_id: str, path: str, operation: str, user: str, signature: str, expiration: str | None

@@ -128,6 +128,11 @@ def _refuse_unsupported(body: m.NewSandbox) -> None:
     for value, what in ((body.mcp, "mcp"), (body.iam, "iam")):
         if value:
             raise InvalidRequest(f"{what} {UNSUPPORTED}")
+    if body.network is not None and body.network.allow_public_traffic:
+        raise InvalidRequest(
+            f"network.allowPublicTraffic=true {UNSUPPORTED}: a sandbox's ports are reached with its "
+            "trafficAccessToken in the e2b-traffic-access-token header"
+        )
 
 
 def volumes_of(mounts: list[m.VolumeMount] | None) -> dict[str, str | tuple[str, Mode]]:
@@ -172,6 +177,8 @@ def _sandbox(svc: E2BService, info: SandboxInfo) -> m.Sandbox:
         template_id=info.labels.get(META_TEMPLATE, info.image),
         sandbox_id=info.id,
         envd_access_token=svc.tokens.token(info.id),
+        traffic_access_token=svc.tokens.traffic_token(info.id),
+        domain=svc.options.domain,
     )
 
 
@@ -315,6 +322,7 @@ async def get_sandbox(sandbox_id: str, svc: Svc, caller: Who) -> Response:
         m.SandboxDetail,
         envd_access_token=svc.tokens.token(info.id),
         allow_internet_access=network is not None,
+        domain=svc.options.domain,
         volume_mounts=[m.MountedVolume(name=v.name, path=v.path) for v in info.volumes],
     )
     return json_answer(detail)

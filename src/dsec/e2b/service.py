@@ -24,6 +24,7 @@ from ..protocol.sandbox import KINDS
 from ..store.records import SandboxRecord
 from ..tenancy import Caller
 from .auth import EnvdTokens, VolumeTokens
+from .hosts import check_domain
 
 # metadata keys that choose what E2B has no word for (the rest of the metadata is the sandbox's labels)
 META_KIND = "dsec.kind"
@@ -51,9 +52,14 @@ class E2BOptions:
     # E2B sandboxes reach the internet unless told otherwise; dsec's "full" still keeps the host, the
     # daemon, metadata, private ranges and other sandboxes out of reach
     network: NetworkSpec = "full"
+    # where a sandbox's ports are, E2B's sandbox domain: ``PORT-ID.DOMAIN`` must reach this listener
+    # (wildcard DNS, or a Host header); None: E2B_DOMAIN of the SDK's environment decides
+    domain: str | None = None
 
     @classmethod
-    def of(cls, listen: str, image: str, kind: str, templates: list[str], network: str) -> E2BOptions:
+    def of(
+        cls, listen: str, image: str, kind: str, templates: list[str], network: str, domain: str | None = None
+    ) -> E2BOptions:
         """From ``dsec serve``'s flags; a bad one raises InvalidRequest naming it."""
         url = urllib.parse.urlparse(listen)
         if url.scheme != "http" or not url.hostname or url.port is None:
@@ -71,7 +77,7 @@ class E2BOptions:
             aliases[name] = (image_name, alias_kind or None)
         if network not in ("full", "none"):
             raise InvalidRequest(f"--e2b-network {network!r}: full or none")
-        return cls(listen, image, kind, aliases, "full" if network == "full" else None)
+        return cls(listen, image, kind, aliases, "full" if network == "full" else None, check_domain(domain))
 
 
 @dataclass

@@ -15,6 +15,8 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 PORTS_PREFIX = "/ports/"
+MAX_PORTS = 16  # exposed at once per sandbox
+MAX_CONNECTIONS = 256  # open through the proxy at once per sandbox (on its node, and through a gateway)
 
 
 class ExposeRequest(BaseModel):
