@@ -124,6 +124,9 @@ def serve(
         "access_log": False,
         "timeout_graceful_shutdown": 5,
         "timeout_keep_alive": tokens.KEEP_ALIVE_S,
+        # WebSockets (exposed ports, E2B) by the pinned wsproto, whatever else is installed beside dsec
+        # (uvicorn prefers the websockets package when it is there; openenv-core brings it)
+        "ws": "wsproto",
     }
     others: list[tuple[dict[str, Any], Callable[[int], ASGIApp]]] = []
     if e2b is not None and e2b_where is not None:

@@ -51,6 +51,7 @@ def _config(app: Any, host: str, port: int, log_level: str) -> Any:
         lifespan="on",
         timeout_keep_alive=KEEP_ALIVE_S,
         timeout_graceful_shutdown=5,
+        ws="wsproto",  # as the node daemon's: the pinned library, not whichever is installed
     )
 
 
