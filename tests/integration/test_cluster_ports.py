@@ -150,3 +150,15 @@ def test_a_port_is_reached_through_the_gateway_streamed_both_ways(cluster: Clust
     finally:
         sb.kill()
     assert httpx.get(base + "hi.txt", timeout=30).status_code == 404  # gone with the sandbox
+
+
+def test_run_code_reaches_its_context_through_the_gateway(cluster: Cluster) -> None:
+    """run_code is a sandbox route like exec: the gateway takes it to the node, whose sandbox keeps the state."""
+    sb = dsec.Sandbox.create(image="dsec/debian:12", client=cluster.client(), timeout=600)
+    try:
+        assert sb.run_code("total = sum(range(10))").error is None
+        r = sb.run_code("total * 2")
+        assert (r.text, r.engine) == ("90", "python")
+        assert sb.code_contexts() == ["default"]
+    finally:
+        sb.kill()
