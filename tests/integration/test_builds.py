@@ -170,6 +170,10 @@ def test_runtime_account_is_not_the_builder(daemon: Daemon) -> None:
         denied = sb.exec("echo x >> /etc/passwd")
         assert denied.exit_code != 0 and "Permission denied" in denied.stderr
         assert sb.exec("id -u", user="root").stdout == "0\n"
+        # another account's exec gets that account's HOME, as docker exec -u gives, unless the call sets it
+        assert sb.exec("echo $HOME", user="root").stdout == "/root\n"
+        assert sb.exec("echo $HOME", user="root", env={"HOME": "/elsewhere"}).stdout == "/elsewhere\n"
+        assert sb.exec("echo $HOME", user="agent").stdout == "/home/agent\n"
         sb.files.write("/work/from-api.txt", b"hi")
         assert sb.exec("stat -c %u /work/from-api.txt && echo more >> /work/from-api.txt").exit_code == 0
         assert sb.exec("stat -c %u /work/from-api.txt").stdout == "1000\n"

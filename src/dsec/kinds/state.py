@@ -59,6 +59,20 @@ class KindState:
         self._set("user", list(value) if value is not None else None)
 
     @property
+    def home_given(self) -> bool:
+        """HOME was set by the image or the sandbox's env: an exec as another account keeps it."""
+        return bool(self._d.get("home_given"))
+
+    @home_given.setter
+    def home_given(self, value: bool) -> None:
+        self._set("home_given", value)
+
+    def home_for(self, req_env: dict[str, str], home: str) -> dict[str, str]:
+        """The environment an exec as another account (``home``: its passwd entry's) adds: its HOME, as
+        ``docker exec -u`` gives, unless the image, the sandbox or the call set HOME."""
+        return {} if self.home_given or "HOME" in req_env else {"HOME": home}
+
+    @property
     def net_index(self) -> int | None:
         """The sandbox's slot on the node's network (its interface and addresses), once it has one."""
         return self._int("net_index")

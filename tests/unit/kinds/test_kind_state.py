@@ -87,3 +87,13 @@ def test_a_function_sandbox_keeps_its_lent_worker_for_a_restart(tmp_path: Path) 
     adopted = got.adopted_worker(Limits())
     assert adopted is not None and adopted.id == "fw-1" and adopted.network == "full"
     assert ContainerState(adopted).uid_base == 200000 and KindState(adopted).net_index == 2
+
+
+def test_an_exec_as_another_account_gets_its_home_unless_home_was_given(tmp_path: Path) -> None:
+    rec = _rec()
+    state = KindState(rec)
+    assert state.home_for({}, "/home/agent") == {"HOME": "/home/agent"}  # docker exec -u's HOME
+    assert state.home_for({"HOME": "/mine"}, "/home/agent") == {}  # the call's own wins
+    state.home_given = True  # the image or the sandbox set HOME: every exec keeps it
+    assert state.home_for({}, "/home/agent") == {}
+    assert KindState(_round_trip(rec, tmp_path)).home_given  # a restarted daemon reads it back

@@ -249,6 +249,7 @@ class ContainerBackend(ContainerFiles, PolicyNetwork):
         except OSError as e:
             raise BackendError(f"cannot prepare the root filesystem: {e}") from e
         account = await asyncio.to_thread(self._account, rec, image.user)
+        state.home_given = "HOME" in rec.env or "HOME" in image.env
         rec.timings["rootfs"] = round(time.monotonic() - began, 6)  # the core's phase figures
         if not account.is_root:
             # the image's runtime account runs every exec and owns what the file API writes
@@ -400,18 +401,21 @@ class ContainerBackend(ContainerFiles, PolicyNetwork):
         io: ExecIO | None = None,
     ) -> ExecResult:
         stdin = req.stdin.encode() if req.stdin is not None else None
+        state = ContainerState(rec)
+        env = dict(req.env)
         if req.user is None:
-            user = ContainerState(rec).user
+            user = state.user
         else:
             account = await asyncio.to_thread(self._account, rec, req.user)
             user = None if account.is_root else (account.uid, account.gid)
+            env |= state.home_for(env, account.home)
         plan = ExecPlan(
             argv=req.argv(),
             stdin=stdin,
             timeout=req.timeout,
             limit=req.output_limit,
             cwd=req.cwd,
-            env=dict(req.env),
+            env=env,
             on_output=on_output,
             user=user,
             idle_timeout=req.idle_timeout,

@@ -202,6 +202,7 @@ class MicroVMBackend(PolicyNetwork):
         }
         state = VMState(rec)
         state.env, state.cwd, state.user_spec = env, image.workdir or "/", image.user
+        state.home_given = "HOME" in rec.env or "HOME" in image.env
         rec.accelerator = self.accel
         key = snapshots.template_key(spec, image.layer_digests)
         memory = self.templates / key / templates.MEMORY
@@ -508,10 +509,11 @@ class MicroVMBackend(PolicyNetwork):
         chan = await self._channel(rec)
         state = VMState(rec)
         user = state.user
+        env = {**state.env, **req.env}
         if req.user is not None:
             account = await self._account(rec, chan, req.user)
             user = None if account.is_root else (account.uid, account.gid)
-        env = {**state.env, **req.env}
+            env |= state.home_for(req.env, account.home)
         try:
             result = await chan.run(
                 req.argv(),
