@@ -3,6 +3,7 @@ check ``GET /v1/ping``. Each route module keeps its own router; app.py includes 
 
 from __future__ import annotations
 
+from collections.abc import Awaitable
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -18,32 +19,32 @@ from .service import FusionService
 router = APIRouter()
 
 
-@router.post("/run_code", response_model=RunCodeResponse)
-async def run_code(body: RunCodeRequest, request: Request) -> Any:
+async def _answer(request: Request, command: list[str], call: Awaitable[RunCodeResponse | RunJupyterResponse]) -> Any:
+    """One call of either kind: audited as the operator's, every failure an answer of SandboxFusion's shape."""
     name_caller(request.scope, OPERATOR)  # the audit's record: the calls run as the operator
-    note(request.scope, command=["run_code", body.language])
-    service: FusionService = request.app.state.fusion
+    note(request.scope, command=command)
     try:
-        answer = await service.run_code(body)
-    except Exception as e:  # every failure is an answer of SandboxFusion's shape, never a 500
+        answer = await call
+    except Exception as e:  # never a 500
         return answer_for(e)
     if answer.executor_pod_name is not None:
         note(request.scope, sandbox=answer.executor_pod_name)
     return JSONResponse(answer.model_dump(mode="json"))
+
+
+def _service(request: Request) -> FusionService:
+    service: FusionService = request.app.state.fusion
+    return service
+
+
+@router.post("/run_code", response_model=RunCodeResponse)
+async def run_code(body: RunCodeRequest, request: Request) -> Any:
+    return await _answer(request, ["run_code", body.language], _service(request).run_code(body))
 
 
 @router.post("/run_jupyter", response_model=RunJupyterResponse)
 async def run_jupyter(body: RunJupyterRequest, request: Request) -> Any:
-    name_caller(request.scope, OPERATOR)
-    note(request.scope, command=["run_jupyter", f"{len(body.cells)} cells"])
-    service: FusionService = request.app.state.fusion
-    try:
-        answer = await service.run_jupyter(body)
-    except Exception as e:  # every failure is an answer of SandboxFusion's shape, never a 500
-        return answer_for(e)
-    if answer.executor_pod_name is not None:
-        note(request.scope, sandbox=answer.executor_pod_name)
-    return JSONResponse(answer.model_dump(mode="json"))
+    return await _answer(request, ["run_jupyter", f"{len(body.cells)} cells"], _service(request).run_jupyter(body))
 
 
 @router.get("/v1/ping")
