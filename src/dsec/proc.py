@@ -3,21 +3,67 @@
 crun's ``--preserve-fds`` passes descriptors by number (3, 4, ...), which ``subprocess`` cannot place;
 ``posix_spawn`` file actions can. Waiting on a pidfd keeps one event-loop reader per child instead of
 a thread per child.
+
+``posix_spawn`` is libc's, called through ctypes, not ``os.posix_spawn``: CPython holds the GIL for the
+whole call, which lasts until the child has exec'd (a few milliseconds for crun on a busy machine), and
+converts ``os.environ`` into a new block each time. In a burst of creations that stalled every other
+request of the daemon; ctypes lets the GIL go, and the child gets libc's ``environ`` as it is.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import os
 import tempfile
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.posix_spawn.argtypes = [
+    ctypes.POINTER(ctypes.c_int),
+    ctypes.c_char_p,
+    ctypes.c_void_p,
+    ctypes.c_void_p,
+    ctypes.c_void_p,
+    ctypes.c_void_p,
+]
+_libc.posix_spawn_file_actions_init.argtypes = [ctypes.c_void_p]
+_libc.posix_spawn_file_actions_destroy.argtypes = [ctypes.c_void_p]
+_libc.posix_spawn_file_actions_adddup2.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
+_FILE_ACTIONS_SIZE = 256  # posix_spawn_file_actions_t is 80 bytes in glibc; room to spare
+
+
+def _strings(items: Sequence[str | bytes]) -> ctypes.Array[ctypes.c_char_p]:
+    """A NULL-terminated ``char *[]``."""
+    return (ctypes.c_char_p * (len(items) + 1))(*(os.fsencode(i) for i in items), None)
 
 
 def spawn(argv: Sequence[str], fds: Mapping[int, int], env: Mapping[str, str] | None = None) -> int:
-    """Start ``argv`` with child fd N = our fd ``fds[N]``; every other fd is closed (all ours are CLOEXEC)."""
-    actions: list[tuple[int, int, int]] = [(os.POSIX_SPAWN_DUP2, src, dst) for dst, src in fds.items()]
-    return os.posix_spawn(argv[0], list(argv), dict(env if env is not None else os.environ), file_actions=actions)
+    """Start ``argv`` with child fd N = our fd ``fds[N]``; every other fd is closed (all ours are CLOEXEC).
+    ``argv[0]`` is a path (no PATH search); ``env`` None: this process's environment."""
+    actions = ctypes.create_string_buffer(_FILE_ACTIONS_SIZE)
+    if _libc.posix_spawn_file_actions_init(actions) != 0:
+        raise OSError(ctypes.get_errno(), "posix_spawn_file_actions_init")
+    try:
+        for dst, src in fds.items():
+            rc = _libc.posix_spawn_file_actions_adddup2(actions, src, dst)
+            if rc != 0:
+                raise OSError(rc, os.strerror(rc))
+        args = _strings(list(argv))
+        envp = _strings([f"{k}={v}" for k, v in env.items()]) if env is not None else _environ()
+        pid = ctypes.c_int()
+        rc = _libc.posix_spawn(ctypes.byref(pid), os.fsencode(argv[0]), actions, None, args, envp)
+        if rc != 0:
+            raise OSError(rc, os.strerror(rc), argv[0])
+        return pid.value
+    finally:
+        _libc.posix_spawn_file_actions_destroy(actions)
+
+
+def _environ() -> int | None:
+    # read at each call: os.environ's changes go through setenv, which may move the array
+    return ctypes.c_void_p.in_dll(_libc, "environ").value
 
 
 async def wait(pid: int) -> int:
@@ -105,8 +151,10 @@ async def run(
     timeout: float = 60.0,
     log_file: str | None = None,
     extra_fds: Mapping[int, int] | None = None,
+    start: Callable[[Sequence[str], Mapping[int, int]], Awaitable[int]] | None = None,
 ) -> tuple[int, bytes]:
     """Run a host helper to completion; returns (status, stdout+stderr). Kills it on timeout.
+    ``start``: how to start it (``spawn``'s arguments; e.g. from inside another mount namespace).
 
     Output goes through a file, not a pipe: an OCI runtime hands its own stdio to the container it
     starts, and a pipe would then stay open for the container's whole life.
@@ -119,8 +167,9 @@ async def run(
             out_fd = os.open(log_file, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
             stack.callback(os.close, out_fd)
         empty = empty_input()
+        fds = {0: empty, 1: out_fd, 2: out_fd, **(extra_fds or {})}
         try:
-            pid = spawn(argv, {0: empty, 1: out_fd, 2: out_fd, **(extra_fds or {})})
+            pid = spawn(argv, fds) if start is None else await start(argv, fds)
         finally:
             os.close(empty)
         try:
