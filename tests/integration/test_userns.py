@@ -11,6 +11,7 @@ from pathlib import Path
 import dsec
 
 from .conftest import Daemon
+from .sandbox_mounts import sandbox_bundle
 
 
 def host_ids(daemon: Daemon, sb: dsec.Sandbox) -> tuple[int, int]:
@@ -40,10 +41,11 @@ def test_files_are_owned_right_on_both_sides(daemon: Daemon, make_sandbox: Calla
     sb = make_sandbox()
     uid, _ = host_ids(daemon, sb)
     sb.exec("echo inside > /made-inside; echo 'u:x:1000:1000::/:/bin/sh' >> /etc/passwd; chown 1000:1000 /made-inside")
-    upper = daemon.state_dir / "sandboxes" / sb.id / "disk" / "upper"
-    st = os.stat(upper / "made-inside")
-    assert (st.st_uid, st.st_gid) == (uid + 1000, uid + 1000)  # never a host id outside the sandbox's range
-    assert os.stat(upper / "etc" / "passwd").st_uid == uid  # copy-up of an image file: the sandbox root's
+    with sandbox_bundle(daemon, sb) as bundle:
+        upper = bundle / "disk" / "upper"
+        st = os.stat(upper / "made-inside")
+        assert (st.st_uid, st.st_gid) == (uid + 1000, uid + 1000)  # never a host id outside the sandbox's range
+        assert os.stat(upper / "etc" / "passwd").st_uid == uid  # copy-up of an image file: the sandbox root's
     sb.files.write("/api/made.txt", b"x")
     assert sb.exec("stat -c '%u:%g' /api /api/made.txt").stdout.split() == ["0:0", "0:0"]
     assert sb.exec("echo more >> /api/made.txt && cat /api/made.txt").stdout == "xmore\n"

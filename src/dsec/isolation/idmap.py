@@ -113,6 +113,16 @@ def _write_maps(pid: int, line: str) -> None:
 def idmapped_bind(source: Path, target: Path, userns_fd: int | None, *, read_only: bool = True) -> None:
     """Mount ``source`` at ``target`` (read-only unless told), its ids shifted by the user namespace's
     mapping (``userns_fd`` None: a plain bind, ids as they are)."""
+    tree = idmapped_tree(source, userns_fd, read_only=read_only)
+    try:
+        attach(tree, target, source)
+    finally:
+        os.close(tree)
+
+
+def idmapped_tree(source: Path, userns_fd: int | None, *, read_only: bool = True) -> int:
+    """``idmapped_bind``'s mount, detached: a descriptor that ``attach`` mounts anywhere, also in another
+    mount namespace than the one ``source`` was found in."""
     tree = _check(
         _libc.syscall(_SYS_OPEN_TREE, _AT_FDCWD, str(source).encode(), _OPEN_TREE_CLONE | os.O_CLOEXEC), "open_tree"
     )
@@ -131,9 +141,14 @@ def idmapped_bind(source: Path, target: Path, userns_fd: int | None, *, read_onl
                 ),
                 f"idmapping {source}",
             )
-        _check(
-            _libc.syscall(_SYS_MOVE_MOUNT, tree, b"", _AT_FDCWD, str(target).encode(), _MOVE_MOUNT_F_EMPTY_PATH),
-            f"mounting {source} at {target}",
-        )
-    finally:
+    except BaseException:
         os.close(tree)
+        raise
+    return tree
+
+
+def attach(tree: int, target: Path, source: Path | str = "a detached mount") -> None:
+    _check(
+        _libc.syscall(_SYS_MOVE_MOUNT, tree, b"", _AT_FDCWD, str(target).encode(), _MOVE_MOUNT_F_EMPTY_PATH),
+        f"mounting {source} at {target}",
+    )

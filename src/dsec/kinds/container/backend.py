@@ -30,7 +30,8 @@ from pathlib import Path
 from ...errors import BackendError, DsecError, KindUnavailable, SandboxGone, StorageFull
 from ...images.store import ImageRef
 from ...isolation import cgroups, seccomp, users
-from ...isolation.idmap import idmapped_bind, make_userns
+from ...isolation.idmap import attach, idmapped_bind, idmapped_tree, make_userns
+from ...isolation.mntns import MountNamespaces
 from ...isolation.mounts import MS_NODEV, MS_NOSUID, is_mountpoint, mount, umount
 from ...isolation.netns import connect_in_netns
 from ...isolation.network.host import Attached
@@ -46,7 +47,8 @@ from . import agent, spec
 from .agent import AgentChannel
 from .execution import ExecPlan, run_via_agent, run_via_runtime
 from .files import ContainerFiles
-from .rootfs import bind_volumes, mount_rootfs, unmount_rootfs
+from .host import no_space, repair_host_devices
+from .rootfs import SandboxRoots, bind_volumes, mount_rootfs
 from .state import ContainerState
 
 log = logging.getLogger("dsec.container")
@@ -54,24 +56,6 @@ log = logging.getLogger("dsec.container")
 AGENT_READY_TIMEOUT = 10.0
 # names that only need to be unpredictable to a sandbox, not secret (getrandom is slow per call here)
 _names = random.Random(secrets.randbits(128))
-
-
-def _repair_host_devices() -> list[str]:
-    """dsec before 2026-12-03 gave crun the host's /dev/null as stdin, which crun chowned to a sandbox's
-    root: give it back to host root (a sandbox bound it in and could chmod it for the whole host)."""
-    notes = []
-    for dev in ("/dev/null", "/dev/zero", "/dev/full", "/dev/random", "/dev/urandom", "/dev/tty"):
-        try:
-            st = os.stat(dev)
-            if (st.st_uid, st.st_gid) != (0, 0) or (st.st_mode & 0o7777) != 0o666:
-                os.chown(dev, 0, 0)
-                os.chmod(dev, 0o666)
-                notes.append(
-                    f"container kind: {dev} was owned by {st.st_uid} mode {st.st_mode & 0o7777:o}; reset to root 666"
-                )
-        except OSError:
-            continue
-    return notes
 
 
 class ContainerBackend(ContainerFiles, PolicyNetwork):
@@ -93,6 +77,7 @@ class ContainerBackend(ContainerFiles, PolicyNetwork):
         self.uid_slots = ctx.uid_slots
         self._userns_fds: dict[int, int] = {}
         self._channels: dict[str, AgentChannel] = {}
+        self.roots = SandboxRoots(MountNamespaces())
         self._attach_locks: dict[str, asyncio.Lock] = {}
         # exec cgroups with background processes outlive a daemon restart: names must not repeat
         self._boot = secrets.token_hex(3)
@@ -110,7 +95,7 @@ class ContainerBackend(ContainerFiles, PolicyNetwork):
             raise KindUnavailable("no OCI runtime found: install crun (apt-get install crun) or runc")
         self.layout = cgroups.detect()
         notes = cgroups.prepare_host(self.layout)
-        notes += _repair_host_devices()
+        notes += repair_host_devices()
         for d in (self.run_root, self.helper_dir, self.sandbox_dir):
             d.mkdir(parents=True, exist_ok=True)
         if not is_mountpoint(self.helper_dir):
@@ -203,8 +188,9 @@ class ContainerBackend(ContainerFiles, PolicyNetwork):
         return self.layout
 
     def bundle_dir(self, rec: SandboxRecord) -> Path:
-        """The sandbox's directory on the host: its root, its writable layer (disk/upper) and /tmp of a worker."""
-        return self.sandbox_dir / rec.id
+        """The sandbox's directory with its mounts: its root, its writable layer (disk/upper) and /tmp of a
+        worker. A path under /proc when they are in a mount namespace of their own (rootfs.SandboxRoots)."""
+        return self.roots.view(rec.id, self.sandbox_dir / rec.id)
 
     def agent_connected(self, rec: SandboxRecord) -> bool:
         chan = self._channels.get(rec.id)
@@ -228,7 +214,7 @@ class ContainerBackend(ContainerFiles, PolicyNetwork):
 
     async def create(self, rec: SandboxRecord, image: ImageRef, *, worker: bool = False) -> None:
         """``worker``: a function worker, which serves one user after another (see ContainerState.worker)."""
-        bundle = self.bundle_dir(rec)
+        bundle = self.sandbox_dir / rec.id  # as the runtime sees it, from inside the sandbox's namespace
         rootfs = bundle / "rootfs"
         use_agent = self.agent_error is None
         # what later calls (and a restarted daemon) need and cannot derive from the id
@@ -244,8 +230,13 @@ class ContainerBackend(ContainerFiles, PolicyNetwork):
             uid_base = state.uid_base = self.uid_slots.take()
         try:
             userns_fd = await self._userns_for(uid_base) if uid_base is not None else None
-            await asyncio.to_thread(mount_rootfs, bundle, image.layers, rec.limits.disk, uid_base, userns_fd, worker)
-            await asyncio.to_thread(bind_volumes, bundle, rec.volumes, userns_fd)
+
+            def mounter() -> None:
+                mount_rootfs(bundle, image.layers, rec.limits.disk, uid_base, userns_fd, worker)
+                bind_volumes(bundle, rec.volumes, userns_fd)
+
+            # only the agent keeps the namespace's descriptor for a restarted daemon (rootfs.NS_FD)
+            await self.roots.mount(rec.id, bundle, mounter, own_namespace=use_agent)
         except OSError as e:
             raise BackendError(f"cannot prepare the root filesystem: {e}") from e
         account = await asyncio.to_thread(self._account, rec, image.user)
@@ -274,14 +265,24 @@ class ContainerBackend(ContainerFiles, PolicyNetwork):
             cgroup_v2=self.cgroup_layout().mode == "v2",
         )
         await asyncio.to_thread((bundle / "config.json").write_text, json.dumps(cfg))
+        await self._start_runtime(rec, bundle, use_agent)
+        if rec.network is not None:
+            await self._join_network(rec, rec.network)
+
+    async def _start_runtime(self, rec: SandboxRecord, bundle: Path, use_agent: bool) -> None:
+        """``crun run --detach`` from inside the sandbox's mount namespace; then wait for the agent's hello."""
         argv = self._runtime_argv("run", "--detach", "--bundle", str(bundle), rec.id)
         ours = theirs = None
+        extra = self.roots.init_fds(rec.id)
         if use_agent:
             ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-            argv[-1:-1] = ["--preserve-fds=1"]
+            extra[3] = theirs.fileno()
+            argv[-1:-1] = [f"--preserve-fds={len(extra)}"]
         try:
-            extra = {3: theirs.fileno()} if theirs is not None else None
-            status, out = await run(argv, timeout=60, log_file=str(bundle / "runtime.log"), extra_fds=extra)
+            log_file = str(bundle / "runtime.log")
+            status, out = await run(
+                argv, timeout=60, log_file=log_file, extra_fds=extra, start=self.roots.starter(rec.id)
+            )
         finally:
             if theirs is not None:
                 theirs.close()
@@ -290,7 +291,7 @@ class ContainerBackend(ContainerFiles, PolicyNetwork):
                 ours.close()
             if status < 0:  # `run` gives a signal's death as its negative number
                 raise BackendError(f"{self.runtime_name} was killed by signal {-status} while it created the sandbox")
-            if _no_space(bundle):  # its log is on that file system too: often all it could say is nothing
+            if no_space(bundle):  # its log is on that file system too: often all it could say is nothing
                 raise StorageFull(f"{self.runtime_name} could not create the sandbox: no space left in {bundle.parent}")
             raise BackendError(f"{self.runtime_name} run failed ({status}): {out.decode(errors='replace')[-800:]}")
         if ours is not None:
@@ -301,8 +302,6 @@ class ContainerBackend(ContainerFiles, PolicyNetwork):
                 await chan.aclose()
                 raise BackendError(f"the sandbox agent did not start: {e}") from e
             self._channels[rec.id] = chan
-        if rec.network is not None:
-            await self._join_network(rec, rec.network)
 
     async def destroy(self, rec: SandboxRecord) -> None:
         layout = self.cgroup_layout()
@@ -314,9 +313,12 @@ class ContainerBackend(ContainerFiles, PolicyNetwork):
             await run(self._runtime_argv("delete", "--force", rec.id), timeout=30)
         await self._leave_network(rec)
         cg = layout.unified_dir(self.cgroup_path(rec))
-        await asyncio.to_thread(self._cleanup, rec, cg)
+        await asyncio.to_thread(self._remove_groups, rec, cg)
+        bundle = self.sandbox_dir / rec.id
+        await self.roots.unmount(rec.id, bundle)  # its processes are gone: nothing keeps a mount busy
+        await asyncio.to_thread(self._remove_files, rec, bundle)
 
-    def _cleanup(self, rec: SandboxRecord, cg: Path) -> None:
+    def _remove_groups(self, rec: SandboxRecord, cg: Path) -> None:
         if cg.exists():
             cgroups.kill_group(cg)
             for _ in range(100):
@@ -328,8 +330,8 @@ class ContainerBackend(ContainerFiles, PolicyNetwork):
                 d = hier / "dsec" / rec.id
                 if hier.name != "unified" and d.is_dir():
                     cgroups.remove_group(d)
-        bundle = self.bundle_dir(rec)
-        unmount_rootfs(bundle)
+
+    def _remove_files(self, rec: SandboxRecord, bundle: Path) -> None:
         shutil.rmtree(bundle, ignore_errors=True)
         # the runtime's own record of the container: `delete` can fail (a full state file system) and
         # leave it; the container's processes are gone by now, so it is only files
@@ -354,13 +356,17 @@ class ContainerBackend(ContainerFiles, PolicyNetwork):
         return state if running else None
 
     async def alive(self, rec: SandboxRecord) -> bool:
-        running = await self._running_state(rec) is not None
+        state = await self._running_state(rec)
+        if state is None:
+            return False
         base = ContainerState(rec).uid_base
-        if running and base is not None:
+        if base is not None:
             self.uid_slots.mark(base)  # re-adopted after a restart: its uid range stays taken
-        if running:
-            await self._adopt_network(rec)
-        return running
+        pid = state.get("pid")
+        if isinstance(pid, int) and pid > 0:
+            await self.roots.adopt(rec.id, self.sandbox_dir / rec.id, pid)
+        await self._adopt_network(rec)
+        return True
 
     # ---- network -----------------------------------------------------------------------------------
 
@@ -521,24 +527,27 @@ class ContainerBackend(ContainerFiles, PolicyNetwork):
 
     @contextlib.asynccontextmanager
     async def frozen_upper(self, rec: SandboxRecord) -> AsyncIterator[Path]:
-        bundle = self.bundle_dir(rec)
-        upper = bundle / "disk" / "upper"
+        """The writable layer, frozen, at a path of the host's mount namespace: the packer (mkfs.erofs)
+        resolves its source to a canonical path, which a view through /proc/PID/fd would not survive."""
+        host = self.sandbox_dir / rec.id  # as seen inside the sandbox's namespace
         await self._runtime_call(rec, "pause")
-        view = bundle / "pack-view"
+        view = host / "pack-view"
         base = ContainerState(rec).uid_base
         try:
-            if base is None:
-                yield upper
-            else:
-                # the upper holds files owned by the sandbox's host range; a layer must hold the ids the
-                # sandbox sees, which is what an inverse-idmapped view of it shows
-                userns_fd = await make_userns(self._userns_helper(), base, inverse=True)
-                try:
-                    view.mkdir(exist_ok=True)
-                    await asyncio.to_thread(idmapped_bind, upper, view, userns_fd)
-                finally:
+            # the upper holds files owned by the sandbox's host range; a layer must hold the ids the
+            # sandbox sees, which is what an inverse-idmapped view of it shows
+            userns_fd = await make_userns(self._userns_helper(), base, inverse=True) if base is not None else None
+            try:
+                tree = await self.roots.inside(rec.id, idmapped_tree, host / "disk" / "upper", userns_fd)
+            finally:
+                if userns_fd is not None:
                     os.close(userns_fd)
-                yield view
+            try:
+                view.mkdir(exist_ok=True)
+                await asyncio.to_thread(attach, tree, view)
+            finally:
+                os.close(tree)
+            yield view
         finally:
             if view.exists():
                 await asyncio.to_thread(umount, view, lazy=True)
@@ -579,11 +588,3 @@ class ContainerBackend(ContainerFiles, PolicyNetwork):
                 os.close(fd)
         finally:
             self.uid_slots.release(base)
-
-
-def _no_space(path: Path) -> bool:
-    try:
-        st = os.statvfs(path)
-    except OSError:
-        return False
-    return st.f_bavail * st.f_frsize < 1 << 20

@@ -3,18 +3,152 @@
 Layout in the bundle: ``lower-N/`` (the image's layers, idmapped when the sandbox has its own user
 namespace), ``disk/`` (the tmpfs holding ``upper/`` and ``work/``, and a function worker's ``tmp/``),
 ``rootfs/`` (the overlay), ``volume-N/`` (the named volumes it mounts, bound in by the runtime).
+
+These mounts are made in a mount namespace of the sandbox's own (``SandboxRoots``), never in the
+host's: see isolation/mntns.py for why.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 from ...errors import BackendError
 from ...isolation.idmap import idmapped_bind
+from ...isolation.mntns import MountNamespaces, is_mount_namespace
 from ...isolation.mounts import MS_NODEV, MS_NOSUID, mount, umount
+from ...proc import spawn
 from ...store.records import VolumeMount
+
+log = logging.getLogger("dsec.container")
+
+T = TypeVar("T")
+
+# where the sandbox's init holds its mount namespace: what a restarted daemon finds it by. The runtime
+# passes fds 3.. in a row and the agent parks a socket on fd 4 while no daemon is attached (agent.c):
+# fd 4 starts as a second copy, given up then.
+NS_FD = 5
+
+
+@dataclass
+class _Root:
+    ns: int  # the sandbox's mount namespace: keeps its mounts alive
+    bundle: int  # its bundle directory opened inside that namespace
+
+    def close(self) -> None:
+        for fd in (self.bundle, self.ns):
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+
+class SandboxRoots:
+    """Each sandbox's mounts in a mount namespace of its own, and the ways into it.
+
+    The daemon reaches the mounts through a descriptor of the bundle opened inside the namespace:
+    a path walk from ``/proc/<daemon>/fd/<N>`` stays in that namespace, for the daemon's threads and
+    for the helpers it spawns alike. The runtime is started inside it (``start``); mounting more
+    (a snapshot's idmapped view) and unmounting happen inside it (``inside``). The sandbox's init is
+    given the namespace as fd ``NS_FD`` and holds it as long as it runs; a restarted daemon opens it
+    again from there (``adopt``). A sandbox made without (an init that would not keep the descriptor,
+    or one made before this existed) has its mounts in the host's namespace, as before.
+    """
+
+    def __init__(self, namespaces: MountNamespaces) -> None:
+        self.namespaces = namespaces
+        self._roots: dict[str, _Root] = {}
+
+    async def mount(
+        self,
+        sid: str,
+        bundle: Path,
+        mounter: Callable[[], None],
+        *,
+        own_namespace: bool,
+    ) -> None:
+        """Run ``mounter`` (mount_rootfs, bind_volumes) in a new namespace of the sandbox's own."""
+
+        def build() -> int:
+            mounter()
+            return os.open(bundle, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+
+        if not own_namespace:
+            await asyncio.to_thread(mounter)
+            return
+        ns, fd = await self.namespaces.create(build)
+        self.forget(sid)
+        self._roots[sid] = _Root(ns, fd)
+
+    def view(self, sid: str, bundle: Path) -> Path:
+        """Where the daemon finds the sandbox's bundle with its mounts."""
+        root = self._roots.get(sid)
+        return bundle if root is None else Path(f"/proc/{os.getpid()}/fd/{root.bundle}")
+
+    def init_fds(self, sid: str) -> dict[int, int]:
+        """Descriptors for the sandbox's init beside its channel on fd 3."""
+        root = self._roots.get(sid)
+        return {} if root is None else {NS_FD - 1: root.ns, NS_FD: root.ns}
+
+    def starter(self, sid: str) -> Callable[[Sequence[str], Mapping[int, int]], Awaitable[int]] | None:
+        """How to start a process in the sandbox's namespace (``proc.run``'s ``start``)."""
+        root = self._roots.get(sid)
+        if root is None:
+            return None
+        ns = root.ns
+
+        async def start(argv: Sequence[str], fds: Mapping[int, int]) -> int:
+            return await self.namespaces.enter(ns, spawn, argv, fds)
+
+        return start
+
+    async def inside(self, sid: str, fn: Callable[..., T], *args: object) -> T:
+        """Run ``fn`` where the sandbox's mounts are (on a thread either way)."""
+        root = self._roots.get(sid)
+        if root is None:
+            return await asyncio.to_thread(fn, *args)
+        return await self.namespaces.enter(root.ns, fn, *args)
+
+    async def adopt(self, sid: str, bundle: Path, init_pid: int) -> bool:
+        """After a restart: find the namespace of a running sandbox again through its init."""
+        if sid in self._roots:
+            return True
+        try:
+            ns = os.open(f"/proc/{init_pid}/fd/{NS_FD}", os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            return False  # made with its mounts in the host's namespace
+        if not is_mount_namespace(ns):
+            os.close(ns)
+            return False
+        try:
+            fd = await self.namespaces.enter(ns, os.open, bundle, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+        except OSError as e:
+            os.close(ns)
+            log.warning("%s: cannot reach its mounts again: %s", sid, e)
+            return False
+        self._roots[sid] = _Root(ns, fd)
+        return True
+
+    async def unmount(self, sid: str, bundle: Path) -> None:
+        """Undo the mounts (where they are) and let go of the namespace."""
+        root = self._roots.pop(sid, None)
+        try:
+            if root is None:
+                await asyncio.to_thread(unmount_rootfs, bundle)
+            else:
+                await self.namespaces.enter(root.ns, unmount_rootfs, bundle)
+        finally:
+            if root is not None:
+                root.close()
+
+    def forget(self, sid: str) -> None:
+        root = self._roots.pop(sid, None)
+        if root is not None:
+            root.close()
 
 
 def mount_rootfs(
