@@ -19,6 +19,7 @@ from starlette.routing import Match
 from ..core.manager import SandboxManager
 from ..errors import DsecError, environment_error, validation_message
 from ..protocol.version import __version__
+from ..web import telemetry
 from ..web.audit import AuditMiddleware
 from ..web.idempotency import Idempotency, Memory
 from ..web.limits import BodyLimit
@@ -35,7 +36,14 @@ STREAMED = re.compile(r"^/volumecontent/[^/]+/file$")
 
 
 def create_e2b_app(manager: SandboxManager, options: E2BOptions, state_dir: Path, operator_token: str) -> FastAPI:
-    app = FastAPI(title="dsec E2B-compatible API", version=__version__, openapi_url=None, docs_url=None, redoc_url=None)
+    app = FastAPI(
+        title="dsec E2B-compatible API",
+        version=__version__,
+        openapi_url=None,
+        docs_url=None,
+        redoc_url=None,
+        telemetry=telemetry.OFF,
+    )
     app.state.manager = manager  # the audit log, and bearer tokens
     app.state.token = operator_token
     key = load_key(state_dir)

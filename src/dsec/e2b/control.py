@@ -27,6 +27,7 @@ from ..protocol.sandbox import TERMINAL_STATES, CreateSandbox, ForkRequest, Limi
 from ..protocol.types import TIME_SCHEMA
 from ..protocol.volumes import Mode
 from ..tenancy import Caller
+from ..web import telemetry
 from ..web.audit import note
 from ..web.auth import name_caller
 from ..web.disconnect import GONE, gone_response, unless_gone
@@ -472,7 +473,7 @@ def openapi_document() -> dict[str, Any]:
     from ..protocol.version import __version__
     from . import volumes  # its routes take this module's caller and service
 
-    app = FastAPI(title="dsec E2B-compatible control API", version=__version__)
+    app = FastAPI(title="dsec E2B-compatible control API", version=__version__, telemetry=telemetry.OFF)
     app.include_router(router)
     app.include_router(volumes.router)
     return add_bodies(app.openapi())

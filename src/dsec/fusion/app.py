@@ -12,6 +12,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ..core.manager import SandboxManager
 from ..errors import validation_message
 from ..protocol.version import __version__
+from ..web import telemetry
 from ..web.audit import AuditMiddleware
 from ..web.limits import BodyLimit
 from . import routes
@@ -23,6 +24,7 @@ ROUTERS: tuple[APIRouter, ...] = (routes.router,)
 
 def create_fusion_app(manager: SandboxManager, options: FusionOptions, operator_token: str) -> FastAPI:
     app = FastAPI(
+        telemetry=telemetry.OFF,
         title="dsec SandboxFusion-compatible API",
         version=__version__,
         openapi_url=None,

@@ -12,6 +12,7 @@ from fastapi import FastAPI
 from ..core.manager import SandboxManager
 from ..protocol.version import __version__
 from ..web import errors as errors
+from ..web import telemetry
 from ..web.audit import AuditMiddleware
 from ..web.errors import error_response
 from ..web.idempotency import Idempotency, Memory
@@ -41,7 +42,7 @@ def create_app(manager: SandboxManager, token: str) -> FastAPI:
         finally:
             await manager.close()
 
-    app = FastAPI(title="dsec", version=__version__, lifespan=lifespan)
+    app = FastAPI(title="dsec", version=__version__, lifespan=lifespan, telemetry=telemetry.OFF)
     app.state.manager = manager
     app.state.token = token
     errors.install(app, allowed_methods)

@@ -8,6 +8,7 @@ from typing import Any
 from fastapi import FastAPI
 
 from ..protocol.version import __version__
+from ..web import telemetry
 from . import (
     code_routes,
     image_routes,
@@ -36,6 +37,6 @@ def include_routes(app: FastAPI) -> None:
 
 def openapi_spec() -> dict[str, Any]:
     """The OpenAPI document of the node API."""
-    app = FastAPI(title="dsec", version=__version__)
+    app = FastAPI(title="dsec", version=__version__, telemetry=telemetry.OFF)
     include_routes(app)
     return app.openapi()
