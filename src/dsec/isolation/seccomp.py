@@ -8,6 +8,7 @@ family is refused is in ``REFUSED``; docs/security.md repeats the table.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 ENOSYS = 38
@@ -392,8 +393,10 @@ def refused_syscalls() -> list[str]:
     return sorted({name for names in REFUSED.values() for name in names})
 
 
+@functools.cache
 def oci_profile() -> dict[str, Any]:
-    """The profile as crun expects it under ``linux.seccomp``."""
+    """The profile as crun expects it under ``linux.seccomp``: built once (every container's config holds
+    it), so shared: never changed by a caller."""
     allowed = sorted(set(ALLOWED) - {"clone"})
     return {
         "defaultAction": "SCMP_ACT_ERRNO",
