@@ -9,6 +9,9 @@ failures by code, client latency (create, create -> first exec) and the daemon's
 All N requests are in flight at once and the daemon starts 32 at a time, so a creation's client latency
 includes its wait for a start slot (the ``queue`` phase); ``service`` (total - queue) is what one
 creation itself takes.
+
+``held``: the bursts are run again with that many idle sandboxes held on the node (created before,
+never touched, killed at the end): a creation should cost the same however many others run.
 """
 
 from __future__ import annotations
@@ -53,6 +56,9 @@ TARGET_RATE = 100.0
 TARGET_P99_S = 1.0
 WARMUP = 4
 SIDE_GATE = 64  # reads and kills after the burst: in flight at once
+HELD_LABEL = {"dsec-bench": "burst-held"}
+HELD_GATE = 32  # held sandboxes created at once
+TARGET_HELD_RATIO = 0.8  # the rate with the most held, against the rate with the fewest
 
 
 @dataclass(frozen=True)
@@ -303,22 +309,75 @@ async def warm_up(client: AsyncClient, spec: Spec) -> None:
         await sb.kill()
 
 
+async def hold(console: Console, client: AsyncClient, spec: Spec, count: int, held: list[AsyncSandbox]) -> float:
+    """Bring the idle sandboxes held up to ``count`` (the smallest requests: they only have to exist);
+    returns the seconds it took."""
+    missing = count - len(held)
+    if missing <= 0:
+        return 0.0
+    gate = asyncio.Semaphore(HELD_GATE)
+    args = spec.create_args() | {"cpu": 0.001, "memory_request": "4Mi", "labels": HELD_LABEL, "timeout": 24 * 3600}
+    began = time.perf_counter()
+    with phase(console, f"holding {count} idle sandboxes", missing) as tick:
+
+        async def one() -> None:
+            async with gate:
+                held.append(await AsyncSandbox.create(client=client, **args))
+                tick()
+
+        await asyncio.gather(*(one() for _ in range(missing)))
+    return time.perf_counter() - began
+
+
 async def run(
-    console: Console, spec: Spec, n: int, modes: list[str], concurrency: int, state_dir: Path, flags: list[str]
-) -> tuple[Json, dict[str, Measured]]:
+    console: Console,
+    spec: Spec,
+    n: int,
+    modes: list[str],
+    concurrency: int,
+    state_dir: Path,
+    flags: list[str],
+    held_levels: list[int],
+) -> tuple[Json, dict[int, dict[str, Measured]]]:
     async with private_daemon(console, state_dir, flags, LABEL) as (proc, client):
         await warm_up(client, spec)
         node = node_figures(await client.node())
-        measured: dict[str, Measured] = {}
+        by_level: dict[int, dict[str, Measured]] = {}
+        held: list[AsyncSandbox] = []
+        try:
+            await measure_levels(
+                console, proc, client, spec, n, modes, concurrency, state_dir, held_levels, by_level, held
+            )
+        finally:
+            await kill_leftovers(console, client, HELD_LABEL)
+        return node, by_level
+
+
+async def measure_levels(
+    console: Console,
+    proc: Any,
+    client: AsyncClient,
+    spec: Spec,
+    n: int,
+    modes: list[str],
+    concurrency: int,
+    state_dir: Path,
+    held_levels: list[int],
+    by_level: dict[int, dict[str, Measured]],
+    held: list[AsyncSandbox],
+) -> None:
+    for level in held_levels:
+        await hold(console, client, spec, level, held)
+        measured = by_level[level] = {}
         for mode in modes:
-            # A client of its own for each run: under load the daemon takes requests on the connections
-            # a client keeps open well before those on new ones, so a second run on the first one's
-            # client would see its requests arrive in another order (and the queue in another shape).
+            # A client of its own for each run: under load the daemon takes requests on the
+            # connections a client keeps open well before those on new ones, so a second run on the
+            # first one's client would see its requests arrive in another order (and the queue in
+            # another shape).
             async with await connect(proc, state_dir) as fresh:
                 measured[mode] = await measure(console, fresh, proc.pid, spec, n, mode, concurrency)
             await kill_leftovers(console, client, LABEL)
             await asyncio.sleep(2)  # the kills' deferred work, before the next run
-        return node, measured
 
 
 def thin(samples: list[Json], keep: int = 150) -> list[Json]:
@@ -399,6 +458,17 @@ def targets(figures: Json) -> Json:
     }
 
 
+def held_targets(by_level: dict[int, dict[str, Measured]], headline: str) -> Json:
+    """The rate with the most sandboxes held against the rate with the fewest (one level: nothing)."""
+    if len(by_level) < 2:
+        return {}
+    low, high = min(by_level), max(by_level)
+    first = by_level[low][headline].figures.get("creations_per_s")
+    last = by_level[high][headline].figures.get("creations_per_s")
+    met = bool(first and last is not None and last >= TARGET_HELD_RATIO * first)
+    return {f"rate with {high} held >= {TARGET_HELD_RATIO:.0%} of the rate with {low} held": met}
+
+
 def main(
     n: int,
     kind: str,
@@ -409,8 +479,10 @@ def main(
     concurrency: int = 0,
     spec: Spec | None = None,
     serve_args: list[str] | None = None,
+    held: list[int] | None = None,
 ) -> int:
     console = Console()
+    levels = sorted(set(held or [0]))
     modes = modes or list(MODES)
     spec = spec or Spec(kind=kind)
     unwind_on_sigterm()
@@ -418,12 +490,14 @@ def main(
     when = datetime.now(UTC).isoformat(timespec="seconds")
     flags = repository_flags(repository) + list(serve_args or [])
     try:
-        node, measured = asyncio.run(run(console, spec, n, modes, concurrency, state_dir, flags))
+        node, by_level = asyncio.run(run(console, spec, n, modes, concurrency, state_dir, flags, levels))
     except (DsecError, OSError, RuntimeError) as e:
         console.print(f"[red]burst bench failed[/red]: {e}")
         return 1
     headline = modes[0]
+    measured = by_level[levels[0]]
     runs = {mode: m.figures for mode, m in measured.items()}
+    by_held = {str(level): {mode: m.figures for mode, m in ms.items()} for level, ms in by_level.items()}
     result: Json = {
         "bench": "burst",
         "when": when,
@@ -443,9 +517,12 @@ def main(
         "headline": headline,
         "runs": runs,
         "node_samples": {mode: thin(m.samples) for mode, m in measured.items()},
-        "targets": targets(runs[headline]),
+        "held_levels": levels,
+        "runs_by_held": by_held if len(levels) > 1 else {},
+        "rate_by_held": {level: ms[headline].figures.get("creations_per_s") for level, ms in by_level.items()},
+        "targets": targets(runs[headline]) | held_targets(by_level, headline),
     }
     prefix = f"burst-{kind}"
-    shown = {"runs": runs, "targets": result["targets"]}
+    shown = {"runs": runs, "rate_by_held": result["rate_by_held"], "targets": result["targets"]}
     write_with_plots(console, out, prefix, result, lambda: draw(out, prefix, headline, measured), shown)
-    return 0 if all(f["failed"] == 0 for f in runs.values()) else 1
+    return 0 if all(m.figures["failed"] == 0 for ms in by_level.values() for m in ms.values()) else 1

@@ -163,6 +163,15 @@ def bench_density(
     )
 
 
+HELD = typer.Option(
+    "--held",
+    help="Run the bursts with this many idle sandboxes held on the node (repeatable, e.g. --held 0 --held 1000 "
+    "--held 3000; default 0): the rate should not fall with what is held.",
+    min=0,
+    max=20_000,
+)
+
+
 @bench_app.command("burst")
 def bench_burst(
     n: Annotated[int, typer.Option("--n", help="Creations fired at once.", min=1, max=10_000)] = 1000,
@@ -179,6 +188,7 @@ def bench_burst(
         ),
     ] = None,
     concurrency: Annotated[int, typer.Option(help="individual: create calls in flight at once (0: all N).", min=0)] = 0,
+    held: Annotated[list[int] | None, HELD] = None,
     overload: Annotated[
         float,
         typer.Option(
@@ -235,6 +245,7 @@ def bench_burst(
             modes=modes,
             concurrency=concurrency,
             serve_args=serve_arg,
+            held=held,
         )
     )
 
