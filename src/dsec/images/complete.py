@@ -48,9 +48,9 @@ class CompleteLayers:
         """Whether every chunk of the layer is in the cache (so writing its file fetches nothing)."""
         return all(c in self.cache for c in manifest.chunks)
 
-    async def write(self, manifest: LayerManifest, shared: Iterable[str] = ()) -> bool:
+    async def write(self, manifest: LayerManifest) -> bool:
         """Write the layer's file from the cache (a chunk evicted meanwhile is fetched again); True if
-        written. Then release its chunks from the cache, except ``shared`` ones."""
+        written."""
         final = self.path(manifest.digest)
         if final.exists():
             return False
@@ -72,12 +72,15 @@ class CompleteLayers:
             with contextlib.suppress(FileNotFoundError):
                 tmp.unlink()
         self.written += 1
+        log.info("layer %s is complete on this node: %s (%d bytes)", manifest.digest, final, manifest.size)
+        return True
+
+    def release(self, manifest: LayerManifest, shared: Iterable[str] = ()) -> None:
+        """Drop the layer's chunks from the cache, except ``shared`` ones: its file holds them now."""
         keep = set(shared)
         for chunk in dict.fromkeys(manifest.chunks):
             if chunk not in keep and self.cache.release(chunk):
                 self.released += 1
-        log.info("layer %s is complete on this node: %s (%d bytes)", manifest.digest, final, manifest.size)
-        return True
 
     async def read(self, digest: str, offset: int, size: int) -> bytes | None:
         """Bytes of the layer's file, or None if it has none (removed by gc, say)."""

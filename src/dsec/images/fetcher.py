@@ -249,17 +249,21 @@ class Layers(FlatDirectory):
         task.add_done_callback(lambda _: self._completing.pop(digest, None))
 
     async def _write_complete(self, manifest: LayerManifest) -> None:
+        try:
+            await self.complete.write(manifest)
+        except Exception as e:  # the layer stays served from its chunks; the next fetch for it tries again
+            log.warning("writing the complete file of layer %s failed: %s", manifest.digest, e)
+            return
+        if not await asyncio.to_thread(self.complete.exists, manifest.digest):
+            return  # it did not hash right (logged): the layer stays lazy
+        # reads of the layer go to its file from now on, before its chunks leave the cache
+        self.record(manifest.digest).stats.complete = True
+        self.dirty = True
         # chunks another layer still reads through the cache stay there
         shared = {
             c for d, m in self.manifests.items() if d != manifest.digest and not self._is_complete(d) for c in m.chunks
         }
-        try:
-            await self.complete.write(manifest, shared)
-        except Exception as e:  # the layer stays served from its chunks; the next fetch for it tries again
-            log.warning("writing the complete file of layer %s failed: %s", manifest.digest, e)
-            return
-        self.record(manifest.digest).stats.complete = await asyncio.to_thread(self.complete.exists, manifest.digest)
-        self.dirty = True
+        self.complete.release(manifest, shared)
 
     def _is_complete(self, digest: str) -> bool:
         rec = self.records.get(digest)
