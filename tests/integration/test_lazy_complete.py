@@ -27,10 +27,10 @@ import pytest
 from dsec.images.catalog import Catalog
 from dsec.images.chunks import ChunkStore, digest
 from dsec.images.layers import NodeLayers
-from dsec.images.lazy import Fetcher
+from dsec.images.lazy import Fetcher, mount_layer, replace_mount
 from dsec.images.model import LayerManifest, layer_key
 from dsec.images.repository import LocalRepository, open_repository
-from dsec.isolation.mounts import umount, unmount_under
+from dsec.isolation.mounts import mount, umount, unmount_under
 from dsec.kinds.container.rootfs import mount_rootfs, unmount_rootfs
 
 from .test_lazy_layers import _missing, read_or_error
@@ -263,3 +263,32 @@ def test_the_mount_switches_under_a_running_sandbox_and_survives_restarts(root: 
         umount(path)
 
     asyncio.run(scenario())
+
+
+@pytest.mark.timeout(60)
+def test_the_switch_works_under_a_shared_parent_mount(root: Path, layer: Layer) -> None:
+    """Under systemd / is a shared mount, and a mount whose parent is shared cannot be moved: the
+    replacement is cloned off its staging mount first. Its peer sees the new mount too."""
+    ms_shared, ms_bind, ms_rec = 1 << 20, 4096, 16384
+    image = root / "layer.erofs"
+    image.write_bytes(layer.blob)
+    shared, peer = root / "shared", root / "peer"
+    shared.mkdir()
+    peer.mkdir()
+    mount("tmpfs", shared, "tmpfs", 0, "size=1m")
+    mount("none", shared, "", ms_shared)
+    mount(str(shared), peer, "", ms_bind | ms_rec)
+    (shared / "L").mkdir()
+    mount_layer(image, shared / "L")
+    held = os.open(shared / "L" / layer.files[0], os.O_RDONLY)
+    dev = os.stat(shared / "L").st_dev
+    try:
+        replace_mount(image, shared / "L", shared / ".L.local")
+        assert os.stat(shared / "L").st_dev != dev
+        assert os.stat(peer / "L").st_dev == os.stat(shared / "L").st_dev
+        assert not (shared / ".L.local").exists()
+        read_all(shared / "L", layer)
+        expected = (layer.src / layer.files[0]).read_bytes()
+        assert os.pread(held, len(expected) + 1, 0) == expected  # a file open on the old mount reads on
+    finally:
+        os.close(held)

@@ -283,28 +283,38 @@ def mount_layer(source: Path, target: Path, *, method: str = "auto") -> str:
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.syscall.restype = ctypes.c_long
-_SYS_MOVE_MOUNT = 429  # the same number on every architecture (the unified syscall table)
+# the same numbers on every architecture (the unified syscall table)
+_SYS_OPEN_TREE, _SYS_MOVE_MOUNT = 428, 429
 _AT_FDCWD = -100
+_OPEN_TREE_CLONE = 1
+_MOVE_MOUNT_F_EMPTY_PATH = 0x4
 _MOVE_MOUNT_BENEATH = 0x200  # Linux 6.5+
 
 
 def replace_mount(source: Path, target: Path, staging: Path) -> None:
     """Replace the mount at ``target`` by an EROFS mount of ``source`` with no moment where the path
-    shows anything else: the new mount is made at ``staging``, moved beneath the old one
-    (MOVE_MOUNT_BENEATH), and the old one detached from above it. Whoever holds the old mount (a
-    sandbox's overlay holds a clone of it) keeps reading it. Raises BackendError, leaving ``target`` as
-    it was, where the kernel cannot (before 6.5, or a shared parent mount that would propagate it)."""
+    shows anything else: the new mount is made at ``staging`` and cloned off it as a detached mount
+    (a mount under a shared parent, as / is under systemd, cannot be moved itself), the clone is moved
+    beneath the old mount (MOVE_MOUNT_BENEATH), and the old one detached from above it. Whoever holds
+    the old mount (a sandbox's overlay holds a clone of it) keeps reading it. Raises BackendError,
+    leaving ``target`` as it was, where the kernel cannot (before 6.5)."""
     staging.mkdir(exist_ok=True)
+    tree = -1
     try:
         mount_layer(source, staging)
-        rc = _libc.syscall(_SYS_MOVE_MOUNT, _AT_FDCWD, bytes(staging), _AT_FDCWD, bytes(target), _MOVE_MOUNT_BENEATH)
-        if rc != 0:
+        tree = _libc.syscall(_SYS_OPEN_TREE, _AT_FDCWD, bytes(staging), _OPEN_TREE_CLONE | os.O_CLOEXEC)
+        if tree < 0:
+            raise BackendError(f"cannot clone the mount of {source}: {os.strerror(ctypes.get_errno())}")
+        flags = _MOVE_MOUNT_F_EMPTY_PATH | _MOVE_MOUNT_BENEATH
+        if _libc.syscall(_SYS_MOVE_MOUNT, tree, b"", _AT_FDCWD, bytes(target), flags) != 0:
             err = ctypes.get_errno()
             raise BackendError(f"cannot move a mount of {source} beneath {target}: {os.strerror(err)}")
         umount(target, lazy=True)  # the top one: the old mount
     finally:
+        if tree >= 0:
+            os.close(tree)  # after a move it is attached and stays; after a failure this drops it
         with contextlib.suppress(OSError):
-            umount(staging, lazy=True)  # mounted still only if the move failed
+            umount(staging, lazy=True)
         with contextlib.suppress(OSError):
             staging.rmdir()
 
