@@ -46,6 +46,22 @@ def bench_images(
     )
 
 
+@bench_app.command("lazy-reads")
+def bench_lazy_reads(
+    mb: Annotated[int, typer.Option(help="MB of file contents in the layer.", min=8)] = 512,
+    rounds: Annotated[int, typer.Option(help="Rounds; each reads the layer once through every path.", min=1)] = 5,
+    json_out: JsonOut = Path("bench-lazy-reads.json"),
+    state_dir: Annotated[Path, typer.Option(help="Scratch directory (emptied first, removed after).")] = Path(
+        "/var/tmp/dsec-bench-lazy-reads"
+    ),
+) -> None:
+    """A whole layer read with the page cache dropped: through its lazy mount once every chunk was fetched,
+    through a local EROFS mount of the same image, and through the fetcher's FUSE file, alternately."""
+    from .lazyreads import main as lazy_reads_main
+
+    raise typer.Exit(lazy_reads_main(mb=mb, rounds=rounds, json_out=json_out, state_dir=state_dir))
+
+
 @bench_app.command("lifecycle")
 def bench_lifecycle(
     n: Annotated[int, typer.Option("--n", help="Sequential iterations per system.", min=5)] = 100,

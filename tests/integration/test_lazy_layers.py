@@ -399,6 +399,7 @@ def test_control_socket_refuses_bad_requests_and_keeps_serving(node: Node, layer
         "pid": f.pid,
         "repository": str(layer.repo),
         "mountpoint": str(f.mountpoint),
+        "complete_dir": str(f.complete_dir),
     }
     target = node.mount(f)
     assert layer.digest in asyncio.run(f.stats())

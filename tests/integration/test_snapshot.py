@@ -183,6 +183,50 @@ def test_another_node_starts_lazily_and_fetches_only_what_is_read(
         assert client.image_stats(name).fetched_bytes > 64 << 20
 
 
+@pytest.mark.timeout(240)
+def test_a_layer_read_whole_switches_to_its_local_copy_under_a_running_sandbox(
+    make_sandbox: Callable[..., dsec.Sandbox], second_node: Daemon
+) -> None:
+    sb = make_sandbox()
+    sb.exec("mkdir /data && dd if=/dev/urandom of=/data/big bs=1M count=16 2>/dev/null")
+    expected = sb.exec("md5sum /data/big").stdout.split()[0]
+    info = sb.snapshot(unique("complete"))
+    digest = info.layers[-1].digest
+    images = second_node.state_dir / "images"
+    mountpoint, local = images / "mnt" / digest, images / "blobs" / digest
+    client = second_node.client()
+    with dsec.Sandbox.create(image=info.name, client=client) as running:
+        assert _mount_source(mountpoint) == str(images / "fetcher" / "mnt" / digest)
+        for path in sorted(p for p in mountpoint.rglob("*") if p.is_file() and not p.is_symlink()):
+            path.read_bytes()  # every chunk of the snapshot's layer fetched
+        deadline = time.monotonic() + 60
+        while not local.exists():
+            assert time.monotonic() < deadline, "the fetcher wrote no local file of the complete layer"
+            time.sleep(0.1)
+        with dsec.Sandbox.create(image=info.name, client=client) as fresh:  # switches the node's mount
+            while _mount_source(mountpoint) != str(local):
+                assert time.monotonic() < deadline, f"the mount did not switch: {_mount_source(mountpoint)}"
+                time.sleep(0.1)
+            assert fresh.exec("md5sum /data/big").stdout.split()[0] == expected
+        with dsec.Sandbox.create(image=info.name, client=client) as after:  # built on the local mount
+            assert after.exec("md5sum /data/big").stdout.split()[0] == expected
+        # the sandbox built on the lazy mount before the switch reads on
+        assert running.exec("md5sum /data/big").stdout.split()[0] == expected
+
+
+def _mount_source(mountpoint: Path) -> str | None:
+    """The source of the topmost mount at ``mountpoint`` (the one no other mount there sits on)."""
+    here: dict[str, tuple[str, str]] = {}
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            left, _, right = line.partition(" - ")
+            fields = left.split()
+            if fields[4] == str(mountpoint):
+                here[fields[0]] = (fields[1], right.split()[1])
+    parents = {parent for parent, _ in here.values()}
+    return next((source for mid, (_, source) in here.items() if mid not in parents), None)
+
+
 def test_image_rm_and_gc(make_sandbox: Callable[..., dsec.Sandbox], daemon: Daemon) -> None:
     client = daemon.client()
     sb = make_sandbox()

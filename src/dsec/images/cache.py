@@ -204,6 +204,13 @@ class ChunkCache:
                 tmp.unlink()
             raise
 
+    def release(self, digest: str) -> bool:
+        """Drop a chunk whose bytes the node now keeps elsewhere (its layer's complete file); True if it was here."""
+        if digest not in self._lru:
+            return False
+        self._drop(digest)
+        return True
+
     def _touch(self, digest: str) -> None:
         self._lru.move_to_end(digest)
         size, touched = self._lru[digest]

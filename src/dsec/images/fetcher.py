@@ -7,6 +7,8 @@ it. Under DIR:
 
 - ``mnt/``: the FUSE mount; ``mnt/<digest>`` is the layer's EROFS image, fetched chunk by chunk on read;
 - ``cache/``: the chunk cache (cache.py); ``manifests/``: layer manifests already seen;
+- ``--complete-dir`` (default ``complete/``): layers whose every chunk is here, each as one verified
+  file (complete.py); the daemon mounts those directly, and this process serves their FUSE file from it;
 - ``fetcher.sock``: control socket (JSON lines: ping, stats, save_trace, forget);
 - ``fetcher.pid``: the process id, flock-ed for the process's life so a second fetcher refuses to start;
 - ``stats.json``: per-layer counters and access traces, so they survive a restart.
@@ -43,6 +45,7 @@ from ..errors import BackendError, DsecError, InvalidRequest
 from ..units import parse_size
 from .cache import DEFAULT_FETCH_TIMEOUT, ChunkCache
 from .chunks import ChunkStore
+from .complete import CompleteLayers
 from .fuse import FlatDirectory, FuseServer, clear_stale_mount
 from .model import LayerManifest, layer_key, trace_key
 from .repository import LayerRepository, ObjectNotFound, open_repository
@@ -68,6 +71,7 @@ class LayerStats:
     errors: int = 0  # failed reads
     prefetched: int = 0  # chunks the prefetch fetched (included in chunks_fetched)
     prefetch_errors: int = 0
+    complete: bool = False  # the layer has its complete local file (complete.py)
 
 
 @dataclass
@@ -92,9 +96,13 @@ class LayerRecord:
 class Layers(FlatDirectory):
     """The directory the FUSE server shows: every layer of the repository, by digest."""
 
-    def __init__(self, root: Path, repo: LayerRepository, cache: ChunkCache, *, timeout: float) -> None:
+    def __init__(
+        self, root: Path, repo: LayerRepository, cache: ChunkCache, *, timeout: float, complete_dir: Path | None = None
+    ) -> None:
         self.repo = repo
         self.cache = cache
+        self.complete = CompleteLayers(complete_dir or root / "complete", cache)
+        self._completing: dict[str, asyncio.Task[None]] = {}
         self.timeout = timeout
         self.manifest_dir = root / "manifests"
         self.manifest_dir.mkdir(parents=True, exist_ok=True)
@@ -161,6 +169,8 @@ class Layers(FlatDirectory):
                 await asyncio.to_thread(_write_atomic, local, raw)
         self.manifests[digest] = manifest
         self.record(digest).stats.size = manifest.size
+        self.record(digest).stats.complete = await asyncio.to_thread(self.complete.exists, digest)
+        self._maybe_complete(manifest)  # its chunks may all be here already (read before a restart, say)
         if digest not in self._prefetch:
             task = asyncio.ensure_future(self._run_prefetch(manifest))
             self._prefetch[digest] = task
@@ -190,6 +200,12 @@ class Layers(FlatDirectory):
         if offset >= end:
             return b""
         rec = self.record(name)
+        if rec.stats.complete:
+            whole = await self.complete.read(name, offset, end - offset)
+            if whole is not None and len(whole) == end - offset:
+                rec.stats.read_bytes += len(whole)
+                return whole
+            rec.stats.complete = False  # its file is gone (gc) or cut short: back to the chunks
         cs = manifest.chunk_size
         spans = []
         for index in range(offset // cs, (end - 1) // cs + 1):
@@ -217,7 +233,41 @@ class Layers(FlatDirectory):
             if p.fetched_bytes:
                 st.chunks_fetched += 1
                 st.fetched_bytes += p.fetched_bytes
+        if not all(p.hit for p in parts):
+            self._maybe_complete(manifest)
         return data
+
+    # -- complete layers
+
+    def _maybe_complete(self, manifest: LayerManifest) -> None:
+        """Write the layer's complete file in the background once all its chunks are in the cache."""
+        digest = manifest.digest
+        if self.record(digest).stats.complete or digest in self._completing or not self.complete.ready(manifest):
+            return
+        task = asyncio.ensure_future(self._write_complete(manifest))
+        self._completing[digest] = task
+        task.add_done_callback(lambda _: self._completing.pop(digest, None))
+
+    async def _write_complete(self, manifest: LayerManifest) -> None:
+        try:
+            await self.complete.write(manifest)
+        except Exception as e:  # the layer stays served from its chunks; the next fetch for it tries again
+            log.warning("writing the complete file of layer %s failed: %s", manifest.digest, e)
+            return
+        if not await asyncio.to_thread(self.complete.exists, manifest.digest):
+            return  # it did not hash right (logged): the layer stays lazy
+        # reads of the layer go to its file from now on, before its chunks leave the cache
+        self.record(manifest.digest).stats.complete = True
+        self.dirty = True
+        # chunks another layer still reads through the cache stay there
+        shared = {
+            c for d, m in self.manifests.items() if d != manifest.digest and not self._is_complete(d) for c in m.chunks
+        }
+        self.complete.release(manifest, shared)
+
+    def _is_complete(self, digest: str) -> bool:
+        rec = self.records.get(digest)
+        return rec is not None and rec.stats.complete
 
     # -- prefetch
 
@@ -247,6 +297,7 @@ class Layers(FlatDirectory):
                     rec.stats.fetched_bytes += fetched
                     rec.stats.prefetched += 1
                     self.dirty = True
+                    self._maybe_complete(manifest)
 
         await asyncio.gather(*(worker() for _ in range(PREFETCH_PARALLEL)))
         log.info(
@@ -263,13 +314,16 @@ class Layers(FlatDirectory):
         return known
 
     async def close(self) -> None:
-        for task in self._prefetch.values():
+        tasks = [*self._prefetch.values(), *self._completing.values()]
+        for task in tasks:
             task.cancel()
-        await asyncio.gather(*self._prefetch.values(), return_exceptions=True)
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 class FetcherProcess:
-    def __init__(self, root: Path, repository: str, cache_max: int, fetch_timeout: float) -> None:
+    def __init__(
+        self, root: Path, repository: str, cache_max: int, fetch_timeout: float, complete_dir: Path | None = None
+    ) -> None:
         self.root = root
         self.repository = repository
         self.cache_max = cache_max
@@ -278,7 +332,7 @@ class FetcherProcess:
         self.cache = ChunkCache(
             root / "cache", ChunkStore(self.repo, STORE_PARALLEL), cache_max, fetch_timeout=fetch_timeout
         )
-        self.layers = Layers(root, self.repo, self.cache, timeout=fetch_timeout)
+        self.layers = Layers(root, self.repo, self.cache, timeout=fetch_timeout, complete_dir=complete_dir)
         self.stats_path = root / "stats.json"
         self.sock_path = root / "fetcher.sock"
         self.stop = asyncio.Event()
@@ -383,10 +437,12 @@ class FetcherProcess:
 
     async def _op(self, op: str, request: dict[str, Any]) -> dict[str, Any]:
         if op == "ping":
-            return {"pid": os.getpid(), "repository": self.repository, "mountpoint": str(self.root / "mnt")}
+            mnt, complete = str(self.root / "mnt"), str(self.layers.complete.dir)
+            return {"pid": os.getpid(), "repository": self.repository, "mountpoint": mnt, "complete_dir": complete}
         if op == "stats":
             layers = {d: asdict(r.stats) for d, r in self.layers.records.items()}
-            cache = self.cache.stats()
+            cache = {**self.cache.stats(), "complete_written": self.layers.complete.written,
+                     "complete_released": self.layers.complete.released}  # fmt: skip
             return {"pid": os.getpid(), "layers": layers, "cache": cache, "reads_in_flight": self.layers.reading}
         digest = request.get("layer")
         if not isinstance(digest, str) or not DIGEST.match(digest):
@@ -436,6 +492,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--repository", required=True, help="layer repository: a directory or s3://bucket/prefix")
     parser.add_argument("--cache-max", required=True, help="chunk cache size cap: bytes or e.g. 20Gi")
     parser.add_argument("--fetch-timeout", type=float, default=DEFAULT_FETCH_TIMEOUT, help="seconds per fetch")
+    parser.add_argument("--complete-dir", type=Path, help="where complete layer files go (default ROOT/complete)")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     args = parser.parse_args(argv)
     try:
@@ -451,6 +508,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     except DsecError as e:
         parser.error(f"--repository: {e}")
     args.root = args.root.resolve()
+    if args.complete_dir is not None:
+        args.complete_dir = args.complete_dir.resolve()
     if len(str(args.root / "fetcher.sock").encode()) > 107:
         parser.error(f"--root {args.root} is too long for a unix socket path under it")
     return args
@@ -465,7 +524,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args.root.mkdir(parents=True, exist_ok=True)
         _lock_pid_file(args.root / "fetcher.pid")
-        proc = FetcherProcess(args.root, args.repository, args.cache_max, args.fetch_timeout)
+        proc = FetcherProcess(args.root, args.repository, args.cache_max, args.fetch_timeout, args.complete_dir)
         asyncio.run(proc.run())
     except DsecError as e:
         log.error("%s", e)

@@ -8,12 +8,19 @@ A layer is mounted from one of two sources:
 Mounts live in the host's mount namespace under ``mnt/<digest>`` and outlive a daemon restart, as the
 sandboxes using them do. Lazy mounts depend on the fetcher that served them: when a new fetcher had to
 be started, mounts of the old one are detached so that new sandboxes get working ones.
+
+A lazy layer whose chunks have all been fetched gets a complete local copy in ``blobs/<digest>``,
+written by the fetcher (complete.py). The next time the layer is asked for, its mount is replaced in
+place by one of that copy (``switch_complete``): the path never shows anything else, new sandboxes
+read the layer as fast as any local EROFS, and running ones keep the lazy mount they were built on
+(served by the fetcher from the same copy). A mount of a local copy outlives fetcher restarts.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import time
@@ -24,7 +31,7 @@ import blake3
 from ..errors import BackendError
 from ..isolation.mounts import is_mountpoint, umount
 from .catalog import Catalog
-from .lazy import Fetcher, mount_layer
+from .lazy import Fetcher, mount_layer, replace_mount
 
 log = logging.getLogger("dsec.images")
 
@@ -53,6 +60,8 @@ class NodeLayers:
         self.fetcher = fetcher  # None: eager, every layer fetched whole before it is mounted
         self._locks: dict[str, asyncio.Lock] = {}
         self._mounted: set[str] = set()
+        self._lazy: set[str] = set()  # mounted from the fetcher's FUSE file: switched once a local copy exists
+        self._switching: dict[str, asyncio.Task[bool]] = {}
         self.generation = 0  # fetchers replaced so far (start): a mount found or made across one is made again
         self.eager_bytes_fetched = 0
 
@@ -64,14 +73,24 @@ class NodeLayers:
         lazy_root = str(self.root / "fetcher") + "/"
         for d in self.mnt.iterdir():
             source = sources.get(str(d))
+            if d.name.startswith("."):  # a replacement mount a crash left half made (replace_mount)
+                if source is not None:
+                    await asyncio.to_thread(umount, d, lazy=True)
+                with contextlib.suppress(OSError):
+                    d.rmdir()
+                continue
             if source is None:
                 continue
-            if source.startswith(lazy_root) and (fetcher_restarted or self.fetcher is None):
+            lazy = source.startswith(lazy_root)
+            if lazy and (fetcher_restarted or self.fetcher is None):
                 log.info("detaching layer mount %s of a fetcher that is gone", d.name)
                 await asyncio.to_thread(umount, d, lazy=True)
                 self._mounted.discard(d.name)
+                self._lazy.discard(d.name)
             else:
                 self._mounted.add(d.name)
+                if lazy:
+                    self._lazy.add(d.name)
 
     def path(self, digest: str) -> Path:
         return self.mnt / digest
@@ -89,6 +108,7 @@ class NodeLayers:
         target = self.mnt / digest
         for _ in range(3):
             if digest in self._mounted:
+                self.switch_complete((digest,))
                 return target
             generation = self.generation
             async with self._locks.setdefault(digest, asyncio.Lock()):
@@ -105,14 +125,55 @@ class NodeLayers:
 
     async def _mount(self, digest: str, target: Path) -> None:
         blob = self.blobs / digest
+        lazy = False
         if not blob.exists():
             if self.fetcher is not None:
                 await self.catalog.layer(digest)  # a missing layer is ImageNotFound, not a mount error
-                blob = self.fetcher.path(digest)
+                blob, lazy = self.fetcher.path(digest), True
             else:
                 await self.fetch_full(digest)
         await asyncio.to_thread(target.mkdir, exist_ok=True)
         await asyncio.to_thread(mount_layer, blob, target)
+        if lazy:
+            self._lazy.add(digest)
+        else:
+            self._lazy.discard(digest)
+
+    # -- lazy layers that became complete
+
+    def switch_complete(self, digests: tuple[str, ...] | list[str]) -> None:
+        """Start replacing the lazy mounts of these layers that now have a local copy (a stat each)."""
+        for digest in digests:
+            if digest in self._lazy and digest not in self._switching and (self.blobs / digest).exists():
+                task = asyncio.ensure_future(self._switch(digest))
+                self._switching[digest] = task
+                task.add_done_callback(functools.partial(self._switched, digest))
+
+    def _switched(self, digest: str, task: asyncio.Task[bool]) -> None:
+        self._switching.pop(digest, None)
+
+    async def switch_all(self) -> list[str]:
+        """Replace every lazy mount whose layer has a local copy now, and wait; returns the layers switched."""
+        self.switch_complete(sorted(self._lazy))
+        pending = dict(self._switching)
+        done = await asyncio.gather(*pending.values())
+        return [d for d, switched in zip(pending, done, strict=True) if switched]
+
+    async def _switch(self, digest: str) -> bool:
+        target, blob = self.mnt / digest, self.blobs / digest
+        async with self._locks.setdefault(digest, asyncio.Lock()):
+            if digest not in self._lazy or not blob.exists():
+                return False
+            try:
+                await asyncio.to_thread(replace_mount, blob, target, self.mnt / f".{digest}.local")
+            except (BackendError, OSError) as e:
+                # the lazy mount stays, as correct as before; not tried again while it lasts
+                log.warning("layer %s keeps its lazy mount: %s", digest[:16], e)
+                self._lazy.discard(digest)
+                return False
+            self._lazy.discard(digest)
+            log.info("layer %s now mounted from its local copy", digest[:16])
+            return True
 
     async def fetch_full(self, digest: str) -> Path:
         """Fetch every chunk of a layer into ``blobs/<digest>``, verified as a whole (the eager path)."""
@@ -167,6 +228,7 @@ class NodeLayers:
             with contextlib.suppress(OSError):
                 d.rmdir()
         self._mounted.clear()
+        self._lazy.clear()
         return detached
 
     def _forget_lock(self, digest: str) -> None:
@@ -186,6 +248,7 @@ class NodeLayers:
             with contextlib.suppress(OSError):
                 d.rmdir()
             self._mounted.discard(d.name)
+            self._lazy.discard(d.name)
             self._forget_lock(d.name)
             dropped += 1
         for blob in list(self.blobs.iterdir()):

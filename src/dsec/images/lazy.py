@@ -3,13 +3,16 @@
 The fetcher (fetcher.py) is a separate, detached process so that restarting the daemon does not cut
 running sandboxes off their layers: a new daemon adopts the fetcher it finds answering on its socket.
 Each layer is then an EROFS file system mounted straight from the fetcher's FUSE file (EROFS
-file-backed mount), or through a loop device on kernels without file-backed EROFS.
+file-backed mount), or through a loop device on kernels without file-backed EROFS. Once the fetcher
+has written a layer's complete local file, the layer's mount is replaced in place by one of that file
+(``replace_mount``), so new sandboxes read it at local speed while running ones keep the old mount.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import errno
 import json
 import os
@@ -34,9 +37,16 @@ class Fetcher:
     """A handle on the fetcher process serving ``root``; see fetcher.py for the layout under it."""
 
     def __init__(
-        self, root: Path, repository_spec: str, cache_max: int, *, fetch_timeout: float = DEFAULT_FETCH_TIMEOUT
+        self,
+        root: Path,
+        repository_spec: str,
+        cache_max: int,
+        *,
+        fetch_timeout: float = DEFAULT_FETCH_TIMEOUT,
+        complete_dir: Path | None = None,
     ) -> None:
         self.root = root.resolve()
+        self.complete_dir = (complete_dir or self.root / "complete").resolve()
         self.repository = str(repository_spec)
         self.cache_max = cache_max
         self.fetch_timeout = fetch_timeout
@@ -123,7 +133,7 @@ class Fetcher:
     def _spawn(self) -> int:
         argv = [sys.executable, "-m", "dsec.images.fetcher", "--root", str(self.root)]
         argv += ["--repository", self.repository, "--cache-max", str(self.cache_max)]
-        argv += ["--fetch-timeout", str(self.fetch_timeout)]
+        argv += ["--fetch-timeout", str(self.fetch_timeout), "--complete-dir", str(self.complete_dir)]
         log_fd = os.open(self.log, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
         try:
             return os.posix_spawn(
@@ -269,6 +279,44 @@ def mount_layer(source: Path, target: Path, *, method: str = "auto") -> str:
     finally:
         os.close(loop_fd)  # after a mount it holds the device; after a failure this detaches it (autoclear)
     return "loop"
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.syscall.restype = ctypes.c_long
+# the same numbers on every architecture (the unified syscall table)
+_SYS_OPEN_TREE, _SYS_MOVE_MOUNT = 428, 429
+_AT_FDCWD = -100
+_OPEN_TREE_CLONE = 1
+_MOVE_MOUNT_F_EMPTY_PATH = 0x4
+_MOVE_MOUNT_BENEATH = 0x200  # Linux 6.5+
+
+
+def replace_mount(source: Path, target: Path, staging: Path) -> None:
+    """Replace the mount at ``target`` by an EROFS mount of ``source`` with no moment where the path
+    shows anything else: the new mount is made at ``staging`` and cloned off it as a detached mount
+    (a mount under a shared parent, as / is under systemd, cannot be moved itself), the clone is moved
+    beneath the old mount (MOVE_MOUNT_BENEATH), and the old one detached from above it. Whoever holds
+    the old mount (a sandbox's overlay holds a clone of it) keeps reading it. Raises BackendError,
+    leaving ``target`` as it was, where the kernel cannot (before 6.5)."""
+    staging.mkdir(exist_ok=True)
+    tree = -1
+    try:
+        mount_layer(source, staging)
+        tree = _libc.syscall(_SYS_OPEN_TREE, _AT_FDCWD, bytes(staging), _OPEN_TREE_CLONE | os.O_CLOEXEC)
+        if tree < 0:
+            raise BackendError(f"cannot clone the mount of {source}: {os.strerror(ctypes.get_errno())}")
+        flags = _MOVE_MOUNT_F_EMPTY_PATH | _MOVE_MOUNT_BENEATH
+        if _libc.syscall(_SYS_MOVE_MOUNT, tree, b"", _AT_FDCWD, bytes(target), flags) != 0:
+            err = ctypes.get_errno()
+            raise BackendError(f"cannot move a mount of {source} beneath {target}: {os.strerror(err)}")
+        umount(target, lazy=True)  # the top one: the old mount
+    finally:
+        if tree >= 0:
+            os.close(tree)  # after a move it is attached and stays; after a failure this drops it
+        with contextlib.suppress(OSError):
+            umount(staging, lazy=True)
+        with contextlib.suppress(OSError):
+            staging.rmdir()
 
 
 def unmount_layer(target: Path, *, lazy: bool = False) -> None:

@@ -105,7 +105,10 @@ class ImageStore:
         self.repository = str(repository or root / "repository")
         self.catalog = Catalog(open_repository(self.repository))
         self.lazy = lazy and mount
-        self.fetcher = Fetcher(root / "fetcher", self.repository, cache_max) if self.lazy else None
+        # the fetcher writes complete layers where the node keeps its local copies (layers.py)
+        self.fetcher = (
+            Fetcher(root / "fetcher", self.repository, cache_max, complete_dir=root / "blobs") if self.lazy else None
+        )
         self.layers = NodeLayers(root, self.catalog, self.fetcher)
         self.mount = mount  # False: layers are handed out as files (unit tests; kinds that attach files)
         self.scrub = scrub or ScrubRules()
@@ -197,6 +200,8 @@ class ImageStore:
             cached = self._refs[norm]
             if not caller.sees(cached.owner):
                 raise _not_found(norm)
+            if self.mount:
+                self.layers.switch_complete(cached.layer_digests)
             return cached
         tag = await self.catalog.tag(norm)
         hidden = tag is not None and not caller.sees(tag.owner)
