@@ -84,10 +84,15 @@ class _Capture:
 
     async def cleanup(self) -> None:
         """Stop the tasks, wait until they let go of their fds, then close every fd exactly once."""
+        pending = []
         for task in self.tasks:
-            task.cancel()
-        if self.tasks:
-            await asyncio.gather(*self.tasks, return_exceptions=True)
+            if not task.done():
+                task.cancel()
+                pending.append(task)
+            elif not task.cancelled():
+                task.exception()  # retrieved, as gathering it would (gathering done tasks costs a loop turn)
+        if pending:
+            await asyncio.gather(*pending, return_exceptions=True)
         self.close_child_ends()
         for name in ("in_w", "out_r", "err_r"):
             _close(getattr(self, name))
@@ -213,7 +218,8 @@ async def run_via_agent(
             plan.io.detach()
         await cap.cleanup()
         if not reuse_group:
-            _remove_group(group)
+            # after the answer has gone out: nothing else in this turn of the event loop waits on it
+            asyncio.get_running_loop().call_soon(_remove_group, group)
 
 
 async def run_via_runtime(
