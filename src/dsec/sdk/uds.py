@@ -149,8 +149,11 @@ class UnixTransport(httpx.AsyncBaseTransport):
 
     @staticmethod
     async def _drain(conn: Connection, timeout: float | None) -> None:
+        if not conn.writer.transport.get_write_buffer_size() and not conn.writer.is_closing():
+            return  # all of it went out at once (the usual case): nothing to wait for
         try:
-            await asyncio.wait_for(conn.writer.drain(), timeout)
+            async with asyncio.timeout(timeout):
+                await conn.writer.drain()
         except TimeoutError as e:
             raise httpx.WriteTimeout("writing the request timed out") from e
         except OSError as e:

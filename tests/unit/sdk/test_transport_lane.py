@@ -11,7 +11,7 @@ from pathlib import Path
 import httptools
 import pytest
 
-from dsec.errors import InvalidState
+from dsec.errors import InvalidState, SandboxTimeout
 from dsec.sdk.transport import Transport
 
 ANSWER = b'HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 11\r\n\r\n{"ok":true}'
@@ -147,3 +147,19 @@ async def test_swapped_clients_and_event_hooks_keep_httpx(server: Server) -> Non
     assert t._raw_request("GET", "/v1/a b", {"headers": {}}) is None
     assert t._raw_request("GET", "/v1/x", {"headers": {"X-Bad": "a\r\nb"}}) is None
     await t.aclose()
+
+
+async def test_an_answer_that_does_not_come_is_a_timeout(tmp_path: Path) -> None:
+    async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.read(1 << 16)
+        await asyncio.sleep(5)
+        writer.close()
+
+    path = tmp_path / "silent.sock"
+    async with await asyncio.start_unix_server(silent, path=str(path)):
+        t = Transport(url=f"unix://{path}", token="tok")
+        with pytest.raises(SandboxTimeout):
+            await t.request("POST", "/v1/sandboxes/sb-1/exec", json={"cmd": "true"}, timeout=0.2)
+        with pytest.raises(SandboxTimeout):  # and through httpx (a query string keeps it off the lane)
+            await t.request("GET", "/v1/sandboxes?x=1", timeout=0.2)
+        await t.aclose()
