@@ -112,6 +112,48 @@ async def read_fd(fd: int, on_data: Callable[[bytes], None], chunk: int = 1 << 1
         loop.remove_reader(fd)
 
 
+class FdReader:
+    """``read_fd`` without a task: the event loop's reader callback reads and hands over each chunk, so
+    a command's output and its EOF cost no task switches (two per stream per exec otherwise, a fair
+    part of a short command's round trip). ``done`` resolves at EOF, or fails with what ``on_data``
+    raised; ``close`` unregisters the fd (before the caller closes it) and cancels ``done`` if pending."""
+
+    def __init__(self, fd: int, on_data: Callable[[bytes], None], chunk: int = 1 << 16) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._fd = fd
+        self._on_data = on_data
+        self._chunk = chunk
+        self.done: asyncio.Future[None] = self._loop.create_future()
+        os.set_blocking(fd, False)
+        self._loop.add_reader(fd, self._readable)
+
+    def _readable(self) -> None:
+        try:
+            while True:  # until the pipe is empty, as read_fd does
+                try:
+                    data = os.read(self._fd, self._chunk)
+                except BlockingIOError:
+                    return
+                if not data:
+                    self._end(None)
+                    return
+                self._on_data(data)
+        except Exception as e:
+            self._end(e)
+
+    def _end(self, error: Exception | None) -> None:
+        self._loop.remove_reader(self._fd)
+        if not self.done.done():
+            if error is None:
+                self.done.set_result(None)
+            else:
+                self.done.set_exception(error)
+
+    def close(self) -> None:
+        self._loop.remove_reader(self._fd)
+        self.done.cancel()
+
+
 async def write_all(fd: int, data: bytes) -> None:
     """Write all of ``data`` to a fd; a reader that went away is not an error. The caller owns the fd."""
     loop = asyncio.get_running_loop()

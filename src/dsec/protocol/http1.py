@@ -81,8 +81,10 @@ class Answer:
     async def feed(self, conn: Connection, timeout: float | None) -> None:
         """Read what the server sent next and parse it."""
         try:
-            read = conn.reader.read(READ_CHUNK)
-            data = await (read if timeout is None else asyncio.wait_for(read, timeout))
+            # asyncio.timeout, not wait_for: wait_for runs the read as a task of its own, a task switch
+            # and a turn of the event loop more for every read
+            async with asyncio.timeout(timeout):
+                data = await conn.reader.read(READ_CHUNK)
         except TimeoutError as e:
             raise ReadFailed("timeout", f"no answer within {timeout:g} s", e) from e
         except OSError as e:

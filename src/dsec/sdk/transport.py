@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import secrets
 from collections.abc import AsyncIterable, AsyncIterator
 from contextlib import asynccontextmanager
@@ -26,6 +27,11 @@ MUTATING = frozenset({"POST", "PUT", "PATCH", "DELETE"})
 # A call whose connection broke is sent again this many times (with its Idempotency-Key, if it has one)
 RETRIES = 2
 RETRY_DELAY = 0.2
+# what Transport sends without httpx: paths of unreserved characters (no query, nothing to quote), headers
+# that need no encoding
+_PLAIN_PATH = re.compile(r"/[A-Za-z0-9._~/-]*")
+_TOKEN = re.compile(r"[A-Za-z0-9!#$%&'*+.^_`|~-]+")
+_VALUE = re.compile(r"[\x20-\x7e]*")
 
 
 def resolve_target(url: str | None, token: str | None) -> tuple[str, str | None]:
@@ -46,15 +52,24 @@ def resolve_target(url: str | None, token: str | None) -> tuple[str, str | None]
     return url, token
 
 
-def make_http(url: str, token: str | None) -> httpx.AsyncClient:
+def own_transport(url: str) -> UnixTransport | None:
+    """The SDK's own transport for a daemon's unix socket or plain-HTTP port; None: httpx's (https)."""
+    parsed = urlparse(url)
+    if parsed.scheme == "unix":
+        return UnixTransport(parsed.path, keepalive_expiry=KEEPALIVE_EXPIRY)
+    if parsed.scheme == "http" and parsed.hostname and not parsed.path.strip("/"):
+        return TcpTransport(parsed.hostname, parsed.port or 80, keepalive_expiry=KEEPALIVE_EXPIRY)
+    return None
+
+
+def make_http(url: str, token: str | None, own: UnixTransport | None = None) -> httpx.AsyncClient:
+    """``own``: ``own_transport(url)``, made by the caller that also sends on it directly."""
     parsed = urlparse(url)
     headers = {"authorization": f"Bearer {token}"} if token else {}
-    if parsed.scheme == "unix":
-        transport = UnixTransport(parsed.path, keepalive_expiry=KEEPALIVE_EXPIRY)
-        return httpx.AsyncClient(transport=transport, base_url="http://dsec", headers=headers, timeout=None)
-    if parsed.scheme == "http" and parsed.hostname and not parsed.path.strip("/"):
-        tcp = TcpTransport(parsed.hostname, parsed.port or 80, keepalive_expiry=KEEPALIVE_EXPIRY)
-        return httpx.AsyncClient(transport=tcp, base_url=url.rstrip("/"), headers=headers, timeout=None)
+    own = own or own_transport(url)
+    if own is not None:
+        base = "http://dsec" if parsed.scheme == "unix" else url.rstrip("/")
+        return httpx.AsyncClient(transport=own, base_url=base, headers=headers, timeout=None)
     if parsed.scheme in ("http", "https"):
         limits = httpx.Limits(max_connections=512, max_keepalive_connections=128, keepalive_expiry=KEEPALIVE_EXPIRY)
         return httpx.AsyncClient(base_url=url.rstrip("/"), headers=headers, timeout=None, limits=limits)
@@ -87,7 +102,13 @@ def raise_for_reply(status: int, body: bytes) -> None:
 class Transport:
     def __init__(self, url: str | None = None, token: str | None = None) -> None:
         self.url, self.token = resolve_target(url, token)
-        self.http = make_http(self.url, self.token)
+        own = own_transport(self.url)
+        self.http = make_http(self.url, self.token, own)
+        # Calls with a JSON or no body skip httpx's request and response objects and go to the SDK's own
+        # transport as bytes, while ``http`` is still the client made here (tests swap in others) and no
+        # event hook would miss them.
+        self._lane = (self.http, own)
+        self._host = b"host: %s\r\n" % self.http.base_url.netloc
 
     def public_url(self, path: str) -> str:
         """``path`` on the daemon's listener as a URL anyone can use: only a daemon on TCP has one."""
@@ -111,9 +132,13 @@ class Transport:
         when the connection breaks after the request went out it is sent again with the same key: the
         daemon answers a repeat from memory, and nothing runs twice."""
         kwargs["headers"] = with_key(method, kwargs.get("headers"), idempotency_key)
+        raw = self._raw_request(method, path, kwargs)
         for attempt in range(RETRIES + 1):
             try:
-                reply = await self.http.request(method, path, timeout=timeout, **kwargs)
+                if raw is not None and self._lane[1] is not None:
+                    reply = await self._lane[1].exchange(raw, timeout)
+                else:
+                    reply = await self.http.request(method, path, timeout=timeout, **kwargs)
                 break
             except httpx.TimeoutException as e:
                 raise SandboxTimeout(f"the daemon did not answer {method} {path} within {timeout}s") from e
@@ -134,6 +159,31 @@ class Transport:
                 ) from e
         raise_for_reply(reply.status_code, reply.content)
         return reply
+
+    def _raw_request(self, method: str, path: str, kwargs: dict[str, Any]) -> bytes | None:
+        """The request as bytes when it can skip httpx (see ``__init__``); else None."""
+        http, own = self._lane
+        if own is None or http is not self.http or not set(kwargs) <= {"headers", "json"}:
+            return None
+        if http.event_hooks["request"] or http.event_hooks["response"] or not _PLAIN_PATH.fullmatch(path):
+            return None
+        head = [b"%s %s HTTP/1.1\r\n" % (method.encode(), path.encode()), self._host]
+        own_names = {name.lower().encode() for name in kwargs["headers"]}  # a call's header wins, as in httpx
+        head += [b"%s: %s\r\n" % (k, v) for k, v in http.headers.raw if k.lower() not in own_names]
+        for name, value in kwargs["headers"].items():
+            if not (_TOKEN.fullmatch(name) and _VALUE.fullmatch(value)):
+                return None  # httpx's checks and errors, not ours
+            head.append(b"%s: %s\r\n" % (name.encode(), value.encode()))
+        body = b""
+        if kwargs.get("json") is not None:
+            # as httpx encodes a JSON body
+            text = json.dumps(kwargs["json"], ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+            body = text.encode()
+            head.append(b"content-type: application/json\r\n")
+        if body or method in MUTATING:
+            head.append(b"content-length: %d\r\n" % len(body))
+        head += [b"\r\n", body]
+        return b"".join(head)
 
     @asynccontextmanager
     async def stream(

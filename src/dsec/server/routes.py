@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Callable
+from collections.abc import Callable, MutableMapping
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Body, Depends, Header, Query, Request, Response
@@ -45,6 +45,7 @@ from ..protocol.sandbox import (
 from ..protocol.trajectory import REPLAYED_HEADER, SEQ_HEADER
 from ..protocol.types import MAX_LABELS, AbsPath
 from ..protocol.version import __version__
+from ..tenancy import Caller
 from ..web.audit import note
 from ..web.disconnect import GONE, gone_response, unless_gone
 from .auth import CallerDep, OperatorDep, authorize
@@ -160,7 +161,19 @@ async def kill_sandbox(sandbox_id: str, mgr: Mgr, caller: CallerDep, seq: Seq = 
 async def exec_command(
     sandbox_id: str, body: ExecRequest, mgr: Mgr, caller: CallerDep, request: Request, seq: Seq = None
 ) -> Response:
-    note(request.scope, command=body.cmd)
+    return await run_exec(mgr, request.scope, sandbox_id, body, seq, caller)
+
+
+async def run_exec(
+    mgr: SandboxManager,
+    scope: MutableMapping[str, Any],
+    sandbox_id: str,
+    body: ExecRequest,
+    seq: int | None,
+    caller: Caller,
+) -> Response:
+    """The exec route's work once its request is parsed (also done by fast_exec.FastExec)."""
+    note(scope, command=body.cmd)
     result, replayed = await mgr.actions.call(sandbox_id, "exec", body, seq=seq, caller=caller)
     return _mark(_json(result), replayed)
 

@@ -32,15 +32,20 @@ def error_response(
     return JSONResponse(status_code=status, content=body.model_dump(mode="json"), headers=out or None)
 
 
+def dsec_error_response(exc: DsecError) -> JSONResponse:
+    """The answer to a DsecError (for the handler below, and a route served outside FastAPI's routing)."""
+    if exc.http_status >= 500:
+        # messages may quote sandbox output (bounded on the wire, not meant to fill the log)
+        log.error("%s: %.2000s", exc.code, exc.message)
+    return error_response(exc.http_status, exc.code, exc.message, exc.detail)
+
+
 def install(app: FastAPI, allowed_methods: Callable[[str], frozenset[str] | None]) -> None:
     """The handlers of an API's errors; ``allowed_methods``: a path's methods, for a 405's Allow header."""
 
     @app.exception_handler(DsecError)
     async def _dsec(_: Request, exc: DsecError) -> JSONResponse:
-        if exc.http_status >= 500:
-            # messages may quote sandbox output (bounded on the wire, not meant to fill the log)
-            log.error("%s: %.2000s", exc.code, exc.message)
-        return error_response(exc.http_status, exc.code, exc.message, exc.detail)
+        return dsec_error_response(exc)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:

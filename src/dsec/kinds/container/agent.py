@@ -102,8 +102,12 @@ class AgentChannel:
         self._ready: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._started: dict[int, asyncio.Future[int]] = {}
         self._exited: dict[int, asyncio.Future[int]] = {}
-        self._reader = asyncio.create_task(self._read_loop())
+        self._buf = bytearray()
         self.closed = False
+        # replies are read by the event loop's reader callback, not a task: each reply then resolves its
+        # exec's future in the same turn it arrives (a task would cost a loop turn per reply, two per exec)
+        self._reading = True
+        asyncio.get_running_loop().add_reader(sock.fileno(), self._readable)
 
     async def wait_ready(self, timeout: float) -> None:
         await asyncio.wait_for(asyncio.shield(self._ready), timeout)
@@ -174,12 +178,14 @@ class AgentChannel:
             if sent < len(data):  # the fds went with the first byte; the rest is plain data
                 await loop.sock_sendall(self._sock, data[sent:])
 
-    async def _read_loop(self) -> None:
-        loop = asyncio.get_running_loop()
-        buf = bytearray()
+    def _readable(self) -> None:
+        buf = self._buf
         try:
             while True:
-                data = await loop.sock_recv(self._sock, 65536)
+                try:
+                    data = self._sock.recv(65536)
+                except BlockingIOError:
+                    return
                 if not data:
                     break
                 buf += data
@@ -187,6 +193,8 @@ class AgentChannel:
                     (size,) = struct.unpack_from("<I", buf)
                     if size > MAX_FRAME:
                         log.warning("the sandbox's agent sent a frame of %d bytes; dropping the channel", size)
+                        self._stop_reading()
+                        self._fail_all()
                         return
                     if len(buf) < 4 + size:
                         break
@@ -194,8 +202,13 @@ class AgentChannel:
                     del buf[: 4 + size]
         except (OSError, struct.error) as e:
             log.debug("agent channel read failed: %s", e)
-        finally:
-            self._fail_all()
+        self._stop_reading()
+        self._fail_all()
+
+    def _stop_reading(self) -> None:
+        if self._reading:
+            self._reading = False
+            asyncio.get_running_loop().remove_reader(self._sock.fileno())
 
     def _dispatch(self, frame: bytes) -> None:
         if len(frame) != _REPLY.size:
@@ -233,8 +246,6 @@ class AgentChannel:
         # a closed number is reused at once (often by a pidfd), and a late remove_reader on the old
         # registration would silently drop the new fd's events.
         self.closed = True
-        self._reader.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await self._reader
+        self._stop_reading()
         with contextlib.suppress(OSError):
             self._sock.close()

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from ...errors import BackendError, LimitExceeded, SandboxGone
 from ...isolation import cgroups
-from ...proc import empty_input, read_fd, read_line, spawn, wait, write_all
+from ...proc import FdReader, empty_input, read_line, spawn, wait, write_all
 from ...protocol.sandbox import ExecResult
 from ..base import MAX_ARCHIVE, OutputCallback
 from ..execio import ExecIO
@@ -69,7 +69,8 @@ class _Capture:
             self.in_r, self.in_w = os.pipe()
         else:
             self.in_r, self.in_w = empty_input(), -1
-        self.tasks: list[asyncio.Future[None]] = []
+        self.tasks: list[asyncio.Future[None]] = []  # the readers' ``done``, then a stdin feeder's task
+        self.readers: list[FdReader] = []
         self.clock = Deadlines(time.monotonic(), plan.timeout, plan.idle_timeout)
 
     def child_fds(self) -> list[int]:
@@ -83,11 +84,18 @@ class _Capture:
             setattr(self, name, -1)
 
     async def cleanup(self) -> None:
-        """Stop the tasks, wait until they let go of their fds, then close every fd exactly once."""
+        """Stop the readers and tasks, wait until they let go of their fds, then close every fd exactly once."""
+        for reader in self.readers:
+            reader.close()
+        pending = []
         for task in self.tasks:
-            task.cancel()
-        if self.tasks:
-            await asyncio.gather(*self.tasks, return_exceptions=True)
+            if not task.done():
+                task.cancel()
+                pending.append(task)
+            elif not task.cancelled():
+                task.exception()  # retrieved, as gathering it would (gathering done tasks costs a loop turn)
+        if pending:
+            await asyncio.gather(*pending, return_exceptions=True)
         self.close_child_ends()
         for name in ("in_w", "out_r", "err_r"):
             _close(getattr(self, name))
@@ -109,10 +117,9 @@ class _Capture:
         return feed
 
     def start(self) -> None:
-        self.tasks = [
-            asyncio.ensure_future(read_fd(self.out_r, self._feeder("stdout"), PIPE_SIZE)),
-            asyncio.ensure_future(read_fd(self.err_r, self._feeder("stderr"), PIPE_SIZE)),
-        ]
+        self.readers = [FdReader(self.out_r, self._feeder("stdout"), PIPE_SIZE)]
+        self.readers.append(FdReader(self.err_r, self._feeder("stderr"), PIPE_SIZE))
+        self.tasks = [reader.done for reader in self.readers]
         if self.plan.stdin is not None:
             self.tasks.append(asyncio.ensure_future(self._feed_stdin(self.plan.stdin)))
         elif self.plan.io is not None:
@@ -136,9 +143,11 @@ class _Capture:
 
     async def finish(self) -> None:
         readers = self.tasks[:2]
-        _, pending = await asyncio.wait(readers, timeout=DRAIN_GRACE)
-        for task in pending:
-            task.cancel()
+        if not all(task.done() for task in readers):  # (waiting on done ones costs a loop turn)
+            await asyncio.wait(readers, timeout=DRAIN_GRACE)
+        for reader in self.readers:
+            if not reader.done.done():
+                reader.close()
         for task in self.tasks[2:]:
             task.cancel()
         for task in readers:
@@ -156,6 +165,8 @@ async def _supervise(group: Path, exited: Awaitable[int], clock: Deadlines) -> t
     fut = asyncio.ensure_future(exited)
     try:
         while True:
+            if fut.done():  # (a short command's exit is often in already: no timer, no loop turn)
+                return fut.result(), None
             try:
                 return await asyncio.wait_for(asyncio.shield(fut), clock.wait()), None
             except TimeoutError:
@@ -213,7 +224,8 @@ async def run_via_agent(
             plan.io.detach()
         await cap.cleanup()
         if not reuse_group:
-            _remove_group(group)
+            # after the answer has gone out: nothing else in this turn of the event loop waits on it
+            asyncio.get_running_loop().call_soon(_remove_group, group)
 
 
 async def run_via_runtime(
