@@ -66,17 +66,27 @@ class CgroupLayout:
 
     def usage(self, cg_path: str) -> tuple[int, int] | None:
         """CPU time used (ns) and memory charged now (bytes) of a group and its children; None if gone."""
+        # read every few seconds for every live sandbox (core/usage.py): plain strings and bare syscalls,
+        # a third of what pathlib and text files cost at 3,000 sandboxes
         rel = cg_path.strip("/")
         try:
             if self.mode == "v2":
-                d = self.unified / rel
-                cpu_us = _counter(d / "cpu.stat", "usage_usec")
-                return cpu_us * 1000, int((d / "memory.current").read_text())
-            cpu_ns = int((CGROUP_ROOT / "cpuacct" / rel / "cpuacct.usage").read_text())
-            mem = int(((self.memory_v1 or CGROUP_ROOT / "memory") / rel / "memory.usage_in_bytes").read_text())
+                d = f"{self.unified}/{rel}"
+                cpu_us = _counter(Path(f"{d}/cpu.stat"), "usage_usec")
+                return cpu_us * 1000, int(_read(f"{d}/memory.current"))
+            cpu_ns = int(_read(f"{CGROUP_ROOT}/cpuacct/{rel}/cpuacct.usage"))
+            mem = int(_read(f"{self.memory_v1 or CGROUP_ROOT / 'memory'}/{rel}/memory.usage_in_bytes"))
             return cpu_ns, mem
         except (OSError, ValueError):
             return None
+
+
+def _read(path: str) -> bytes:
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        return os.read(fd, 4096)
+    finally:
+        os.close(fd)
 
 
 def _counter(f: Path, key: str) -> int:
