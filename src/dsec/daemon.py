@@ -6,6 +6,7 @@ SandboxFusion-compatible API, each on a listener of its own, served by uvicorn. 
 from __future__ import annotations
 
 import dataclasses
+import gc
 import logging
 import os
 from collections.abc import Callable
@@ -138,7 +139,18 @@ def serve(
         app, sockets = _with_listeners(app, settings, where, others)
     server = uvicorn.Server(uvicorn.Config(app, **settings, **where))
     log.info("dsec %s listening on %s (state in %s)", __version__, listen, state_dir)
+    tune_gc()
     server.run(sockets=sockets)
+
+
+def tune_gc() -> None:
+    """Python's cyclic garbage collector traverses what it tracks, and a node holding thousands of
+    sandboxes tracks half a million objects: with the default thresholds the collections took 2 s of a
+    burst of 200 creations at 2,000 held (full ones 240 ms each, the event loop stopped meanwhile). What
+    was made to start the daemon (modules, the app, its models) is frozen out of the collector's sight,
+    and collections run less often; garbage without cycles is freed at once as ever."""
+    gc.freeze()
+    gc.set_threshold(10_000, 50, 100)
 
 
 def _manager(
