@@ -21,10 +21,10 @@ import contextlib
 import logging
 import time
 
-from ..errors import DsecError, ImageNotFound, InvalidRequest, NotFound
+from ..errors import BackendError, DsecError, ImageNotFound, InvalidRequest, NotFound
 from ..images.store import ImageRef
 from ..protocol.pools import WarmPoolInfo, WarmPoolSpec
-from ..protocol.sandbox import MAX_TTL_S, CreateSandbox, State
+from ..protocol.sandbox import MAX_TTL_S, CreateSandbox, ExecRequest, State
 from ..store.records import SandboxRecord, new_record
 from ..tenancy import OPERATOR, Caller
 from .admission import Claim
@@ -34,6 +34,10 @@ from .warm_match import Shape, WarmPool, backoff, servable, shape_of
 log = logging.getLogger("dsec.core")
 
 PASS_EVERY = 1.0  # s between passes (a claim, a miss or a change wakes the keeper sooner)
+# s after a claim before its replacement is started: a claimant's first commands come right after its
+# creation, and on a small node they would share the CPUs with the replacement's creation
+REFILL_AFTER_CLAIM = 0.25
+WARM_UP_TIMEOUT = 60.0  # s (a microVM under TCG is slow)
 CLOSE_WITHIN = 30.0  # s the daemon's stop waits for idle members to be killed
 
 
@@ -113,7 +117,7 @@ class WarmPools:
                     if rec is not None and rec.state == State.running and rec.pool == pool.name:
                         self._hand_over(rec, req, image, caller, started)
                         pool.stats.claims += 1
-                        self._wake.set()
+                        asyncio.get_running_loop().call_later(REFILL_AFTER_CLAIM, self._wake.set)
                         return rec
             pool.stats.misses += 1
             self._wake.set()  # empty, or on another version than the tag names now: look again
@@ -230,7 +234,12 @@ class WarmPools:
             await self.lifecycle.create_on(
                 req.model_copy(update={"queue_timeout": 0.0}), image, owner=pool.tenant, pending=rec
             )
-        except Exception as e:
+            await self._warm_up(rec)
+        except BaseException as e:
+            if rec.state == State.running:  # made, then its warm-up failed (or the daemon is stopping)
+                self._kill(rec, "it was not ready")
+            if not isinstance(e, Exception):
+                raise
             if not isinstance(e, DsecError):
                 log.exception("warm pool %s: refill failed", pool.name)
             self._failed(pool, f"refill failed: {e.message if isinstance(e, DsecError) else e}")
@@ -246,6 +255,20 @@ class WarmPools:
         pool.stats.refills += 1
         pool.failed_in_row, pool.waiting = 0, None
         self._trim(pool)
+
+    async def _warm_up(self, rec: SandboxRecord) -> None:
+        """Run `true` once in a new member, straight through its kind: what a sandbox's first command
+        pays once (its exec cgroup's first setup, cold code paths in the agent) is paid before a
+        claimant's first command, which then costs what any later one does. Nothing of it stays: the
+        command exits, and the core records no phase or call for it."""
+        backend = self.sandboxes.backends[rec.kind]
+        async with self.sandboxes.lock(rec.id):
+            if rec.state != State.running:
+                return
+            with self.sandboxes.busy(rec.id):
+                result = await backend.exec(rec, ExecRequest(cmd=["true"], timeout=WARM_UP_TIMEOUT))
+        if result.exit_code != 0:
+            raise BackendError(f"warm-up command in {rec.id} exited {result.exit_code}: {result.stderr[-200:]}")
 
     def _failed(self, pool: WarmPool, why: str) -> None:
         pool.stats.failures += 1

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import builtins
+from typing import Any
 from urllib.parse import quote
 
 from ..errors import InvalidRequest, validation_message
@@ -27,13 +28,19 @@ class PoolClient:
         size: int,
         *,
         kind: str = "container",
-        limits: Limits | None = None,
+        limits: Limits | dict[str, Any] | None = None,
         network: NetworkSpec = None,
         tenant: str | None = None,
     ) -> WarmPoolInfo:
         """Operator only: keep ``size`` idle sandboxes of this image, kind, limits and network policy for
         ``tenant``'s creations (default: the operator's); a creation asking for exactly that is handed one."""
-        body = {"image": image, "kind": kind, "limits": limits or Limits(), "network": network, "tenant": tenant}
+        body = {
+            "image": image,
+            "kind": kind,
+            "limits": limits if limits is not None else Limits(),
+            "network": network,
+            "tenant": tenant,
+        }
         try:  # a clear error before the round trip
             spec = WarmPoolSpec.model_validate({**body, "size": size})
         except ValueError as e:
