@@ -194,6 +194,9 @@ class WarmPools:
         self._prune(pool)
         if time.monotonic() < pool.retry_at:
             return
+        if pool.spec.tenant is not None and self._revoked(pool.spec.tenant):
+            pool.waiting = f"tenant {pool.spec.tenant} was removed: nothing is made for it"
+            return
         owner = OPERATOR if pool.spec.tenant is None else Caller(pool.tenant)
         try:
             image = await self.lifecycle.images.resolve(pool.spec.image, caller=owner)
@@ -216,6 +219,12 @@ class WarmPools:
             task = asyncio.create_task(self._fill(pool, image))
             self._fills.add(task)
             task.add_done_callback(self._fills.discard)
+
+    def _revoked(self, tenant: str) -> bool:
+        try:
+            return self.lifecycle.tenants.get(tenant).revoked_at is not None
+        except NotFound:
+            return True
 
     async def _fill(self, pool: WarmPool, image: ImageRef) -> None:
         spec = pool.spec

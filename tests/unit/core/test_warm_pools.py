@@ -200,6 +200,41 @@ async def test_a_tenants_pool_serves_that_tenant_only(core: Core) -> None:
     assert mgr.info(member, caller=Caller("alice")).labels == {}
 
 
+async def test_a_removed_tenants_pool_is_emptied_and_not_refilled(core: Core) -> None:
+    mgr, _ = core
+    mgr.tenants.add("alice")
+    mgr.set_warm_pool("p", spec(2, tenant="alice"))
+    await until(lambda: idle(mgr) == 2)
+    await mgr.remove_tenant("alice")
+    await until(lambda: idle(mgr) == 0)
+    await asyncio.sleep(1.5)  # a pass or two
+    pool = mgr.warm.pools["p"].info()
+    assert pool.idle == 0 and pool.filling == 0 and "removed" in (pool.waiting or "")
+    assert not [r for r in mgr.sandboxes.live() if r.pool]
+
+
+def test_dsec_top_shows_the_pools() -> None:
+    from rich.console import Console
+
+    from dsec.cli.top import render
+    from dsec.protocol.node import NodeStatus, Ratios, Resources
+    from dsec.protocol.pools import WarmPoolInfo
+
+    zero = Resources(cpu=0, memory=0)
+    info = WarmPoolInfo(
+        name="web", spec=spec(3), idle=2, filling=1, claims=7, misses=1, refills=9, drained=0, reclaimed=0, failures=0
+    )
+    status = NodeStatus(
+        node="n", version="v", kinds=["container"], capacity=zero, ratios=Ratios(cpu=8, memory=1.2),
+        allocatable=zero, requested=zero, free=zero, used=zero, sandboxes={}, queued=0, starting={},
+        start_slots={}, memory_pressure=0.0, evictions=0, warm_pools=[info],
+    )  # fmt: skip
+    console = Console(record=True, width=200)
+    console.print(render(status))
+    text = console.export_text()
+    assert "warm pools" in text and "web" in text and "2/3" in text
+
+
 async def test_an_empty_pool_counts_a_miss_and_the_creation_is_made(core: Core) -> None:
     mgr, _ = core
     mgr.set_warm_pool("p", spec(1))
