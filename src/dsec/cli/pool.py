@@ -6,6 +6,7 @@ import json
 from typing import Annotated
 
 import typer
+from rich.markup import escape
 from rich.table import Table
 
 from ..errors import DsecError, InvalidRequest
@@ -37,7 +38,7 @@ def _network(value: str | None) -> object:
 @pool_app.command("set")
 def set_pool(
     name: Annotated[str, typer.Argument(help="The pool's name.")],
-    spec: Annotated[str, typer.Argument(help=f"What it keeps: {SPEC_FORM}.")],
+    spec: Annotated[str, typer.Argument(help=f"What it keeps: {escape(SPEC_FORM)}.")],
     network: Annotated[
         str | None, typer.Option(help="none (default), full, or a comma-separated allowlist (HOST:PORT,...).")
     ] = None,

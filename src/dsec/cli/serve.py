@@ -113,7 +113,7 @@ WarmOpt = Annotated[
     list[str] | None,
     typer.Option(
         "--warm",
-        help="IMAGE[@KIND][:LIMITS]=N: keep N idle sandboxes of IMAGE (KIND, default container; LIMITS as "
+        help="IMAGE\\[@KIND]\\[:LIMITS]=N: keep N idle sandboxes of IMAGE (KIND, default container; LIMITS as "
         "cpu=1,memory=512Mi) ready for the operator's creations that ask for exactly that (repeatable; "
         "docs/pools.md). Pools are named IMAGE-KIND ('dsec pool ls').",
     ),
