@@ -243,8 +243,24 @@ class Admission:
         what real creations leave free: nothing while any wait)."""
         return not self.queued and self._fits(claim)
 
-    def fits(self, claim: Claim) -> bool:
-        return self._fits(claim)
+    def fits_after(self, claim: Claim, freed: list[Claim]) -> bool:
+        """Whether ``claim`` would fit once ``freed`` (claims held now) were released."""
+        cpu, memory = sum(f.cpu for f in freed), sum(f.memory for f in freed)
+        if (
+            self._total.cpu - cpu + claim.cpu > self.allocatable.cpu + 1e-9
+            or self._total.memory - memory + claim.memory > self.allocatable.memory
+        ):
+            return False
+        quota = self.quota_of(claim.tenant)
+        if quota is None:
+            return True
+        mine = [f for f in freed if f.tenant == claim.tenant]
+        held = self.tenant_usage(claim.tenant)
+        return (
+            (quota.sandboxes is None or held.sandboxes - len(mine) + 1 <= quota.sandboxes)
+            and (quota.cpu is None or held.cpu - sum(f.cpu for f in mine) + claim.cpu <= quota.cpu + 1e-9)
+            and (quota.memory is None or held.memory - sum(f.memory for f in mine) + claim.memory <= quota.memory)
+        )
 
     def force(self, sandbox_id: str, claim: Claim) -> None:
         """Hold what a sandbox that already runs (re-adopted after a restart) was admitted with."""

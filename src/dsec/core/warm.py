@@ -141,20 +141,26 @@ class WarmPools:
             raise
 
     def reclaim(self, claim: Claim) -> None:
-        """Free what idle members hold until ``claim`` fits, the claimant tenant's own first (its quota
-        may be what is full), then the fullest pools'."""
+        """Free what idle members hold so that ``claim`` fits: the claimant tenant's own first (its quota
+        may be what is full), then the fullest pools'; the fewest that make it fit, and none at all if
+        every idle member would not (another tenant's members do nothing for a tenant's full quota)."""
         admission = self.sandboxes.admission
-        order = sorted(self.pools.values(), key=lambda p: (p.tenant != claim.tenant, -len(p.idle)))
-        for pool in order:
-            while pool.idle and not admission.fits(claim):
-                rec = self.sandboxes.find_live(pool.idle.pop())
-                if rec is None:
-                    continue
-                admission.release(rec.id)  # the claim's now; the member's teardown follows
-                pool.stats.reclaimed += 1
-                self._kill(rec, "its capacity went to a creation")
-            if admission.fits(claim):
-                return
+        candidates: list[tuple[WarmPool, SandboxRecord, Claim]] = []
+        for pool in sorted(self.pools.values(), key=lambda p: (p.tenant != claim.tenant, -len(p.idle))):
+            for member in reversed(pool.idle):  # the newest first: the oldest are claimed first
+                rec, held = self.sandboxes.find_live(member), admission.held.get(member)
+                if rec is not None and held is not None:
+                    candidates.append((pool, rec, held))
+        for n in range(1, len(candidates) + 1):
+            if admission.fits_after(claim, [held for _, _, held in candidates[:n]]):
+                break
+        else:
+            return
+        for pool, rec, _ in candidates[:n]:
+            pool.idle.remove(rec.id)
+            admission.release(rec.id)  # the claim's now; the member's teardown follows
+            pool.stats.reclaimed += 1
+            self._kill(rec, "its capacity went to a creation")
 
     # ---- the keeper --------------------------------------------------------------------------------
 

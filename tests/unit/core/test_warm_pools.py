@@ -19,6 +19,7 @@ from dsec.core.warm_match import servable, shape_of
 from dsec.errors import InvalidRequest, NotFound, Overloaded, SandboxNotFound
 from dsec.images.store import ImageStore
 from dsec.protocol.network import NetworkAllow
+from dsec.protocol.node import TenantQuota
 from dsec.protocol.pools import WarmPoolSpec, default_name, parse_warm
 from dsec.protocol.sandbox import CreateSandbox, ExecRequest, Limits, State
 from dsec.tenancy import OPERATOR, Caller
@@ -298,6 +299,26 @@ async def test_a_pool_fills_only_what_is_free_and_gives_it_back_to_real_creation
         await until(lambda: idle(mgr) == 3)  # refilled once capacity came back
     finally:
         await mgr.close()
+
+
+async def test_a_full_quota_takes_only_its_own_tenants_idle_sandboxes(core: Core) -> None:
+    mgr, _ = core
+    for name in ("alice", "bob"):
+        mgr.tenants.add(name)
+        mgr.tenants.set_quota(name, TenantQuota(sandboxes=2))
+    mgr.set_warm_pool("ops", spec(2))  # the operator's
+    mgr.set_warm_pool("alice", spec(2, tenant="alice", limits={"memory": "256Mi"}))
+    await until(lambda: idle(mgr, "ops") == 2 and idle(mgr, "alice") == 2)
+    bob = Caller("bob")
+    for _ in range(2):
+        await mgr.create(req(), caller=bob)
+    with pytest.raises(Overloaded):  # bob's quota is full: nobody else's idle sandboxes would help
+        await mgr.create(req(queue_timeout=0), caller=bob)
+    assert (idle(mgr, "ops"), idle(mgr, "alice")) == (2, 2)
+    # alice's quota is held by her pool's idle sandboxes: a creation of hers that matches no pool takes one
+    info = await mgr.create(req(queue_timeout=0), caller=Caller("alice"))
+    assert info.owner == "alice" and mgr.warm.pools["alice"].info().reclaimed == 1
+    assert idle(mgr, "ops") == 2
 
 
 # ---- configuration ----------------------------------------------------------------------------------
