@@ -50,6 +50,7 @@ from .protocol.build import BuildSpec, ImageSpec
 from .protocol.code import CodeError, CodeResult
 from .protocol.grade import GradeResult
 from .protocol.network import NetworkAllow
+from .protocol.pools import WarmPoolInfo, WarmPoolSpec
 from .protocol.pull import PullProgress, PushResult
 from .protocol.run import PoolInfo, RunResult
 from .protocol.sandbox import BuildResult, ExecResult, FileEntry, ImageInfo, NetworkStatus, SandboxInfo, State
@@ -132,6 +133,8 @@ __all__ = [
     "VolumeInUse",
     "VolumeInfo",
     "VolumeNotFound",
+    "WarmPoolInfo",
+    "WarmPoolSpec",
     "__version__",
     "run",
 ]

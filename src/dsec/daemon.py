@@ -26,6 +26,7 @@ from .images.registry import RegistryOptions
 from .images.scrub import ScrubRules
 from .images.store import ImageStore
 from .isolation.network.options import NetworkOptions
+from .protocol.pools import WarmPoolSpec
 from .protocol.version import __version__
 from .server.app import create_app
 from .store.audit import DEFAULT_KEEP_DAYS, DEFAULT_MAX_RECORDS, AuditLog
@@ -93,6 +94,8 @@ def serve(
     evict_at: float = DEFAULT_EVICT_AT,
     e2b: E2BOptions | None = None,
     fusion: FusionOptions | None = None,
+    *,
+    warm: dict[str, WarmPoolSpec] | None = None,
 ) -> None:
     """``function``: the function kind's FunctionOptions (kept opaque here: the server knows no kind).
     ``e2b``: also serve the E2B-compatible API on its own listener (docs/e2b.md); ``fusion``: the
@@ -117,6 +120,7 @@ def serve(
     manager = _manager(
         state_dir, images or ImageOptions(), audit or AuditOptions(), network, function, trajectory, admission, evict_at
     )
+    manager.warm_at_start(warm or {})
     app: ASGIApp = create_app(manager, token)
     # Keep idle connections well past the SDK's own keep-alive expiry: a server that closes first races
     # with a request sent on the same connection, which the client then sees as a dropped read.

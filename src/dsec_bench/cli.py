@@ -70,7 +70,8 @@ def bench_lifecycle(
     state_dir: DaemonState = Path("/var/lib/dsec-bench"),
     skip_podman: Annotated[bool, typer.Option(help="Do not measure podman.")] = False,
 ) -> None:
-    """create → exec `true` → destroy for dsec, bare crun and podman; exec round trip vs crun exec."""
+    """create → exec `true` → destroy for dsec (cold, and from a warm pool), bare crun and podman; exec round
+    trip vs crun exec."""
     from .lifecycle import main as bench_main
 
     raise typer.Exit(bench_main(n=n, burst=burst, json_out=json_out, state_dir=state_dir, skip_podman=skip_podman))

@@ -37,6 +37,7 @@ from .common import (
     tail,
     unwind_on_sigterm,
 )
+from .warm import bench_warm
 
 IMAGE = "dsec/busybox"
 PODMAN_IMAGE = "localhost/dsec-bench-busybox:latest"
@@ -101,12 +102,14 @@ async def bench_dsec(console: Console, client: AsyncClient, n: int, burst: int) 
 
         trips = await sample(console, "dsec exec round trip", n, round_trip)
         await sb.kill()
+        warm = await bench_warm(console, client, IMAGE, n, labels, sample, run_true)
         return {
             "version": version,
             "image": IMAGE,
             "create_to_first_exec": summarize([c[0] for c in cycles]),
             "create_exec_kill": summarize([c[1] for c in cycles]),
             "exec_round_trip": summarize([t[0] for t in trips]),
+            "warm_pool": warm,
             "burst": await run_burst(console, client, burst, labels),
         }
     finally:
@@ -335,6 +338,7 @@ def judge(dsec: Json, crun: Json, podman: Json) -> tuple[Json, Json]:
     """Whole cycle against whole cycle: ``crun run`` and ``podman run --rm`` delete their container when
     it exits, so dsec's figure for them is create → exec → kill, not create → first exec."""
     cycle, exec_rtt = _p50(dsec, "create_exec_kill"), _p50(dsec, "exec_round_trip")
+    warm_first = _p50(dsec.get("warm_pool") or {}, "create_to_first_exec")
     vs_crun = _ratio(cycle, _p50(crun, "run"))
     vs_podman = _ratio(_p50(podman, "run"), cycle)
     ratios = {
@@ -342,6 +346,9 @@ def judge(dsec: Json, crun: Json, podman: Json) -> tuple[Json, Json]:
         "podman_run_rm_p50_over_dsec_create_exec_kill_p50": vs_podman,
         "dsec_create_first_exec_p50_over_crun_run_p50": _ratio(_p50(dsec, "create_to_first_exec"), _p50(crun, "run")),
         "dsec_exec_p50_over_crun_exec_p50": _ratio(exec_rtt, _p50(crun, "exec")),
+        "dsec_warm_create_exec_kill_p50_over_crun_run_p50": _ratio(
+            _p50(dsec.get("warm_pool") or {}, "create_exec_kill"), _p50(crun, "run")
+        ),
         "dsec_burst_rate_over_crun_burst_rate": _ratio(dsec["burst"]["creations_per_s"], _rate(crun)),
         "dsec_burst_rate_over_podman_burst_rate": _ratio(dsec["burst"]["creations_per_s"], _rate(podman)),
     }
@@ -354,6 +361,9 @@ def judge(dsec: Json, crun: Json, podman: Json) -> tuple[Json, Json]:
             "podman run --rm p50 ≥ 10 × dsec create → exec → kill p50", vs_podman, lambda v: v >= 10.0
         ),
         "exec_round_trip_p50_le_5ms": _check("dsec exec round trip p50 ≤ 5 ms", exec_rtt, lambda v: v <= 5.0),
+        "warm_create_to_first_exec_p50_le_5ms": _check(
+            "from a warm pool: dsec create → first exec p50 ≤ 5 ms", warm_first, lambda v: v <= 5.0
+        ),
         "burst_ge_100_per_s_all_ok": _check(
             "burst ≥ 100 creations/s with 100% success", rate, lambda v: v >= 100.0 and burst_ok
         ),
@@ -369,8 +379,12 @@ def print_summary(console: Console, result: Json) -> None:
     rows = [("dsec", "create → exec true", "create_to_first_exec"), ("crun", "run true", "run")]
     rows += [("dsec", "create → exec → kill", "create_exec_kill"), ("podman", "run --rm true", "run")]
     rows += [("dsec", "exec round trip", "exec_round_trip"), ("crun", "exec true", "exec")]
+    rows += [
+        ("warm", "create → exec true", "create_to_first_exec"),
+        ("warm", "create → exec → kill", "create_exec_kill"),
+    ]
     for i, (system, what, key) in enumerate(rows):
-        s = result["systems"][system]
+        s = result["systems"]["dsec"].get("warm_pool") or {} if system == "warm" else result["systems"][system]
         if isinstance(stats := s.get(key), dict):
             cells = (f"{stats[k]:.1f}" for k in ("p50_ms", "p99_ms", "mean_ms"))
             table.add_row(system, what, str(stats["n"]), *cells, end_section=i % 2 == 1)

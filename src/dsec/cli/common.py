@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Annotated, NoReturn
 import typer
 from rich.cells import cell_len
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Column, Table
 
 from ..errors import DsecError
@@ -42,7 +43,7 @@ def show(table: Table) -> None:
 
 
 def fail(e: DsecError) -> NoReturn:
-    err.print(f"[red]error[/red] ({e.code}): {e.message}")
+    err.print(f"[red]error[/red] ({e.code}): {escape(e.message)}")  # a message's [...] is not markup
     raise typer.Exit(2)
 
 

@@ -1,5 +1,5 @@
 """``dsec``: serve, run, ps, exec, rm, pause, resume, fork, expose, unexpose, snapshot, top, image, volume,
-tenant, trajectory, version, demo, bench."""
+tenant, trajectory, pool, version, demo, bench."""
 
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ from .common import client as _client
 from .common import fail as _fail
 from .image import image_app
 from .machine import expose, fork, pause, resume, unexpose
+from .pool import pool_app
 from .serve import serve
 from .tenant import audit, tenant_app
 from .top import top
@@ -33,6 +34,7 @@ app = typer.Typer(help="dsec: elastic sandboxes for training and evaluating AI a
 app.add_typer(bench_app, name="bench")
 app.add_typer(cluster_app, name="cluster")
 app.add_typer(image_app, name="image")
+app.add_typer(pool_app, name="pool")
 app.add_typer(tenant_app, name="tenant")
 app.add_typer(trajectory_app, name="trajectory")
 app.add_typer(volume_app, name="volume")

@@ -109,6 +109,15 @@ FunctionPoolOpt = Annotated[
         help="IMAGE=N: keep N function workers of IMAGE (default limits) warm from start (repeatable).",
     ),
 ]
+WarmOpt = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--warm",
+        help="IMAGE\\[@KIND]\\[:LIMITS]=N: keep N idle sandboxes of IMAGE (KIND, default container; LIMITS as "
+        "cpu=1,memory=512Mi) ready for the operator's creations that ask for exactly that (repeatable; "
+        "docs/pools.md). Pools are named IMAGE-KIND ('dsec pool ls').",
+    ),
+]
 FunctionMaxOpt = Annotated[
     int, typer.Option(min=1, max=4096, help="Function workers per pool (image, limits, network, tenant).")
 ]
@@ -238,6 +247,7 @@ def serve(
     full_deny: FullDenyOpt = None,
     audit_keep_days: AuditKeepDaysOpt = 90.0,
     audit_max_records: AuditMaxRecordsOpt = 1_000_000,
+    warm: WarmOpt = None,
     function_pool: FunctionPoolOpt = None,
     function_max: FunctionMaxOpt = 64,
     function_idle_ttl: FunctionIdleTtlOpt = 60.0,
@@ -268,6 +278,7 @@ def serve(
     from ..daemon import AuditOptions
     from ..daemon import serve as run_server
     from ..kinds.function.options import FunctionOptions
+    from .pool import warm_specs
 
     try:
         options = _image_options(repository, image_cache, scrub, canary, eager_layers)
@@ -282,6 +293,7 @@ def serve(
             function_pool or [], function_max, function_idle_ttl, function_tenant_max, function_max_uses
         )
         trajectory = _trajectory_options(trajectory_db, trajectory_durable, trajectory_keep_days)
+        pools = warm_specs(warm or [])
         admission = _admission_options(
             cpu_capacity, memory_capacity, cpu_ratio, memory_ratio, queue_timeout, max_queue, node_name
         )
@@ -290,9 +302,8 @@ def serve(
             _e2b_options(e2b_listen, e2b_image, e2b_kind, e2b_template, e2b_network, e2b_domain),
             _fusion_options(sandbox_fusion_listen, sandbox_fusion_image),
         )
-        run_server(
-            state_dir, listen, options, log_level, audit, network, function, trajectory, admission, evict_at, *apis
-        )
+        args = (state_dir, listen, options, log_level, audit, network, function, trajectory, admission, evict_at)
+        run_server(*args, *apis, warm=pools)
     except DsecError as e:
         _fail(e)
 

@@ -84,7 +84,26 @@ def render(s: NodeStatus) -> Group:
             f"{_mib(u.memory_used)}/{_mib(u.memory_request)}/{_mib(u.memory_limit)}",
             f"{u.age_s:.0f}s",
         )
-    return Group(head, res, summary, top)
+    if not s.warm_pools:
+        return Group(head, res, summary, top)
+    pools = Table(title="warm pools", title_justify="left")
+    pools.add_column("pool", no_wrap=True)
+    for col in ("image", "kind", "idle/size", "filling", "claims", "misses", "refills", "drained", "waiting"):
+        pools.add_column(col)
+    for p in s.warm_pools:
+        pools.add_row(
+            p.name,
+            p.spec.image,
+            p.spec.kind,
+            f"{p.idle}/{p.spec.size}",
+            str(p.filling),
+            str(p.claims),
+            str(p.misses),
+            str(p.refills),
+            str(p.drained),
+            p.waiting or "",
+        )
+    return Group(head, res, summary, pools, top)
 
 
 def top(

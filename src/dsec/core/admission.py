@@ -108,6 +108,9 @@ class Admission:
         self._releases: collections.deque[float] = collections.deque()
         self.refused: collections.Counter[str] = collections.Counter()  # why creations were turned away
         self._last_idle = time.monotonic()  # when the queue was last empty: the current load began after
+        # frees capacity held by idle warm-pool sandboxes for a claim that does not fit (core/warm.py):
+        # a real creation never waits behind sandboxes made ahead for one that may never come
+        self.reclaim: Callable[[Claim], None] = lambda _claim: None
 
     # ---- figures -----------------------------------------------------------------------------------
 
@@ -200,6 +203,8 @@ class Admission:
         seconds waited. The claim is then held until :meth:`bind` names its sandbox and :meth:`release`."""
         self.check(claim)
         timeout = self.options.queue_timeout if timeout is None else timeout
+        if not self._fits(claim):
+            self.reclaim(claim)  # its share of what idle warm-pool sandboxes hold (queued or not)
         if not self.queued and self._fits(claim):
             self._take(claim)
             return 0.0
@@ -232,6 +237,30 @@ class Admission:
             self.refused["queue_timeout"] += 1
             raise self._overloaded(claim, timeout, self.queued) from None
         return time.monotonic() - waiter.since
+
+    def room_now(self, claim: Claim) -> bool:
+        """``claim`` would be admitted at once without reclaiming anything (warm-pool refills take only
+        what real creations leave free: nothing while any wait)."""
+        return not self.queued and self._fits(claim)
+
+    def fits_after(self, claim: Claim, freed: list[Claim]) -> bool:
+        """Whether ``claim`` would fit once ``freed`` (claims held now) were released."""
+        cpu, memory = sum(f.cpu for f in freed), sum(f.memory for f in freed)
+        if (
+            self._total.cpu - cpu + claim.cpu > self.allocatable.cpu + 1e-9
+            or self._total.memory - memory + claim.memory > self.allocatable.memory
+        ):
+            return False
+        quota = self.quota_of(claim.tenant)
+        if quota is None:
+            return True
+        mine = [f for f in freed if f.tenant == claim.tenant]
+        held = self.tenant_usage(claim.tenant)
+        return (
+            (quota.sandboxes is None or held.sandboxes - len(mine) + 1 <= quota.sandboxes)
+            and (quota.cpu is None or held.cpu - sum(f.cpu for f in mine) + claim.cpu <= quota.cpu + 1e-9)
+            and (quota.memory is None or held.memory - sum(f.memory for f in mine) + claim.memory <= quota.memory)
+        )
 
     def force(self, sandbox_id: str, claim: Claim) -> None:
         """Hold what a sandbox that already runs (re-adopted after a restart) was admitted with."""

@@ -24,8 +24,10 @@ class ImageActions:
         self.sandboxes = sandboxes
         self.images = images
 
-    def images_in_use(self) -> set[str]:
-        used = {r.image_digest for r in self.sandboxes.live() if r.image_digest}
+    def images_in_use(self, *, pooled: bool = True) -> set[str]:
+        """Versions live sandboxes run on; without ``pooled``, idle warm-pool ones left out (a name they
+        alone use may be removed: its pools drain, core/warm.py)."""
+        used = {r.image_digest for r in self.sandboxes.live() if r.image_digest and (pooled or r.pool is None)}
         for backend in self.sandboxes.backends.values():
             used |= backend.images_in_use()
         return used
@@ -69,7 +71,7 @@ class ImageActions:
         return await push_version(version, ref, self.images.layers, self.images.puller.client())
 
     async def remove_image(self, name: str, *, caller: Caller = OPERATOR) -> None:
-        await self.images.remove(name, self.images_in_use(), caller)
+        await self.images.remove(name, self.images_in_use(pooled=False), caller)
 
     async def gc_images(self) -> GcResult:
         return await self.images.gc(self.images_in_use())

@@ -75,6 +75,8 @@ class Lifecycle:
         self.max_concurrent_creates = MAX_CONCURRENT_CREATES
         # per kind: VMs queueing for their few boot slots must not hold up container creations
         self._create_slots: dict[str, asyncio.Semaphore] = {}
+        # an idle warm-pool sandbox handed over to a creation that matches one (core/warm.py); None: none
+        self.claim: Callable[[CreateSandbox, ImageRef, Caller], SandboxRecord | None] = lambda *_: None
 
     # ---- create --------------------------------------------------------------------------------------
 
@@ -99,6 +101,8 @@ class Lifecycle:
         # refused now (too big for the node or the tenant's quota) rather than after an image build
         self.sandboxes.admission.check(Claim(caller.tenant, req.limits.cpu, req.limits.mem_request()))
         image, pending = await self._resolve(req, caller)
+        if pending is None and persist and (warm := self.claim(req, image, caller)) is not None:
+            return warm.info()
         try:
             rec = await self.create_on(req, image, owner=caller.tenant, persist=persist, pending=pending)
         except BaseException:
@@ -389,6 +393,9 @@ class Lifecycle:
         for rec in sandboxes.store.all(LIVE_STATES):
             sandboxes.readopt(rec)
             backend = sandboxes.backends.get(rec.kind)
+            if rec.pool is not None and backend is not None:
+                await self._retire_pooled(rec)
+                continue
             alive = False
             if backend is not None and rec.state in (State.running, State.paused):
                 try:
@@ -410,6 +417,13 @@ class Lifecycle:
                 with contextlib.suppress(Exception):
                     await backend.destroy(rec)
             log.warning("sandbox %s lost: %s", rec.id, reason)
+
+    async def _retire_pooled(self, rec: SandboxRecord) -> None:
+        """An idle warm-pool sandbox a stopped daemon left: killed, never re-adopted (docs/pools.md)."""
+        with contextlib.suppress(Exception):
+            await self.sandboxes.backends[rec.kind].destroy(rec)
+        self.sandboxes.set_state(rec, State.stopped, "idle warm-pool sandbox: not re-adopted after a restart")
+        log.info("killed idle warm-pool sandbox %s of pool %s", rec.id, rec.pool)
 
 
 def _went_on(rec: SandboxRecord, image: ImageRef, req: CreateSandbox) -> SandboxRecord:

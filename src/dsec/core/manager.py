@@ -26,6 +26,7 @@ from ..kinds.base import Backend, BackendContext, OutputCallback
 from ..kinds.execio import ExecIO
 from ..protocol.grade import GradeRequest, GradeResult
 from ..protocol.network import NetworkSpec
+from ..protocol.pools import WarmPoolInfo, WarmPoolSpec
 from ..protocol.pull import PushRequest, PushResult
 from ..protocol.sandbox import (
     TERMINAL_STATES,
@@ -70,6 +71,7 @@ from .trajectory.recorder import Trajectories, TrajectoryOptions
 from .usage import DEFAULT_EVICT_AT, UsageMonitor
 from .volume_files import VolumeFiles
 from .volumes import Volumes
+from .warm import WarmPools
 
 log = logging.getLogger("dsec.core")
 
@@ -129,11 +131,17 @@ class SandboxManager:
         self.processes = ProcessTable(self.sandboxes, self.actions)
         self.code = CodeRunner(self.actions, self.lifecycle, self.files)
         self.usage = UsageMonitor(self.sandboxes, self.lifecycle.evict, evict_at)
-        self.metrics.watch(self.usage, self.runner.pools)
+        self.warm = WarmPools(self.lifecycle)
+        self._warm_at_start: dict[str, WarmPoolSpec] = {}  # dsec serve --warm: set once the kinds have started
+        self.metrics.watch(self.usage, self.runner.pools, self.warm.list)
         self._reaper: asyncio.Task[None] | None = None
         self._monitor: asyncio.Task[None] | None = None
         # where the node also serves the E2B-compatible API, for its status (set by `dsec serve`)
         self.e2b_url: str | None = None
+
+    def warm_at_start(self, pools: dict[str, WarmPoolSpec]) -> None:
+        """Warm pools to set when the daemon has started (``dsec serve --warm``)."""
+        self._warm_at_start.update(pools)
 
     @property
     def max_concurrent_creates(self) -> int:
@@ -172,6 +180,12 @@ class SandboxManager:
                 self.notes += await backend.prewarm(self.images.resolve)
             except DsecError as e:  # a pool that cannot be filled must not keep the node down
                 self.notes.append(f"{backend.kind} kind: pre-warming failed: {e.message}")
+        for name, spec in self._warm_at_start.items():
+            try:
+                self.warm.set(name, spec)
+            except DsecError as e:  # a pool that cannot be kept must not keep the node down
+                self.notes.append(f"warm pool {name}: {e.message}")
+        self.warm.start()
         self._reaper = asyncio.create_task(self._reap_forever())
         self._monitor = asyncio.create_task(self.usage.run_forever())
 
@@ -181,6 +195,7 @@ class SandboxManager:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
+        await self.warm.close()
         await self.sandboxes.settle(30)  # dead sandboxes' releases, traces being saved: bounded, then left
         await self.processes.close()
         for backend in self.backends.values():
@@ -260,10 +275,25 @@ class SandboxManager:
         live = sorted(self.sandboxes.live(), key=lambda r: r.created_at)
         recs = self.store.all() if include_finished else live
         wanted = labels or {}
-        return [r.info() for r in recs if caller.owns(r.owner) and all(r.labels.get(k) == v for k, v in wanted.items())]
+        return [
+            r.info()
+            for r in recs
+            if r.pool is None and caller.owns(r.owner) and all(r.labels.get(k) == v for k, v in wanted.items())
+        ]
 
     def live_count(self, tenant: str) -> int:
-        return sum(1 for r in self.sandboxes.live() if r.owner == tenant)
+        return sum(1 for r in self.sandboxes.live() if r.owner == tenant and r.pool is None)
+
+    # ---- warm pools ----------------------------------------------------------------------------------
+
+    def warm_pools(self, *, caller: Caller = OPERATOR) -> builtins.list[WarmPoolInfo]:
+        return self.warm.list(caller)
+
+    def set_warm_pool(self, name: str, spec: WarmPoolSpec) -> WarmPoolInfo:
+        return self.warm.set(name, spec)
+
+    def remove_warm_pool(self, name: str) -> None:
+        self.warm.remove(name)
 
     async def kill(self, sandbox_id: str, *, caller: Caller = OPERATOR) -> SandboxInfo:
         return await self.lifecycle.kill(sandbox_id, caller=caller)

@@ -18,12 +18,14 @@ from prometheus_client import Counter as PromCounter
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from ..protocol.pools import WarmPoolInfo
 from ..protocol.run import PoolInfo
 from ..tenancy import OPERATOR, Caller
 from .sandboxes import Sandboxes
 from .usage import UsageMonitor
 
-Pools = Callable[[Caller], list[PoolInfo]]  # the warm pools a caller may see
+Pools = Callable[[Caller], list[PoolInfo]]  # the function pools a caller may see
+WarmPools = Callable[[Caller], list[WarmPoolInfo]]  # the warm pools of sandboxes (core/warm.py)
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 PHASES = ("queue", "rootfs", "runtime", "total", "first_exec")
@@ -80,12 +82,13 @@ class NodeMetrics:
         self.sandboxes = sandboxes
         self.usage: UsageMonitor | None = None
         self.pools: Pools = lambda caller: []
+        self.warm: WarmPools = lambda caller: []
         # by API (node, e2b): set by the server that serves it, so a scrape shows what it holds
         self.remembered: dict[str, Remembered] = {}
 
-    def watch(self, usage: UsageMonitor, pools: Pools) -> None:
+    def watch(self, usage: UsageMonitor, pools: Pools, warm: WarmPools = lambda caller: []) -> None:
         """Figures of the present come from these once watched (a scrape before shows only counters)."""
-        self.usage, self.pools = usage, pools
+        self.usage, self.pools, self.warm = usage, pools, warm
         usage.on_sample = lambda kind, ratio: self.cpu_use.labels(kind).observe(ratio)
         self.registry.register(_Live(self, usage))
 
@@ -113,7 +116,7 @@ POOL_COUNTERS = ("hits", "misses", "made", "destroyed", "resets", "rejected", "w
 
 def _sandboxes(sandboxes: Sandboxes, caller: Caller) -> GaugeMetricFamily:
     states = GaugeMetricFamily("dsec_sandboxes", "Live sandboxes by kind and state.", labels=["kind", "state"])
-    live = [r for r in sandboxes.live() if caller.owns(r.owner)]
+    live = [r for r in sandboxes.live() if caller.owns(r.owner) and (r.pool is None or caller.operator)]
     for (kind, state), n in sorted(Counter((r.kind, r.state.value) for r in live).items()):
         states.add_metric([kind, state], n)
     return states
@@ -130,6 +133,37 @@ def _pools(pools: Pools, caller: Caller) -> Iterator[Metric]:
         for p in stats:
             family.add_metric([p.tenant, p.image], getattr(p, name))
         yield family
+
+
+WARM_GAUGES = {
+    "size": "Idle sandboxes the pool is set to keep.",
+    "idle": "Idle sandboxes ready to be handed out.",
+    "filling": "Sandboxes being made for the pool now.",
+}
+WARM_COUNTERS = {
+    "claims": "Creations served by an idle pooled sandbox.",
+    "misses": "Creations that matched the pool but found no idle sandbox of the current version.",
+    "refills": "Sandboxes made for the pool.",
+    "drained": "Idle sandboxes killed because the pool's image moved to a new version.",
+    "reclaimed": "Idle sandboxes killed to give their capacity to a real creation.",
+    "failures": "Refills that failed.",
+}
+
+
+def _warm(warm: WarmPools, caller: Caller) -> Iterator[Metric]:
+    pools = warm(caller)
+    labels = ["pool", "tenant", "kind"]
+    for name, doc in WARM_GAUGES.items():
+        gauge = GaugeMetricFamily(f"dsec_warm_pool_{name}", doc, labels=labels)
+        for p in pools:
+            value = p.spec.size if name == "size" else getattr(p, name)
+            gauge.add_metric([p.name, p.spec.tenant or OPERATOR.tenant, p.spec.kind], value)
+        yield gauge
+    for name, doc in WARM_COUNTERS.items():
+        counter = CounterMetricFamily(f"dsec_warm_pool_{name}", doc, labels=labels)
+        for p in pools:
+            counter.add_metric([p.name, p.spec.tenant or OPERATOR.tenant, p.spec.kind], getattr(p, name))
+        yield counter
 
 
 def _remembered(memories: dict[str, Remembered]) -> Iterator[Metric]:
@@ -154,6 +188,7 @@ class _TenantSlice(Collector):
     def collect(self) -> Iterator[Metric]:
         yield _sandboxes(self.metrics.sandboxes, self.caller)
         yield from _pools(self.metrics.pools, self.caller)
+        yield from _warm(self.metrics.warm, self.caller)
 
 
 class _Live(Collector):
@@ -165,6 +200,7 @@ class _Live(Collector):
         adm = sandboxes.admission
         yield _sandboxes(sandboxes, OPERATOR)
         yield from _pools(self.metrics.pools, OPERATOR)
+        yield from _warm(self.metrics.warm, OPERATOR)
         queued = GaugeMetricFamily("dsec_admission_queued", "Creations waiting for capacity.", labels=["tenant"])
         for q in adm.queues():
             queued.add_metric([q.tenant], q.waiting)

@@ -26,7 +26,7 @@ def node_status(mgr: SandboxManager, caller: Caller, top: int = 0) -> NodeStatus
     usage = []
     if top > 0:
         for rec in live:
-            if not caller.owns(rec.owner):
+            if not caller.owns(rec.owner) or rec.pool is not None:  # pooled ones: in warm_pools
                 continue
             u = mgr.usage.usage.get(rec.id)
             usage.append(
@@ -66,4 +66,5 @@ def node_status(mgr: SandboxManager, caller: Caller, top: int = 0) -> NodeStatus
         cpu_use_le_5pct=round(sum(1 for x in ratios if x <= 0.05) / len(ratios), 4) if ratios else None,
         top=usage[:top],
         e2b_url=mgr.e2b_url,
+        warm_pools=mgr.warm_pools(caller=caller),
     )

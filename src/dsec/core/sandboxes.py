@@ -96,7 +96,8 @@ class Sandboxes:
         if not isinstance(sandbox_id, str) or not sandbox_id or len(sandbox_id) > MAX_ID:
             raise SandboxNotFound(f"no sandbox {sandbox_id!r}")
         rec = self._live.get(sandbox_id) or self.records.unsaved.get(sandbox_id) or self.store.get(sandbox_id)
-        if rec is None or not caller.owns(rec.owner):
+        # an idle warm-pool member is nobody's until claimed: only the operator reaches it, by its id
+        if rec is None or not caller.owns(rec.owner) or (rec.pool is not None and not caller.operator):
             raise SandboxNotFound(f"no sandbox {sandbox_id!r}")
         return rec
 

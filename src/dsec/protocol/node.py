@@ -12,6 +12,7 @@ from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from .pools import WarmPoolInfo
 from .sandbox import TRAJECTORY_ID, ErrorBody, SandboxInfo, SandboxSpec
 from .types import Size, int_range, on_type
 
@@ -83,6 +84,11 @@ class NodeStatus(BaseModel):
     )
     e2b_url: str | None = Field(
         None, description="Where the node serves the E2B-compatible API (dsec serve --e2b-listen), if it does."
+    )
+    warm_pools: list[WarmPoolInfo] = Field(
+        default_factory=list,
+        description="The node's warm pools (a tenant: those serving it); their idle sandboxes are counted in "
+        "sandboxes and requested, never listed.",
     )
 
 

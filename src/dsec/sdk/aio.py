@@ -45,6 +45,7 @@ from .files import AsyncFiles
 from .images import ImageClient
 from .node import NodeClient
 from .oneshot import RunClient
+from .pools import PoolClient
 from .tenants import TenantClient
 from .trajectory import Params, Trajectory, TrajectoryClient, canonical_params, exec_result, model_result, replay
 from .transport import Transport
@@ -53,7 +54,7 @@ from .volumes import VolumeClient
 T = TypeVar("T")
 
 
-class AsyncClient(ImageClient, VolumeClient, RunClient, TrajectoryClient, TenantClient, NodeClient):
+class AsyncClient(ImageClient, VolumeClient, RunClient, TrajectoryClient, TenantClient, NodeClient, PoolClient):
     """A connection to a dsec daemon (``DSEC_URL`` / ``DSEC_TOKEN``, or the local daemon's defaults)."""
 
     def __init__(self, url: str | None = None, token: str | None = None) -> None:

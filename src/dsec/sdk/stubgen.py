@@ -33,6 +33,7 @@ from ..protocol.code import CodeResult
 from ..protocol.grade import GradeResult
 from ..protocol.network import NetworkSpec
 from ..protocol.node import NodeStatus, TenantQuota
+from ..protocol.pools import WarmPoolInfo
 from ..protocol.pull import PullPolicy, PullProgress, PushResult
 from ..protocol.run import PoolInfo, RunRequest, RunResult
 from ..protocol.sandbox import (
@@ -45,6 +46,7 @@ from ..protocol.sandbox import (
     Health,
     ImageInfo,
     ImageStats,
+    Limits,
     NetworkStatus,
     SandboxInfo,
     TenantCreated,

@@ -12,6 +12,7 @@ from ..protocol.code import CodeResult
 from ..protocol.grade import GradeResult
 from ..protocol.network import NetworkSpec
 from ..protocol.node import NodeStatus, TenantQuota
+from ..protocol.pools import WarmPoolInfo
 from ..protocol.pull import PullPolicy, PullProgress, PushResult
 from ..protocol.run import PoolInfo, RunRequest, RunResult
 from ..protocol.sandbox import (
@@ -24,6 +25,7 @@ from ..protocol.sandbox import (
     Health,
     ImageInfo,
     ImageStats,
+    Limits,
     NetworkStatus,
     SandboxInfo,
     TenantCreated,
@@ -38,6 +40,9 @@ from .transport import Transport
 
 class Client:
     def __init__(self, url: str | None = None, token: str | None = None) -> None: ...
+    def warm_pools(self) -> builtins.list[WarmPoolInfo]: ...
+    def set_warm_pool(self, name: str, image: str, size: int, *, kind: str = 'container', limits: Limits | dict[str, Any] | None = None, network: NetworkSpec = None, tenant: str | None = None) -> WarmPoolInfo: ...
+    def remove_warm_pool(self, name: str) -> None: ...
     def node(self, top: int = 0) -> NodeStatus: ...
     def metrics(self) -> str: ...
     def quota(self, tenant: str) -> TenantQuota: ...

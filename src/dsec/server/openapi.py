@@ -13,6 +13,7 @@ from . import (
     code_routes,
     image_routes,
     node_routes,
+    pool_routes,
     port_routes,
     routes,
     run_routes,
@@ -33,6 +34,7 @@ def include_routes(app: FastAPI) -> None:
     app.include_router(volume_routes.router)
     app.include_router(port_routes.router)
     app.include_router(code_routes.router)
+    app.include_router(pool_routes.router)
 
 
 def openapi_spec() -> dict[str, Any]:

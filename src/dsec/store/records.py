@@ -28,6 +28,7 @@ CORE_KEYS = (
     "started_from",
     "volumes",
     "ports",
+    "pool",
 )
 
 
@@ -82,6 +83,8 @@ class SandboxRecord:
     waiting: str | None = None  # what its creation waits for (a VM boot slot, ...)
     volumes: list[VolumeMount] = field(default_factory=list)  # named volumes it mounts, by the core's grant
     ports: dict[int, tuple[str, float]] = field(default_factory=dict)  # exposed port -> (secret, when)
+    # the warm pool it idles in, until a creation claims it (core/warm.py): listed nowhere, no tenant's
+    pool: str | None = None
 
     def persisted(self) -> dict[str, Any]:
         """The kind's state and the core's fields, as stored."""
@@ -96,6 +99,7 @@ class SandboxRecord:
             "started_from": self.started_from,
             "volumes": [v.to_json() for v in self.volumes] or None,
             "ports": {str(p): [secret, at] for p, (secret, at) in self.ports.items()} or None,
+            "pool": self.pool,
         }
         return {**self.runtime, **{k: v for k, v in core.items() if v is not None}}
 
@@ -112,6 +116,7 @@ class SandboxRecord:
         self.network = policy.from_json(core.get("network"))
         self.accelerator = _text(core.get("accel"))
         self.waiting = _text(core.get("waiting"))
+        self.pool = _text(core.get("pool"))
         started = core.get("started_from")
         if started is None and "restored" in runtime:  # written by a daemon from before this field
             started = "snapshot" if runtime.pop("restored") else "boot"
