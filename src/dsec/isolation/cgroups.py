@@ -129,6 +129,19 @@ def detect() -> CgroupLayout:
     return CgroupLayout("hybrid", unified, CGROUP_ROOT / "memory")
 
 
+def hierarchies() -> list[str]:
+    """The names under /sys/fs/cgroup that are cgroup (v1 or v2) mounts of their own (a hybrid host's)."""
+    found = []
+    with open("/proc/self/mountinfo", encoding="utf-8", errors="replace") as f:
+        for line in f:
+            left, _, right = line.partition(" - ")
+            point, fstype = left.split()[4], right.split()[0]
+            parent, _, name = point.rpartition("/")
+            if parent == str(CGROUP_ROOT) and fstype in ("cgroup", "cgroup2"):
+                found.append(name)
+    return sorted(found)
+
+
 def prepare_host(layout: CgroupLayout) -> list[str]:
     """Make the host usable by crun; returns what was changed, for the log.
 

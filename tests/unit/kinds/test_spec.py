@@ -190,3 +190,24 @@ def test_user_namespace_maps_root_to_the_sandbox_range() -> None:
     assert cfg["linux"]["uidMappings"] == expected and cfg["linux"]["gidMappings"] == expected
     plain = build()
     assert {"type": "user"} not in plain["linux"]["namespaces"] and "uidMappings" not in plain["linux"]
+
+
+def test_a_hybrid_hosts_hierarchies_are_bound_from_the_sandboxs_own_groups() -> None:
+    cfg = spec.config(
+        record(memory="512Mi"),
+        IMAGE,
+        rootfs="/run/dsec/sb/rootfs",
+        helper_dir="/var/lib/dsec/helper",
+        cgroups_path="/dsec/sb-0123456789ab",
+        init=["/.dsec/agent"],
+        cgroup_hierarchies=["cpu", "memory", "unified"],
+    )
+    under = [m for m in cfg["mounts"] if m["destination"].startswith("/sys/fs/cgroup")]
+    assert [m["type"] for m in under] == ["tmpfs", "bind", "bind", "bind"]
+    assert [m["source"] for m in under[1:]] == [
+        f"/sys/fs/cgroup/{h}/dsec/sb-0123456789ab" for h in ("cpu", "memory", "unified")
+    ]
+    assert all("ro" in m["options"] for m in under[1:])
+    # no hierarchies given (a cgroup v2 host): the runtime mounts cgroup2 itself
+    plain = [m for m in build()["mounts"] if m["destination"] == "/sys/fs/cgroup"]
+    assert [m["type"] for m in plain] == ["cgroup"]

@@ -70,6 +70,7 @@ class ContainerBackend(ContainerFiles, PolicyNetwork):
         self.helper_dir = ctx.state_dir / "helpers"
         self.sandbox_dir = ctx.state_dir / "sandboxes"
         self.layout: cgroups.CgroupLayout | None = None
+        self.cgroup_hierarchies: list[str] = []
         self._seq = itertools.count(1)
         self.agent_error: str | None = None
         self.seccomp_bpf: str | None = None
@@ -95,6 +96,8 @@ class ContainerBackend(ContainerFiles, PolicyNetwork):
             raise KindUnavailable("no OCI runtime found: install crun (apt-get install crun) or runc")
         self.layout = cgroups.detect()
         notes = cgroups.prepare_host(self.layout)
+        # a hybrid host's hierarchies, bound into each sandbox (spec._cgroup_or_scratch_mounts)
+        self.cgroup_hierarchies = cgroups.hierarchies() if self.layout.mode == "hybrid" else []
         notes += repair_host_devices()
         for d in (self.run_root, self.helper_dir, self.sandbox_dir):
             d.mkdir(parents=True, exist_ok=True)
@@ -263,6 +266,7 @@ class ContainerBackend(ContainerFiles, PolicyNetwork):
             self.seccomp_bpf,
             uid_base,
             cgroup_v2=self.cgroup_layout().mode == "v2",
+            cgroup_hierarchies=self.cgroup_hierarchies,
         )
         await asyncio.to_thread((bundle / "config.json").write_text, json.dumps(cfg))
         await self._start_runtime(rec, bundle, use_agent)

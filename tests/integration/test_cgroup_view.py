@@ -1,0 +1,32 @@
+"""What a sandbox sees under /sys/fs/cgroup: its own groups only, with its limits, as a fresh mount in its
+cgroup namespace would show them (the JVM and other runtimes size themselves from these files)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import dsec
+from dsec.isolation import cgroups
+
+
+def test_the_sandbox_sees_its_own_groups_and_limits(make_sandbox: Callable[..., dsec.Sandbox]) -> None:
+    sb = make_sandbox(memory="96Mi", cpu_limit=0.5)
+    other = make_sandbox()
+    mounts = sb.exec("grep ' /sys/fs/cgroup' /proc/self/mountinfo").stdout.splitlines()
+    assert mounts, "no cgroup file system in the sandbox"
+    for line in mounts[1:] if cgroups.detect().mode == "hybrid" else mounts:
+        assert line.split()[3] == "/", f"a cgroup mount not rooted at the sandbox's own group: {line}"
+        assert " ro," in f" {line.split()[5]},", f"a cgroup mount the sandbox could write to: {line}"
+    if cgroups.detect().mode == "hybrid":
+        expected = set(cgroups.hierarchies())
+        assert set(sb.exec("ls /sys/fs/cgroup").stdout.split()) == expected
+        limit = sb.exec("cat /sys/fs/cgroup/memory/memory.limit_in_bytes").stdout.strip()
+        quota = sb.exec("cat /sys/fs/cgroup/cpu/cpu.cfs_quota_us").stdout.strip()
+        assert (int(limit), int(quota)) == (96 << 20, 50_000)
+        tree = sb.exec("find /sys/fs/cgroup/memory /sys/fs/cgroup/unified -type d").stdout
+    else:
+        assert sb.exec("cat /sys/fs/cgroup/memory.max").stdout.strip() == str(96 << 20)
+        tree = sb.exec("find /sys/fs/cgroup -type d").stdout
+    assert other.id not in tree and "dsec" not in tree, "the sandbox sees groups beyond its own"
+    procs = "/sys/fs/cgroup/memory/cgroup.procs" if cgroups.detect().mode == "hybrid" else "/sys/fs/cgroup/cgroup.procs"
+    assert sb.exec(f"echo 1 > {procs} 2>/dev/null || echo refused").stdout.strip() == "refused"
