@@ -30,3 +30,16 @@ def test_the_sandbox_sees_its_own_groups_and_limits(make_sandbox: Callable[..., 
     assert other.id not in tree and "dsec" not in tree, "the sandbox sees groups beyond its own"
     procs = "/sys/fs/cgroup/memory/cgroup.procs" if cgroups.detect().mode == "hybrid" else "/sys/fs/cgroup/cgroup.procs"
     assert sb.exec(f"echo 1 > {procs} 2>/dev/null || echo refused").stdout.strip() == "refused"
+
+
+def test_new_cpusets_start_with_the_parents_cpus(make_sandbox: Callable[..., dsec.Sandbox]) -> None:
+    """On a v1 cpuset hierarchy the daemon has new groups cloned from /dsec (no per-create write that
+    checks every sibling); the sandbox's cpuset is the parent's."""
+    parent = cgroups.CGROUP_ROOT / "cpuset" / "dsec"
+    if cgroups.detect().mode != "hybrid" or not parent.is_dir():
+        assert cgroups.detect().mode == "v2", "a hybrid host without a v1 cpuset hierarchy"
+        return
+    sb = make_sandbox()
+    assert (parent / "cgroup.clone_children").read_text().strip() == "1"
+    own = (parent / sb.id / "cpuset.cpus").read_text().strip()
+    assert own and own == (parent / "cpuset.cpus").read_text().strip()

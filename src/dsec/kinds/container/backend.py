@@ -30,7 +30,7 @@ from pathlib import Path
 from ...errors import BackendError, DsecError, KindUnavailable, SandboxGone, StorageFull
 from ...images.store import ImageRef
 from ...isolation import cgroups, seccomp, users
-from ...isolation.idmap import attach, idmapped_bind, idmapped_tree, make_userns
+from ...isolation.idmap import attach, idmapped_tree, make_userns
 from ...isolation.mntns import MountNamespaces
 from ...isolation.mounts import MS_NODEV, MS_NOSUID, is_mountpoint, mount, umount
 from ...isolation.netns import connect_in_netns
@@ -50,6 +50,7 @@ from .files import ContainerFiles
 from .host import no_space, repair_host_devices
 from .rootfs import SandboxRoots, bind_volumes, mount_rootfs
 from .state import ContainerState
+from .userns import UserNamespaces
 
 log = logging.getLogger("dsec.container")
 
@@ -58,7 +59,7 @@ AGENT_READY_TIMEOUT = 10.0
 _names = random.Random(secrets.randbits(128))
 
 
-class ContainerBackend(ContainerFiles, PolicyNetwork):
+class ContainerBackend(ContainerFiles, PolicyNetwork, UserNamespaces):
     kind = "container"
     volumes_unsupported = None  # bound in at create (volumes.py)
 
@@ -98,6 +99,11 @@ class ContainerBackend(ContainerFiles, PolicyNetwork):
         notes = cgroups.prepare_host(self.layout)
         # a hybrid host's hierarchies, bound into each sandbox (spec._cgroup_or_scratch_mounts)
         self.cgroup_hierarchies = cgroups.hierarchies() if self.layout.mode == "hybrid" else []
+        if self.layout.mode == "hybrid":
+            try:
+                cgroups.clone_cpusets(self.cgroup_path_root)
+            except OSError as e:
+                notes.append(f"container kind: new cpusets are not cloned from their parent ({e})")
         notes += repair_host_devices()
         for d in (self.run_root, self.helper_dir, self.sandbox_dir):
             d.mkdir(parents=True, exist_ok=True)
@@ -203,6 +209,8 @@ class ContainerBackend(ContainerFiles, PolicyNetwork):
         """The sandbox's next exec runs in ``group``, a cgroup already made under its own."""
         ContainerState(rec).ready(group)
 
+    cgroup_path_root = "/dsec"
+
     @staticmethod
     def cgroup_path(rec: SandboxRecord) -> str:
         return f"/dsec/{rec.id}"
@@ -239,7 +247,10 @@ class ContainerBackend(ContainerFiles, PolicyNetwork):
                 bind_volumes(bundle, rec.volumes, userns_fd)
 
             # only the agent keeps the namespace's descriptor for a restarted daemon (rootfs.NS_FD)
-            await self.roots.mount(rec.id, bundle, mounter, own_namespace=use_agent)
+            try:
+                await self.roots.mount(rec.id, bundle, mounter, own_namespace=use_agent)
+            finally:
+                self._userns_done(uid_base)
         except OSError as e:
             raise BackendError(f"cannot prepare the root filesystem: {e}") from e
         account = await asyncio.to_thread(self._account, rec, image.user)
@@ -306,6 +317,9 @@ class ContainerBackend(ContainerFiles, PolicyNetwork):
                 await chan.aclose()
                 raise BackendError(f"the sandbox agent did not start: {e}") from e
             self._channels[rec.id] = chan
+        pid = await asyncio.to_thread(self._recorded_pid, rec)
+        if pid is not None:
+            self.roots.settle(rec.id, pid)
 
     async def destroy(self, rec: SandboxRecord) -> None:
         layout = self.cgroup_layout()
@@ -351,6 +365,17 @@ class ContainerBackend(ContainerFiles, PolicyNetwork):
         base = ContainerState(rec).uid_base
         if base is not None:
             self.uid_slots.release(base)
+
+    def _recorded_pid(self, rec: SandboxRecord) -> int | None:
+        """The init's pid as the runtime recorded it (crun's status, runc's state.json): no process started."""
+        for name, key in (("status", "pid"), ("state.json", "init_process_pid")):
+            try:
+                pid = json.loads((self.run_root / rec.id / name).read_bytes()).get(key)
+            except (OSError, ValueError, AttributeError):
+                continue
+            if isinstance(pid, int) and pid > 0:
+                return pid
+        return None
 
     async def _running_state(self, rec: SandboxRecord) -> dict[str, object] | None:
         """The runtime's state of the container while it runs (or is paused); None otherwise."""
@@ -566,34 +591,3 @@ class ContainerBackend(ContainerFiles, PolicyNetwork):
                 await self._runtime_call(rec, "resume")
             except DsecError as e:
                 log.error("cannot thaw sandbox %s: %s", rec.id, e)
-
-    async def _userns_for(self, base: int) -> int:
-        """A user namespace with this range's mapping, only to idmap layers: kept and reused per range."""
-        fd = self._userns_fds.get(base)
-        if fd is None:
-            fd = self._userns_fds[base] = await make_userns(self._userns_helper(), base)
-        return fd
-
-    def _userns_helper(self) -> list[str]:
-        if self.agent_error is None or (self.helper_dir / "agent").exists():
-            return [str(self.helper_dir / "agent"), "--userns"]
-        return ["unshare", "--user", "--", str(self.helper_dir / "busybox"), "sh", "-c", "echo; exec cat >/dev/null"]
-
-    async def _probe_userns(self) -> None:
-        """Idmapped mounts need kernel and file system support: try one on the helper directory."""
-        base = self.uid_slots.take()
-        try:
-            fd = await make_userns(self._userns_helper(), base)
-            try:
-                with tempfile.TemporaryDirectory(dir=self.ctx.state_dir) as tmp:
-                    target = Path(tmp) / "probe"
-                    target.mkdir()
-                    await asyncio.to_thread(idmapped_bind, self.helper_dir, target, fd)
-                    owner = (await asyncio.to_thread(os.stat, target / "busybox")).st_uid
-                    umount(target, lazy=True)
-                    if owner != base:
-                        raise OSError(f"idmapped mount shows uid {owner}, expected {base}")
-            finally:
-                os.close(fd)
-        finally:
-            self.uid_slots.release(base)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import logging
 import os
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -38,13 +39,22 @@ NS_FD = 5
 
 @dataclass
 class _Root:
-    ns: int  # the sandbox's mount namespace: keeps its mounts alive
-    bundle: int  # its bundle directory opened inside that namespace
+    ns: int | None  # the sandbox's mount namespace while the daemon holds it (until its init does)
+    ns_id: tuple[int, int]  # (st_dev, st_ino) of that namespace: what its init's fd must still be
+    bundle: int  # the bundle directory opened inside that namespace
+    init_pid: int | None = None
 
     def close(self) -> None:
         for fd in (self.bundle, self.ns):
-            with contextlib.suppress(OSError):
-                os.close(fd)
+            if fd is not None:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+        self.ns = None
+
+
+def _ns_id(fd: int) -> tuple[int, int]:
+    st = os.fstat(fd)
+    return st.st_dev, st.st_ino
 
 
 class SandboxRoots:
@@ -54,9 +64,12 @@ class SandboxRoots:
     a path walk from ``/proc/<daemon>/fd/<N>`` stays in that namespace, for the daemon's threads and
     for the helpers it spawns alike. The runtime is started inside it (``start``); mounting more
     (a snapshot's idmapped view) and unmounting happen inside it (``inside``). The sandbox's init is
-    given the namespace as fd ``NS_FD`` and holds it as long as it runs; a restarted daemon opens it
-    again from there (``adopt``). A sandbox made without (an init that would not keep the descriptor,
-    or one made before this existed) has its mounts in the host's namespace, as before.
+    given the namespace as fd ``NS_FD`` and holds it as long as it runs: once it does (``settle``), the
+    daemon lets its own descriptor go and opens the init's when it needs to enter (each descriptor the
+    daemon holds is copied into, and closed in, every process it starts), checking it is the same
+    namespace; a restarted daemon finds it the same way (``adopt``). A sandbox made without (an init
+    that would not keep the descriptor, or one made before this existed) has its mounts in the host's
+    namespace, as before.
     """
 
     def __init__(self, namespaces: MountNamespaces) -> None:
@@ -82,7 +95,7 @@ class SandboxRoots:
             return
         ns, fd = await self.namespaces.create(build)
         self.forget(sid)
-        self._roots[sid] = _Root(ns, fd)
+        self._roots[sid] = _Root(ns, _ns_id(ns), fd)
 
     def view(self, sid: str, bundle: Path) -> Path:
         """Where the daemon finds the sandbox's bundle with its mounts."""
@@ -92,12 +105,38 @@ class SandboxRoots:
     def init_fds(self, sid: str) -> dict[int, int]:
         """Descriptors for the sandbox's init beside its channel on fd 3."""
         root = self._roots.get(sid)
-        return {} if root is None else {NS_FD - 1: root.ns, NS_FD: root.ns}
+        if root is None or root.ns is None:
+            return {}
+        return {NS_FD - 1: root.ns, NS_FD: root.ns}
+
+    def settle(self, sid: str, init_pid: int) -> None:
+        """The sandbox's init (``init_pid``) runs and holds the namespace: the daemon's copy can go."""
+        root = self._roots.get(sid)
+        if root is None or root.ns is None:
+            return
+        ns = self._from_init(root.ns_id, init_pid)
+        if ns is None:
+            return  # keep ours: the init does not hold it (where it would, it is about to be killed)
+        os.close(ns)
+        os.close(root.ns)
+        root.ns, root.init_pid = None, init_pid
+
+    @staticmethod
+    def _from_init(ns_id: tuple[int, int] | None, init_pid: int) -> int | None:
+        """The init's descriptor of the namespace, if it is one (and the one expected)."""
+        try:
+            ns = os.open(f"/proc/{init_pid}/fd/{NS_FD}", os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            return None
+        if not is_mount_namespace(ns) or (ns_id is not None and _ns_id(ns) != ns_id):
+            os.close(ns)  # a recycled pid, or an init made before this existed
+            return None
+        return ns
 
     def starter(self, sid: str) -> Callable[[Sequence[str], Mapping[int, int]], Awaitable[int]] | None:
         """How to start a process in the sandbox's namespace (``proc.run``'s ``start``)."""
         root = self._roots.get(sid)
-        if root is None:
+        if root is None or root.ns is None:
             return None
         ns = root.ns
 
@@ -111,35 +150,42 @@ class SandboxRoots:
         root = self._roots.get(sid)
         if root is None:
             return await asyncio.to_thread(fn, *args)
-        return await self.namespaces.enter(root.ns, fn, *args)
+        if root.ns is not None:
+            return await self.namespaces.enter(root.ns, fn, *args)
+        ns = self._from_init(root.ns_id, root.init_pid) if root.init_pid is not None else None
+        if ns is None:
+            raise OSError(errno.ESRCH, f"sandbox {sid} no longer runs: its mounts are gone")
+        try:
+            return await self.namespaces.enter(ns, fn, *args)
+        finally:
+            os.close(ns)
 
     async def adopt(self, sid: str, bundle: Path, init_pid: int) -> bool:
         """After a restart: find the namespace of a running sandbox again through its init."""
         if sid in self._roots:
             return True
-        try:
-            ns = os.open(f"/proc/{init_pid}/fd/{NS_FD}", os.O_RDONLY | os.O_CLOEXEC)
-        except OSError:
+        ns = self._from_init(None, init_pid)
+        if ns is None:
             return False  # made with its mounts in the host's namespace
-        if not is_mount_namespace(ns):
-            os.close(ns)
-            return False
         try:
             fd = await self.namespaces.enter(ns, os.open, bundle, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
         except OSError as e:
-            os.close(ns)
             log.warning("%s: cannot reach its mounts again: %s", sid, e)
             return False
-        self._roots[sid] = _Root(ns, fd)
+        finally:
+            ns_id = _ns_id(ns)
+            os.close(ns)
+        self._roots[sid] = _Root(None, ns_id, fd, init_pid)
         return True
 
     async def unmount(self, sid: str, bundle: Path) -> None:
-        """Undo the mounts (where they are) and let go of the namespace."""
+        """Undo the mounts (where they are) and let go of the namespace. Called once the sandbox's
+        processes are gone: a namespace no process holds any more has taken its mounts with it."""
         root = self._roots.pop(sid, None)
         try:
             if root is None:
                 await asyncio.to_thread(unmount_rootfs, bundle)
-            else:
+            elif root.ns is not None:
                 await self.namespaces.enter(root.ns, unmount_rootfs, bundle)
         finally:
             if root is not None:
