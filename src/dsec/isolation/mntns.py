@@ -60,6 +60,15 @@ class MountNamespaces:
         self._local = threading.local()
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="dsec-mntns", initializer=self._own_fs)
 
+    _shared: MountNamespaces | None = None
+
+    @classmethod
+    def shared(cls) -> MountNamespaces:
+        """The process's one pool (the container kind and the function kind's backend share it)."""
+        if cls._shared is None:
+            cls._shared = cls()
+        return cls._shared
+
     def _own_fs(self) -> None:
         try:
             _check(_libc.unshare(CLONE_FS), "unshare(CLONE_FS)")

@@ -79,7 +79,7 @@ class ContainerBackend(ContainerFiles, PolicyNetwork, UserNamespaces):
         self.uid_slots = ctx.uid_slots
         self._userns_fds: dict[int, int] = {}
         self._channels: dict[str, AgentChannel] = {}
-        self.roots = SandboxRoots(MountNamespaces())
+        self.roots = SandboxRoots(MountNamespaces.shared())
         self._attach_locks: dict[str, asyncio.Lock] = {}
         # exec cgroups with background processes outlive a daemon restart: names must not repeat
         self._boot = secrets.token_hex(3)
