@@ -245,7 +245,7 @@ class AgentChannel:
         # The reader must have unregistered the socket from the event loop before the fd is closed:
         # a closed number is reused at once (often by a pidfd), and a late remove_reader on the old
         # registration would silently drop the new fd's events.
-        self.closed = True
         self._stop_reading()
+        self._fail_all()  # an exec still waiting for its start or exit learns the sandbox is gone
         with contextlib.suppress(OSError):
             self._sock.close()
