@@ -239,17 +239,18 @@ def signal_group(group: Path, sig: int) -> None:
 
 
 def group_pids(group: Path) -> list[int]:
+    """Every process in the group and its children; a child group that goes away meanwhile has none."""
     pids: list[int] = []
-    try:
-        for p in group.rglob("cgroup.procs"):
-            pids.extend(int(x) for x in p.read_text().split())
-    except (FileNotFoundError, ValueError):
-        pass
+    for parent, _, files in os.walk(group):
+        if "cgroup.procs" in files:
+            with contextlib.suppress(FileNotFoundError, ValueError):
+                pids.extend(int(x) for x in Path(parent, "cgroup.procs").read_text().split())
     return pids
 
 
 def remove_group(group: Path) -> bool:
-    """rmdir a group and its children, deepest first; False if something still lives in it."""
+    """rmdir a group and its children, deepest first; False if something still lives in it. Children that
+    vanish meanwhile (an exec's own group, removed by its exec as it ends) count as removed."""
     try:
         group.rmdir()  # the common case, a group without children: no walk through its files
         return True
@@ -258,18 +259,21 @@ def remove_group(group: Path) -> bool:
     except OSError:
         pass
     ok = True
-    for child in sorted((p for p in group.rglob("*") if p.is_dir()), key=lambda p: len(p.parts), reverse=True):
-        try:
-            child.rmdir()
-        except OSError:
-            ok = False
+    # bottom-up, and os.walk passes over a directory that is gone by the time it is listed
+    for parent, dirs, _ in os.walk(group, topdown=False):
+        for name in dirs:
+            ok = _rmdir(Path(parent, name)) and ok
+    return _rmdir(group) and ok
+
+
+def _rmdir(d: Path) -> bool:
     try:
-        group.rmdir()
+        d.rmdir()
     except FileNotFoundError:
-        pass
+        return True
     except OSError:
-        ok = False
-    return ok
+        return False
+    return True
 
 
 def describe_members(group: Path, most: int = 8) -> str:

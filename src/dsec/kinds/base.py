@@ -27,6 +27,21 @@ from .state import KindState
 OutputCallback = Callable[[str, bytes], None]
 
 MAX_FILE_READ = 256 << 20
+
+
+async def each_of(*steps: Awaitable[object]) -> None:
+    """Await every step in turn, going on past a failure (a teardown frees all it can), then raise the
+    first failure."""
+    failed: list[Exception] = []
+    for step in steps:
+        try:
+            await step
+        except Exception as e:
+            failed.append(e)
+    if failed:
+        raise failed[0]
+
+
 MAX_ARCHIVE = 512 << 20
 
 

@@ -40,7 +40,7 @@ from ...proc import run
 from ...protocol.network import NetworkSpec
 from ...protocol.sandbox import ExecRequest, ExecResult
 from ...store.records import SandboxRecord
-from ..base import BackendContext, OutputCallback
+from ..base import BackendContext, OutputCallback, each_of
 from ..execio import ExecIO
 from ..network import PolicyNetwork
 from . import agent, spec
@@ -333,11 +333,13 @@ class ContainerBackend(ContainerFiles, PolicyNetwork, UserNamespaces):
         # Without that cgroup (a creation that failed early) the runtime cleans up after itself.
         if not await asyncio.to_thread(self._kill_groups, rec, cg) and self.runtime:
             await run(self._runtime_argv("delete", "--force", rec.id), timeout=30)
-        await self._leave_network(rec)
-        await asyncio.to_thread(self._remove_groups, rec, cg)
         bundle = self.sandbox_dir / rec.id
-        await self.roots.unmount(rec.id, bundle)  # its processes are gone: nothing keeps a mount busy
-        await asyncio.to_thread(self._remove_files, rec, bundle)
+        await each_of(  # its processes are gone: nothing keeps a mount busy
+            self._leave_network(rec),
+            asyncio.to_thread(self._remove_groups, rec, cg),
+            self.roots.unmount(rec.id, bundle),
+            asyncio.to_thread(self._remove_files, rec, bundle),
+        )
 
     def _kill_groups(self, rec: SandboxRecord, cg: Path) -> bool:
         """Thaw and kill every process of the sandbox; False if it has no cgroup to do it through."""
