@@ -8,7 +8,7 @@ PY := $(VENV)/bin/python
 APT_PACKAGES := crun runc busybox-static catatonit mmdebstrap ca-certificates gcc libc6-dev erofs-utils e2fsprogs qemu-system-x86 nftables iproute2 postgresql docker-registry skopeo apache2-utils openssl podman
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint unit integration install system-deps clean bench
+.PHONY: demo test lint unit integration install system-deps clean bench e2b-conformance
 
 install: system-deps $(STAMP)
 
@@ -49,6 +49,12 @@ test: lint
 
 bench: install
 	$(VENV)/bin/dsec bench lifecycle --n 100 --json bench-lifecycle.json
+
+# E2B's own Python SDK suite against this checkout's E2B API (docs/e2b.md): nothing is fetched from E2B,
+# the checkout is given: E2B_REPO=/path/to/e2b make e2b-conformance
+e2b-conformance: install
+	@test -n "$(E2B_REPO)" || { echo "set E2B_REPO to a checkout of e2b-dev/E2B"; exit 2; }
+	$(PY) tools/e2b_conformance.py --repo "$(E2B_REPO)" --json e2b-conformance.json
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
