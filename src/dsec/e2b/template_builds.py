@@ -28,6 +28,7 @@ import blake3
 from ..core.dockerfile.build import DockerfileBuild
 from ..core.dockerfile.parse import Instruction
 from ..errors import DsecError, InvalidRequest, LimitExceeded, NotFound
+from ..images.store import normalize
 from ..protocol.names import check_name
 from ..protocol.sandbox import BuildStepResult, DockerfileBuildRequest
 from ..tenancy import Caller
@@ -223,6 +224,15 @@ class TemplateBuilds:
             if not isinstance(e, DsecError):
                 log.exception("E2B template build %s failed", build.id)
             self.store.finish(template, build, "error", reason, step)
+
+    async def in_use(self, images: list[str]) -> bool:
+        """Whether a live sandbox runs on one of ``images``."""
+        used = self.mgr.images_in_use()
+        for image in images:
+            tag = await self.mgr.images.catalog.tag(normalize(image))
+            if tag is not None and tag.digest in used:
+                return True
+        return False
 
     async def remove_images(self, images: list[str], caller: Caller) -> list[str]:
         """Remove what images it can; those still used (a live sandbox, a later template's base) stay."""

@@ -45,8 +45,9 @@ else
   mkdir -p "/home/$1" && chown "$uid:$uid" "/home/$1"
 fi
 """
-# a RUN that does nothing: the builder makes WORKDIR's directory for it, as Docker makes it
-NOTHING = ("/bin/sh", "-c", ":")
+# WORKDIR's directory ($1, from the workdir before it), made for the current account ($2) if it is new, so
+# that the account may write where its later steps run
+WORKDIR_SCRIPT = '[ -e "$1" ] || { mkdir -p -- "$1" && chown "$2" "$1"; }'
 
 
 @dataclass
@@ -173,8 +174,9 @@ def _step(w: _Writer, step: Step) -> None:
     elif step.type == "WORKDIR":
         if len(args) != 1 or not args[0]:
             raise InvalidRequest(f"step {w.step}: WORKDIR takes one path")
-        w.emit("WORKDIR " + escaped(args[0], f"step {w.step}: WORKDIR"))
-        w.emit("RUN " + _exec(*NOTHING))
+        line = "WORKDIR " + escaped(args[0], f"step {w.step}: WORKDIR")
+        w.as_user(ROOT, "RUN " + _exec("/bin/sh", "-c", WORKDIR_SCRIPT, "workdir", args[0], w.user))
+        w.emit(line)
     elif step.type == "USER":
         if len(args) != 1 or not ACCOUNT.fullmatch(args[0]):
             raise InvalidRequest(f"step {w.step}: USER takes an account name (lower case, at most 32 characters)")

@@ -188,6 +188,14 @@ class TemplateStore:
         self.save()
         return images
 
+    def forget(self, template: Template, builds: list[str]) -> None:
+        """Builds whose images are gone, and the tags that named them."""
+        for build in builds:
+            template.builds.pop(build, None)
+        for tag in [t for t, tagged in template.tags.items() if tagged.build not in template.builds]:
+            del template.tags[tag]
+        self.save()
+
     def delete(self, template: Template) -> None:
         self.data.templates.pop(template.id, None)
         self.save()

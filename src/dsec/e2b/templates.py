@@ -195,10 +195,13 @@ async def delete_template(template_id: TemplateId, tpl: Tpl, svc: Svc, caller: W
     template, _ = tpl.store.own(template_id, caller)
     if any(b.id in tpl.builds.tasks for b in template.builds.values()):
         raise InvalidRequest(f"template {template.name!r} is being built; delete it when the build ends")
-    images = [template.image(b.id) for b in template.builds.values() if b.status == "ready"]
-    kept = await tpl.builds.remove_images(images, caller)
+    images = {template.image(b.id): b.id for b in template.builds.values() if b.status == "ready"}
+    if await tpl.builds.in_use(list(images)):
+        raise ImageInUse(f"template {template.name!r} is used by a live sandbox; kill it first")
+    kept = await tpl.builds.remove_images(list(images), caller)
     if kept:
-        raise ImageInUse(f"template {template.name!r} is in use (by a sandbox, or as another template's base)")
+        tpl.store.forget(template, [build for image, build in images.items() if image not in kept])
+        raise ImageInUse(f"template {template.name!r} is another template's base; delete that one first")
     tpl.store.delete(template)
     return Response(status_code=204)
 
