@@ -26,8 +26,22 @@ from e2b.template.logger import LogEntry  # noqa: E402
 pytestmark = pytest.mark.timeout(300)
 
 
+MADE: list[str] = []  # the templates built here, removed at the end (newest first: a child before its base)
+
+
 def _name(what: str) -> str:
-    return f"t-{what}-{secrets.token_hex(4)}"
+    name = f"t-{what}-{secrets.token_hex(4)}"
+    MADE.append(name)
+    return name
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _remove_templates(e2b_env: dict[str, str]) -> Iterator[None]:
+    """The templates' images are in the suite's shared layer repository: not left there."""
+    yield
+    url, key = e2b_env["E2B_API_URL"], e2b_env["E2B_API_KEY"]
+    for name in reversed(MADE):
+        httpx.delete(f"{url}/templates/{name}", headers={"X-API-KEY": key}, timeout=60)
 
 
 @pytest.fixture(scope="module")
