@@ -13,6 +13,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+import dsec
+
 from .conftest import Daemon, scratch_dir
 from .pull_images import make_layer
 from .registry import OciLayout, Registry, push, start_registry
@@ -214,7 +216,7 @@ def test_tags_aliases_and_deletion(daemon: Daemon, e2b_env: dict[str, str], cont
     assert not Template.exists(name)
 
 
-def test_a_tenants_templates_are_its_own(daemon: Daemon, e2b_env: dict[str, str]) -> None:
+def test_a_tenants_templates_are_its_own(daemon: Daemon, e2b_env: dict[str, str], tmp_path: Path) -> None:
     op = daemon.client()
     suffix = secrets.token_hex(3)
     alice, bob = (op.create_tenant(f"tpl-{who}-{suffix}").token for who in ("alice", "bob"))
@@ -232,3 +234,9 @@ def test_a_tenants_templates_are_its_own(daemon: Daemon, e2b_env: dict[str, str]
         Template.assign_tags(f"{name}:default", "bobs", api_key=bob)
     with Sandbox.create(name, api_key=alice, timeout=60) as box:
         assert box.files.read("/home/user/mine") == "mine\n"
+    # bob's own image that shares the name's first part: alice's template does not change what it means
+    (tmp_path / "Dockerfile").write_text("FROM dsec/debian:12\nRUN echo bob > /bob\n")
+    dsec.Client(url=daemon.url, token=bob).build_dockerfile(f"{name}:bobs", tmp_path)
+    with Sandbox.create(f"{name}:bobs", api_key=bob, timeout=60) as box:
+        assert box.files.read("/bob") == "bob\n"
+    dsec.Client(url=daemon.url, token=bob).remove_image(f"{name}:bobs")

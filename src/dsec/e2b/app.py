@@ -102,6 +102,7 @@ def create_e2b_app(manager: SandboxManager, options: E2BOptions, state_dir: Path
         return control.unsupported(request)
 
     app.add_api_route("/{rest:path}", other, methods=["GET", "POST", "PUT", "PATCH", "DELETE"], include_in_schema=False)
+    app.add_middleware(templates.RequestScope)  # whose template a sandbox is created from
     # a volume's file is written to the volume as it arrives, bounded by the volume's quota
     app.add_middleware(BodyLimit, streamed=STREAMED)
     remembered = manager.metrics.remembered["e2b"] = Memory()

@@ -9,12 +9,17 @@ the image the tag names.
 
 from __future__ import annotations
 
+from collections.abc import MutableMapping
+from contextvars import ContextVar
 from pathlib import Path as FsPath
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Body, Depends, Path, Query, Request, Response
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from ..errors import ImageExists, ImageInUse, InvalidRequest
+from ..tenancy import Caller
+from ..web.auth import CALLER
 from . import control
 from . import template_models as tm
 from .control import Svc, Who, json_answer, parse
@@ -38,10 +43,38 @@ class E2BTemplates:
         self.store = TemplateStore(root / "templates.json")
         self.builds = TemplateBuilds(svc, self.store, root, key)
         self.svc = svc
-        svc.built = self.store.image_for  # Sandbox.create of a template's name, name:tag or id
+        svc.built = self.image_for  # Sandbox.create of a template's name, name:tag or id
+
+    def image_for(self, ref: str) -> str | None:
+        """The image of the template ``ref`` names, for the request being answered: a template the caller
+        may not use is none, so that no tenant's name changes what another tenant's name means."""
+        scope = REQUEST.get()
+        caller = scope.get("state", {}).get(CALLER) if scope is not None else None
+        found = self.store.find(ref)
+        if not isinstance(caller, Caller) or found is None or not caller.sees(found[0].owner):
+            return None
+        return self.store.image_for(ref)
 
     def reserved(self, name: str) -> bool:
         return name == DEFAULT_TEMPLATE or name in self.svc.options.templates
+
+
+REQUEST: ContextVar[MutableMapping[str, Any] | None] = ContextVar("dsec_e2b_request", default=None)
+
+
+class RequestScope:
+    """Keeps the request's ASGI scope where E2BTemplates.image_for finds its caller (named in the scope
+    by the routes' API key check) when a sandbox is created from a template."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        token = REQUEST.set(scope)
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            REQUEST.reset(token)
 
 
 def templates(request: Request) -> E2BTemplates:
@@ -137,7 +170,7 @@ async def build_status(
     limit: Annotated[int, Query(ge=0, le=100)] = 100,
     level: Annotated[str | None, Query(pattern=r"^(debug|info|warn|error)$")] = None,
 ) -> Response:
-    template, _ = tpl.store.visible(template_id, caller)
+    template, _ = tpl.store.own(template_id, caller)  # a build's log is its owner's, even of a shared template
     build = template.builds.get(build_id)
     if build is None:
         return control_error(InvalidRequest(f"template {template.name!r} has no build {build_id}"), 404)
