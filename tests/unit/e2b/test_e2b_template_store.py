@@ -136,3 +136,35 @@ def test_uploads_past_the_owners_bound_go_least_recently_used_first(tmp_path: Pa
         os.utime(tmp_path / f"{name}.tar", (t, t))
     _evict(tmp_path, 150, tmp_path / "new.tar")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["new.tar"]
+
+
+async def test_the_cluster_gateway_refuses_template_builds() -> None:
+    """Templates are one node's: the gateway's E2B API refuses their routes before any key or node, and
+    still passes a snapshot's deletion on."""
+    from dsec.cluster.e2b import E2BGateway, _template_build
+    from dsec.cluster.gateway import Gateway
+
+    gateway = E2BGateway(cast(Gateway, None))
+    for method, path in (
+        ("POST", "/v3/templates"),
+        ("GET", "/templates/abc/files/" + "a" * 64),
+        ("POST", "/v2/templates/abc/builds/b"),
+        ("GET", "/templates/abc/builds/b/status"),
+        ("GET", "/templates/aliases/app"),
+        ("POST", "/templates/tags"),
+        ("GET", "/templates/app/tags"),
+        ("DELETE", "/templates/tags"),
+    ):
+        sent: list[dict[str, object]] = []
+
+        async def send(message: dict[str, object], sent: list[dict[str, object]] = sent) -> None:
+            sent.append(message)
+
+        async def receive() -> dict[str, object]:
+            return {"type": "http.request", "body": b"", "more_body": False}
+
+        await gateway({"type": "http", "method": method, "path": path, "headers": []}, receive, send)
+        assert sent[0]["status"] == 400 and b"one node" in cast(bytes, sent[1]["body"]), path
+    assert not _template_build("DELETE", "/templates/e2b-snapshots/sb-1:123")
+    assert not _template_build("DELETE", "/templates/snap") and _template_build("DELETE", "/templates/tags")
+    assert not _template_build("POST", "/sandboxes") and not _template_build("GET", "/v2/sandboxes")
