@@ -178,6 +178,7 @@ class TemplateBuilds:
                 "from_gcp_registry) are not taken by dsec: builds pull with the node's registry credentials "
                 "(dsec serve --registry-auth), so that no tenant's secret is kept with a build"
             )
+        plan(start, "scratch", build.id)  # a step that cannot be one is the request's error, not the build's
         build.status = "building"
         self.store.save()
         task = asyncio.get_running_loop().create_task(self._run(template, build, start, caller))

@@ -168,3 +168,18 @@ async def test_the_cluster_gateway_refuses_template_builds() -> None:
     assert not _template_build("DELETE", "/templates/e2b-snapshots/sb-1:123")
     assert not _template_build("DELETE", "/templates/snap") and _template_build("DELETE", "/templates/tags")
     assert not _template_build("POST", "/sandboxes") and not _template_build("GET", "/v2/sandboxes")
+
+
+async def test_a_build_whose_steps_cannot_be_built_is_refused_when_it_is_started(tmp_path: Path) -> None:
+    from dsec.e2b.template_models import BuildStart
+
+    store = TemplateStore(tmp_path / "t.json")
+    template, build = store.new_build("app", ["default"], ALICE)
+    builds = TemplateBuilds(cast(E2BService, SimpleNamespace(mgr=None)), store, tmp_path, b"k" * 32)
+    bad = BuildStart.model_validate({"fromImage": "b", "steps": [{"type": "ENV", "args": ["A", "x\ny"]}]})
+    with pytest.raises(InvalidRequest, match="step 1"):
+        builds.start(template, build, bad, ALICE)
+    assert build.status == "waiting" and not builds.tasks
+    creds = BuildStart.model_validate({"fromImage": "r.example/x", "fromImageRegistry": {"type": "registry"}})
+    with pytest.raises(InvalidRequest, match="registry credentials"):
+        builds.start(template, build, creds, ALICE)
