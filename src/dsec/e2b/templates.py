@@ -30,7 +30,7 @@ from .template_builds import TemplateBuilds
 from .template_store import Template, TemplateStore, check_name, check_tag, split_name
 
 LEVELS = ("debug", "info", "warn", "error")
-TemplateId = Annotated[str, Path(max_length=300)]
+TemplateId = Annotated[str, Path(max_length=512)]
 BuildId = Annotated[str, Path(pattern=r"^[0-9a-f-]{36}$")]
 FilesHash = Annotated[str, Path(pattern=tm.HASH)]
 
