@@ -9,6 +9,7 @@ Each node daemon serves the E2B API itself (``dsec serve --e2b-listen``) and say
 - every call that names a sandbox (in its path, or in envd's ``E2b-Sandbox-Id`` header) is passed,
   streaming both ways, to the E2B listener of the node that holds it;
 - volumes (``/volumes``, ``/volumecontent``) are refused, as the node API's are: they are one node's;
+  so are E2B's template builds, tags and aliases (a snapshot's deletion, ``DELETE /templates/ID``, is not);
 - a sandbox's ports (E2B's ``get_host``: ``PORT-ID.DOMAIN``) are relayed by ports.py, and the answers
   that give a sandbox's domain give the gateway's (``--e2b-domain``), not the node's.
 
@@ -107,6 +108,12 @@ class E2BGateway:
                 InvalidRequest,
                 "named volumes are kept on one node's disk and cannot be used through the cluster gateway: "
                 "use a node's own E2B listener (docs/volumes.md)",
+            )
+        if _template_build(scope["method"], path):
+            raise Failure(
+                InvalidRequest,
+                "E2B templates are built and kept on one node (their builds, tags and uploads): build and use "
+                "them through a node's own E2B listener (docs/e2b.md)",
             )
         key = _header(scope, b"x-api-key").strip()
         if not key:
@@ -293,3 +300,14 @@ def _after(token: str) -> tuple[float, str]:
         return float(started), str(sandbox_id)
     except (ValueError, TypeError, binascii.Error):
         raise Failure(InvalidRequest, f"invalid nextToken {token[:40]!r}") from None
+
+
+def _template_build(method: str, path: str) -> bool:
+    """E2B's template API (the node's e2b/templates.py): every route under /templates but a template's
+    deletion (snapshots are templates to E2B, and their names may hold a '/'), and the versioned ones."""
+    parts = path.strip("/").split("/")
+    if parts[0] in ("v2", "v3") and parts[1:2] == ["templates"]:
+        return True
+    if parts[0] != "templates" or len(parts) < 2:
+        return False
+    return method != "DELETE" or parts[1] == "tags"

@@ -25,7 +25,7 @@ from ..web.idempotency import Idempotency, Memory
 from ..web.limits import BodyLimit
 
 # the services register their routes on envd.router as they are imported
-from . import control, envd, files, fs_service, process_service, volume_content, volumes  # noqa: F401
+from . import control, envd, files, fs_service, process_service, templates, volume_content, volumes  # noqa: F401
 from .auth import EnvdTokens, VolumeTokens, load_key
 from .errors import control_error, plain_error
 from .ports import E2BPorts
@@ -49,6 +49,7 @@ def create_e2b_app(manager: SandboxManager, options: E2BOptions, state_dir: Path
     key = load_key(state_dir)
     tokens = EnvdTokens(key)
     app.state.e2b = E2BService(manager, options, tokens, operator_token, VolumeTokens(key))
+    app.state.e2b_templates = templates.E2BTemplates(app.state.e2b, state_dir, key)
 
     @app.exception_handler(DsecError)
     async def _dsec(_: Request, exc: DsecError) -> Response:
@@ -75,7 +76,8 @@ def create_e2b_app(manager: SandboxManager, options: E2BOptions, state_dir: Path
         return plain_error(500, f"internal error: {type(exc).__name__}: {exc}")
 
     # /health, /process.Process/*, ...; /files; the control API; volumes and their contents
-    routers = (envd.router, files.router, control.router, volumes.router, volume_content.router)
+    # templates before control: its catch-all DELETE /templates/{id} must not take /templates/tags
+    routers = (envd.router, files.router, templates.router, control.router, volumes.router, volume_content.router)
     for router in routers:
         app.include_router(router)
 
@@ -100,6 +102,7 @@ def create_e2b_app(manager: SandboxManager, options: E2BOptions, state_dir: Path
         return control.unsupported(request)
 
     app.add_api_route("/{rest:path}", other, methods=["GET", "POST", "PUT", "PATCH", "DELETE"], include_in_schema=False)
+    app.add_middleware(templates.RequestScope)  # whose template a sandbox is created from
     # a volume's file is written to the volume as it arrives, bounded by the volume's quota
     app.add_middleware(BodyLimit, streamed=STREAMED)
     remembered = manager.metrics.remembered["e2b"] = Memory()

@@ -10,6 +10,7 @@ import secrets
 import time
 import urllib.parse
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -114,6 +115,8 @@ class E2BService:
         self._watchers: dict[str, dict[str, Watcher]] = {}
         self._accounts: dict[tuple[str, str], tuple[float, Account]] = {}  # (sandbox id, user) -> (when, account)
         self._creates = 0
+        # the image of an E2B template built on this node (templates.py), by its name, name:tag or id
+        self.built: Callable[[str], str | None] = lambda _: None
 
     # ---- templates -------------------------------------------------------------------------------
 
@@ -134,6 +137,7 @@ class E2BService:
                     raise InvalidRequest(
                         f"template {template_id!r}: {suffix!r} after '@' is not a sandbox kind ({', '.join(KINDS)})"
                     )
+                image = self.built(image) or image
         chosen = metadata.get(META_KIND) or kind or self.options.default_kind
         if chosen not in KINDS:
             raise InvalidRequest(f"metadata {META_KIND}={chosen!r} is not a sandbox kind ({', '.join(KINDS)})")

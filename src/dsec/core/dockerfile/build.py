@@ -15,6 +15,7 @@ import json
 import posixpath
 import tarfile
 import time
+from collections.abc import Callable
 from copy import copy as duplicate
 from dataclasses import dataclass
 
@@ -25,19 +26,21 @@ from ...images.canary import call_canaries
 from ...images.model import ImageConfig, LayerRef
 from ...images.scrub import ScrubRules
 from ...images.store import normalize
-from ...kinds.base import Backend
+from ...kinds.base import Backend, OutputCallback
 from ...protocol.build import LayerRole
 from ...protocol.sandbox import BuildResult, BuildStepResult, DockerfileBuildRequest, ExecRequest, LayerInfo
 from ...store.records import SandboxRecord
 from ...tenancy import OPERATOR, Caller
 from ..builds import BUILD_SCRUB, Builder, cache_root
 from .context import Entry, Tree, place
-from .parse import Dockerfile, Stage, global_scope, parse
+from .parse import Dockerfile, Instruction, Stage, global_scope, parse
 from .stage import Copy, Run, StageReader, is_glob
 from .words import expand
 
 RUN_TIMEOUT = 6 * 3600.0
 SCRATCH = "scratch"
+# told of each instruction as it starts (None) and of each step it made once done
+StepCallback = Callable[[Instruction, BuildStepResult | None], None]
 
 
 @dataclass
@@ -70,7 +73,18 @@ def needed(df: Dockerfile, target: Stage) -> list[Stage]:
 
 
 class DockerfileBuild:
-    def __init__(self, builder: Builder, req: DockerfileBuildRequest, caller: Caller = OPERATOR) -> None:
+    def __init__(
+        self,
+        builder: Builder,
+        req: DockerfileBuildRequest,
+        caller: Caller = OPERATOR,
+        *,
+        on_step: StepCallback | None = None,
+        on_output: OutputCallback | None = None,
+    ) -> None:
+        """``on_step`` and ``on_output`` (RUN's output as it is written) let a caller follow the build."""
+        self.on_step = on_step
+        self.on_output = on_output
         self.builder = builder
         self.images = builder.images
         self.req = req
@@ -140,6 +154,8 @@ class DockerfileBuild:
         reader = StageReader(self.df, stage, built.config, self.globals, self.req.args)
         for inst in stage.instructions:
             t0 = time.monotonic()
+            if self.on_step is not None:
+                self.on_step(inst, None)
             step = reader.step(inst)
             if step is None:
                 continue
@@ -157,6 +173,8 @@ class DockerfileBuild:
                     layer=LayerInfo(**ref.model_dump(mode="json")),
                 )
             )
+            if self.on_step is not None:
+                self.on_step(inst, self.steps[-1])
         built.config = reader.settings.config()
         return built
 
@@ -198,7 +216,9 @@ class DockerfileBuild:
             made = await self._put_secret(backend, rec, secret.target, value) if secret and value is not None else []
             try:
                 result = await backend.exec(
-                    rec, ExecRequest(cmd=run.argv, env=env, cwd=run.workdir, user=run.user, timeout=RUN_TIMEOUT)
+                    rec,
+                    ExecRequest(cmd=run.argv, env=env, cwd=run.workdir, user=run.user, timeout=RUN_TIMEOUT),
+                    on_output=self.on_output,
                 )
             except (InvalidRequest, NotFound) as e:  # e.g. USER names an account the image does not have
                 raise BuildFailed(f"{run.inst.where()}: {run.inst.text[:200]!r}: {e}") from None
