@@ -18,7 +18,7 @@ from typing import Any
 
 from ..errors import DsecError, InvalidRequest, Overloaded, error_from_wire, validation_message
 from ..protocol.names import PullPolicy
-from ..protocol.network import NetworkAllow, NetworkSpec
+from ..protocol.network import NetworkAllow, NetworkDeny, NetworkSpec
 from ..protocol.node import BatchCreate, BatchEvent
 from ..protocol.sandbox import CreateSandbox, Limits, SandboxInfo
 from .transport import Transport, new_key
@@ -34,7 +34,9 @@ def network_body(policy: NetworkSpec | dict[str, Any]) -> Any:
     if policy == "full":
         return "full"
     try:
-        raw = policy.model_dump() if isinstance(policy, NetworkAllow) else policy
+        raw = policy.model_dump() if isinstance(policy, NetworkAllow | NetworkDeny) else policy
+        if isinstance(raw, dict) and "deny" in raw:
+            return NetworkDeny.model_validate(raw).model_dump()
         return NetworkAllow.model_validate(raw).model_dump()
     except ValueError as e:
         raise InvalidRequest(validation_message(e)) from None
