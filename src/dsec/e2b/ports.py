@@ -22,8 +22,10 @@ from ..core.manager import SandboxManager
 from ..errors import DsecError, InvalidState, NotFound
 from ..web.port_relay import Hop, raw_path, refuse, relay, request_target
 from .auth import EnvdTokens
+from .control_lifecycle import auto_resumes
+from .control_models import DEFAULT_TIMEOUT
 from .errors import GONE_TEMPLATE
-from .hosts import ROUTING, TRAFFIC_HEADER, sandbox_port
+from .hosts import ROUTING, TRAFFIC_HEADER, masked_host, sandbox_port
 
 
 def e2b_error(e: DsecError) -> tuple[int, bytes]:
@@ -53,7 +55,7 @@ class E2BPorts:
                 await self.app(scope, receive, send)
                 return
             sandbox_id, port = where
-            hop = Hop(port, request_target(scope, raw_path(scope)), drop=ROUTING)
+            target = request_target(scope, raw_path(scope))
         except DsecError as e:
             await refuse(scope, send, *e2b_error(e))
             return
@@ -62,7 +64,12 @@ class E2BPorts:
             message = "a sandbox's ports need its traffic access token (trafficAccessToken) in e2b-traffic-access-token"
             await refuse(scope, send, *_body(403, message))
             return
+        rec = self.manager.sandboxes.find_live(sandbox_id)
+        hop = Hop(port, target, drop=ROUTING, host=masked_host(rec.labels if rec else {}, port))
         try:
+            if rec is not None and auto_resumes(rec):  # traffic wakes it, as E2B's autoResume does
+                await self.manager.resume(sandbox_id)
+                self.manager.set_timeout(sandbox_id, float(DEFAULT_TIMEOUT))
             sock = await self.manager.ports.reach(sandbox_id, port)
         except (NotFound, InvalidState):  # as E2B's proxy answers for a sandbox it cannot reach
             await refuse(scope, send, *_body(502, GONE_TEMPLATE.format(id=sandbox_id[:64])))

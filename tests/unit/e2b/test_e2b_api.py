@@ -20,7 +20,7 @@ from dsec.e2b.files import _gunzip
 from dsec.e2b.process_service import end_event
 from dsec.e2b.service import E2BOptions, E2BService
 from dsec.errors import InvalidRequest, LimitExceeded
-from dsec.protocol.network import NetworkAllow
+from dsec.protocol.network import NetworkAllow, NetworkDeny
 from dsec.protocol.sandbox import ExecResult
 
 from ...fakes.backend import FakeBackend
@@ -107,11 +107,17 @@ async def test_pages_and_metadata_filters(served: tuple[str, SandboxManager, Fak
             token = page.headers.get("x-next-token")
             if not token:
                 break
-        assert seen == ids  # oldest first, each once
+        assert seen == ids[::-1]  # newest first (E2B's order when none is named), each once
         one = await http.get("/v2/sandboxes", params={"metadata": "n=3"})
         assert [s["sandboxID"] for s in one.json()] == [ids[3]]
         desc = await http.get("/v2/sandboxes", params={"metadata": "p=1", "order": "desc"})
         assert [s["sandboxID"] for s in desc.json()] == ids[::-1]
+        asc = await http.get("/v2/sandboxes", params={"metadata": "p=1", "order": "asc", "limit": "3"})
+        assert [s["sandboxID"] for s in asc.json()] == ids[:3]
+        rest = await http.get(
+            "/v2/sandboxes", params={"metadata": "p=1", "order": "asc", "nextToken": asc.headers["x-next-token"]}
+        )
+        assert [s["sandboxID"] for s in rest.json()] == ids[3:]
 
 
 async def test_idempotent_creates_and_trajectory_positions(served: tuple[str, SandboxManager, FakeBackend]) -> None:
@@ -164,8 +170,16 @@ def test_network_mapping() -> None:
     spec = network_spec(None, NetworkConfig(allowOut=["1.2.3.0/24", "pypi.org"], denyOut=["0.0.0.0/0"]), "full")
     assert isinstance(spec, NetworkAllow) and spec.allow == ["1.2.3.0/24:*", "pypi.org:*"]
     assert network_spec(None, NetworkConfig(allowOut=["1.2.3.4"]), None) == "full"  # nothing denied
-    with pytest.raises(InvalidRequest, match="allowlists"):
-        network_spec(None, NetworkConfig(denyOut=["10.0.0.0/8"]), "full")
+    # denying some networks: "full" but those, allowOut reaching past them; dsec's own denials need no entry
+    spec = network_spec(
+        None, NetworkConfig(denyOut=["8.8.8.0/24", "169.254.169.254"], allowOut=["8.8.8.8", "pypi.org"]), "full"
+    )
+    assert spec == NetworkDeny(deny=["8.8.8.0/24:*"], allow=["8.8.8.8:*", "pypi.org:*"])
+    assert network_spec(None, NetworkConfig(denyOut=["127.0.0.1/32"]), None) == "full"
+    with pytest.raises(InvalidRequest, match="denyOut"):
+        network_spec(None, NetworkConfig(denyOut=["8.8.8.8/16"]), "full")  # host bits set
+    with pytest.raises(InvalidRequest, match="not a name"):
+        network_spec(None, NetworkConfig(denyOut=["example.com"]), "full")
     with pytest.raises(InvalidRequest, match="rules"):
         network_spec(None, NetworkConfig(rules={"x": 1}), "full")
 
