@@ -15,7 +15,8 @@ import pytest
 from dsec.core.manager import SandboxManager
 from dsec.e2b.auth import EnvdTokens
 from dsec.e2b.control import network_spec
-from dsec.e2b.control_models import NetworkConfig
+from dsec.e2b.control_lifecycle import on_timeout
+from dsec.e2b.control_models import NetworkConfig, NewSandbox
 from dsec.e2b.files import _gunzip
 from dsec.e2b.process_service import end_event
 from dsec.e2b.service import E2BOptions, E2BService
@@ -182,6 +183,27 @@ def test_network_mapping() -> None:
         network_spec(None, NetworkConfig(denyOut=["example.com"]), "full")
     with pytest.raises(InvalidRequest, match="rules"):
         network_spec(None, NetworkConfig(rules={"x": 1}), "full")
+
+
+def test_timeout_actions() -> None:
+    def action(**body: object) -> tuple[str, bool]:
+        return on_timeout(NewSandbox.model_validate({"templateID": "base", **body}))
+
+    assert action() == ("stop", False)
+    assert action(autoPause=True) == ("pause", False)
+    assert action(autoPause=True, autoPauseMemory=True, autoResume={"enabled": True}) == ("pause", True)
+    assert action(autoPause=True, autoResume={"enabled": False}) == ("pause", False)
+    assert action(lifecycle={"onTimeout": "pause", "autoResume": True}) == ("pause", True)
+    assert action(lifecycle={"onTimeout": {"action": "pause"}}) == ("pause", False)
+    assert action(lifecycle={"onTimeout": {"action": "kill"}}) == ("stop", False)
+    for refused, why in (
+        ({"autoPause": True, "autoPauseMemory": False}, "without memory"),
+        ({"lifecycle": {"onTimeout": {"action": "pause", "keep_memory": False}}}, "without memory"),
+        ({"autoResume": {"enabled": True}}, "autoResume needs"),
+        ({"lifecycle": {"onTimeout": "hibernate"}}, "kill or pause"),
+    ):
+        with pytest.raises(InvalidRequest, match=why):
+            action(**refused)
 
 
 def test_templates_and_options(fresh: Core, workdir: Path) -> None:
