@@ -136,6 +136,10 @@ def test_traffic_to_a_port_resumes_a_sandbox_made_with_auto_resume(
     box.commands.run('cp /dev/null /tmp/seen; nohup python3 -c "$SRV" >/dev/null 2>&1 &', envs={"SRV": _HOST_SERVER})
     fetch(listener, box.get_host(8100), "/", token)
     assert box.files.read("/tmp/seen") == "app.example.test:8100"
+    # the SDK's own calls wake it too
+    assert box.pause() is True
+    assert box.commands.run("echo awake").stdout == "awake\n"
+    assert box.get_info().state == SandboxState.RUNNING
     # without autoResume, traffic finds a paused sandbox gone (E2B's proxy answer)
     plain = Sandbox.create(timeout=120, lifecycle={"on_timeout": "pause"})
     boxes.append(plain)

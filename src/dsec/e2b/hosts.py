@@ -17,6 +17,7 @@ ENVD_PORT = 49983
 SANDBOX_HEADER = b"e2b-sandbox-id"
 PORT_HEADER = b"e2b-sandbox-port"
 TRAFFIC_HEADER = b"e2b-traffic-access-token"
+ACCESS_HEADER = b"x-access-token"  # envd's: the sandbox's access token
 ROUTING = frozenset({SANDBOX_HEADER, PORT_HEADER, TRAFFIC_HEADER})  # end at the proxy, never reach the server
 # E2B's maskRequestHost, kept as a label of the sandbox: the Host its servers are told, ${PORT} the port
 META_MASK_HOST = "dsec.e2b.mask-host"
