@@ -99,6 +99,8 @@ class Lifecycle:
                 raise InvalidRequest(f"kind {req.kind!r} is not available on this node: {why}")
             self.kinds.check(req.kind)  # raises the precise "not available" / "unknown" error
             raise InvalidRequest(f"kind {req.kind!r} is not enabled on this node")
+        if req.on_timeout == "pause" and not backends[req.kind].can_pause():
+            raise InvalidRequest(f"on_timeout 'pause': sandboxes of kind {req.kind!r} cannot be paused")
         if req.limits.memory > host_memory():
             raise InvalidRequest(f"memory limit {req.limits.memory} exceeds this node's {host_memory()} bytes")
         # refused now (too big for the node or the tenant's quota) rather than after an image build
@@ -321,8 +323,16 @@ class Lifecycle:
         expired_at, rec.expires_at = rec.expires_at, time.time() + MAX_TTL_S  # a running one is paused, not gone
         try:
             await self.pause(rec.id)
-        except BaseException:
+        except InvalidState:
             rec.expires_at = expired_at  # a command started meanwhile: a later pass
+            return
+        except DsecError as e:
+            rec.expires_at = expired_at
+            if rec.state == State.running:
+                await self.stop(rec.id, f"time to live expired; it could not be paused: {e}")
+            return
+        except BaseException:
+            rec.expires_at = expired_at
             raise
         self.sandboxes.save(rec)
         log.info("sandbox %s reached its time to live: paused", rec.id)

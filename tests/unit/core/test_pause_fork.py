@@ -121,6 +121,8 @@ async def test_a_kind_that_cannot_pause_or_fork_says_so(fresh: Core) -> None:
         with pytest.raises(InvalidRequest, match="memory snapshot"):
             await mgr.fork(sid, ForkRequest(n=2))
         assert [s.id for s in mgr.list()] == [sid]  # and no half-made copies
+        with pytest.raises(InvalidRequest, match=r"on_timeout 'pause'.*cannot be paused"):
+            await _create(mgr, on_timeout="pause")
     finally:
         await mgr.close()
 
@@ -264,3 +266,19 @@ async def test_a_command_running_at_the_timeout_delays_the_pause_within_a_grace(
     backend.exec_gate.set()
     with contextlib.suppress(Exception):
         await held
+
+
+async def test_a_sandbox_that_fails_to_pause_at_its_timeout_is_stopped(
+    machine: tuple[SandboxManager, MachineFake],
+) -> None:
+    mgr, backend = machine
+    sid = await _create(mgr, on_timeout="pause")
+
+    async def broken(rec: SandboxRecord) -> None:
+        raise BackendError("the freezer is stuck")
+
+    backend.pause = broken  # type: ignore[method-assign]
+    mgr.sandboxes.get(sid).expires_at = time.time() - 1
+    await mgr.reap_once()
+    info = mgr.info(sid)
+    assert info.state == State.stopped and "could not be paused: the freezer is stuck" in (info.reason or "")
