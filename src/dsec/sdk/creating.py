@@ -20,7 +20,7 @@ from ..errors import DsecError, InvalidRequest, Overloaded, error_from_wire, val
 from ..protocol.names import PullPolicy
 from ..protocol.network import NetworkAllow, NetworkDeny, NetworkSpec
 from ..protocol.node import BatchCreate, BatchEvent
-from ..protocol.sandbox import CreateSandbox, Limits, SandboxInfo
+from ..protocol.sandbox import CreateSandbox, Limits, OnTimeout, SandboxInfo
 from .transport import Transport, new_key
 
 log = logging.getLogger("dsec.sdk")
@@ -54,6 +54,7 @@ def create_body(
     queue_timeout: float | None,
     volumes: Mapping[str, str | tuple[str, str]] | None = None,
     pull: PullPolicy = "if-not-present",
+    on_timeout: OnTimeout = "stop",
 ) -> dict[str, Any]:
     """The JSON of a CreateSandbox, validated locally for a clear error before the round trip."""
     limits = {k: v for k, v in limits.items() if v is not None}
@@ -66,6 +67,8 @@ def create_body(
         body["queue_timeout"] = queue_timeout
     if pull != "if-not-present":  # the default is left out: a node from before pull policies accepts the body
         body["pull"] = pull
+    if on_timeout != "stop":  # likewise
+        body["on_timeout"] = on_timeout
     if limits:
         body["limits"] = limits
     if volumes:
