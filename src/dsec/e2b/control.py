@@ -21,7 +21,7 @@ from pydantic import ValidationError, WithJsonSchema
 
 from ..errors import InvalidRequest, validation_message
 from ..protocol.sandbox import CreateSandbox, Limits, SandboxInfo, State
-from ..protocol.types import TIME_SCHEMA
+from ..protocol.types import MAX_LABELS, TIME_SCHEMA
 from ..protocol.volumes import Mode
 from ..tenancy import Caller
 from ..web import telemetry
@@ -67,6 +67,10 @@ def _limits(metadata: dict[str, str]) -> Limits:
 
 
 def _refuse_unsupported(body: m.NewSandbox) -> None:
+    if reserved := [k for k in body.metadata if k.startswith(META_E2B)]:
+        raise InvalidRequest(f"metadata key {reserved[0][:80]!r}: keys {META_E2B}* are dsec's own")
+    if len(body.metadata) > MAX_LABELS - 3:
+        raise InvalidRequest(f"metadata: at most {MAX_LABELS - 3} keys")
     for value, what in ((body.mcp, "mcp"), (body.iam, "iam")):
         if value:
             raise InvalidRequest(f"{what} {UNSUPPORTED}")

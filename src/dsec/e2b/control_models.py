@@ -63,8 +63,13 @@ DenyAll = Annotated[
 # word for (their values checked as a sandbox's limits are)
 METADATA_SCHEMA = {
     "type": "object",
-    "maxProperties": MAX_LABELS - 1,
-    "propertyNames": {"type": "string", "minLength": 1, "maxLength": MAX_LABEL_KEY},
+    "maxProperties": MAX_LABELS - 3,  # this layer's own labels: the template, auto-resume, the masked host
+    "propertyNames": {
+        "type": "string",
+        "minLength": 1,
+        "maxLength": MAX_LABEL_KEY,
+        "not": {"pattern": "^dsec\\.e2b\\."},
+    },
     "additionalProperties": {"type": "string", "maxLength": MAX_LABEL_VALUE},
     "properties": {
         "dsec.kind": {"enum": list(KINDS)},

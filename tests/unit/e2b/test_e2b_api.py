@@ -86,6 +86,14 @@ async def test_control_api_errors(served: tuple[str, SandboxManager, FakeBackend
         assert (await http.get("/v2/sandboxes", params={"state": "exploded"})).status_code == 400
         assert (await http.get("/v2/sandboxes", params={"nextToken": "!!"})).status_code == 400
         assert (await http.get("/secrets")).status_code == 501
+        reserved = await http.post(
+            "/v2/sandboxes", json={"templateID": IMAGE, "metadata": {"dsec.e2b.mask-host": "a\r\nb: c"}}
+        )
+        assert reserved.status_code == 400 and "dsec's own" in reserved.json()["message"]
+        many = await http.post(
+            "/v2/sandboxes", json={"templateID": IMAGE, "metadata": {str(i): "v" for i in range(62)}}
+        )
+        assert many.status_code == 400 and "at most 61 keys" in many.json()["message"]
         assert (await http.post("/sandboxes/sb-nope/timeout", json={"timeout": 5})).status_code == 404
         # a method a path of ours does not have: a 405 naming every method it has (not E2B's 501)
         for method in ("DELETE", "TRACE"):
