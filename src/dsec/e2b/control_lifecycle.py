@@ -29,7 +29,7 @@ META_AUTO_RESUME = "dsec.e2b.auto-resume"  # "true": traffic to its ports resume
 NO_MEMORY = (
     "a pause without memory (mode='filesystem', keep_memory=False: autoPauseMemory or memory false) "
     + UNSUPPORTED
-    + ": dsec's pause keeps the sandbox's memory and processes; pause with keep_memory left out"
+    + ": dsec's pause keeps the sandbox's memory and processes; leave mode (keep_memory) out"
 )
 
 
@@ -39,7 +39,11 @@ def on_timeout(body: m.NewSandbox) -> tuple[OnTimeout, bool]:
     pause = body.auto_pause
     action = body.lifecycle.on_timeout if body.lifecycle is not None else None
     if isinstance(action, dict):
-        if action.get("keep_memory") is False or action.get("keepMemory") is False:
+        if (
+            action.get("keep_memory") is False
+            or action.get("keepMemory") is False
+            or action.get("mode") == "filesystem"
+        ):
             raise InvalidRequest(NO_MEMORY)
         action = action.get("action")
     if action not in (None, "kill", "pause"):
@@ -47,7 +51,7 @@ def on_timeout(body: m.NewSandbox) -> tuple[OnTimeout, bool]:
     pause = pause or action == "pause"
     if body.auto_pause_memory is False and pause:
         raise InvalidRequest(NO_MEMORY)
-    resume = body.auto_resume if body.auto_resume is not None else None
+    resume = body.auto_resume
     if resume is None and body.lifecycle is not None:
         resume = body.lifecycle.auto_resume
     enabled = resume.get("enabled") is True if isinstance(resume, dict) else resume is True
