@@ -49,7 +49,7 @@ from .errors import (
 from .protocol.build import BuildSpec, ImageSpec
 from .protocol.code import CodeError, CodeResult
 from .protocol.grade import GradeResult
-from .protocol.network import NetworkAllow
+from .protocol.network import NetworkAllow, NetworkDeny
 from .protocol.pools import WarmPoolInfo, WarmPoolSpec
 from .protocol.pull import PullProgress, PushResult
 from .protocol.run import PoolInfo, RunResult
@@ -103,6 +103,7 @@ __all__ = [
     "LimitExceeded",
     "MethodNotAllowed",
     "NetworkAllow",
+    "NetworkDeny",
     "NetworkStatus",
     "NotFound",
     "Overloaded",

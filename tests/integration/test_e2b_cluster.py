@@ -52,10 +52,13 @@ def test_the_sdk_through_the_gateway_reaches_every_node(cluster: Cluster) -> Non
         with pytest.raises(CommandExitException):
             sleeper.wait()
         pages = Sandbox.list(query=SandboxQuery(metadata={"run": tag}), limit=3, **cluster.opts())
-        seen = [s.sandbox_id for s in pages.next_items()]
-        assert len(seen) == 3 and pages.has_next
-        seen += [s.sandbox_id for s in pages.next_items()]
+        listed = pages.next_items()
+        assert len(listed) == 3 and pages.has_next
+        listed += pages.next_items()
+        seen = [s.sandbox_id for s in listed]
         assert sorted(seen) == sorted(b.sandbox_id for b in boxes) and not pages.has_next
+        started = [s.started_at for s in listed]
+        assert started == sorted(started, reverse=True)  # merged newest first, E2B's order when none is named
         info = Sandbox.get_info(boxes[2].sandbox_id, **cluster.opts())
         assert info.metadata == {"run": tag} and info.state.value == "running"
         boxes[3].set_timeout(120)

@@ -94,10 +94,10 @@ def test_clear_errors_for_bad_input_and_unsupported_features(e2b_env: dict[str, 
         Sandbox.create(metadata={"dsec.memory": "lots"})
     with pytest.raises(SandboxException, match="400"):
         Sandbox.create(timeout=30 * 24 * 3600)
-    with pytest.raises(SandboxException, match=r"autoPause.*not supported"):
-        Sandbox.create(lifecycle={"on_timeout": "pause"})
-    with pytest.raises(SandboxException, match=r"denyOut.*not supported"):
-        Sandbox.create(network={"deny_out": ["10.0.0.0/8"]})
+    with pytest.raises(SandboxException, match=r"without memory.*not supported"):
+        Sandbox.create(lifecycle={"on_timeout": {"action": "pause", "mode": "filesystem"}})
+    with pytest.raises(SandboxException, match=r"denyOut.*not a name"):
+        Sandbox.create(network={"deny_out": ["example.com"], "allow_public_traffic": False})
     with pytest.raises(SandboxNotFoundException):
         Sandbox.connect("sb-000000000000")
     with pytest.raises(SandboxNotFoundException):

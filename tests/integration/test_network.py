@@ -320,6 +320,40 @@ def test_full_reaches_out_but_never_the_unreachable_set(make: Callable[..., dsec
     assert sb.network_status().denied_packets > 0
 
 
+def test_a_deny_list_is_full_but_what_it_denies(make: Callable[..., dsec.Sandbox], host_listener: int) -> None:
+    neighbour = make(network={"allow": []})
+    sb = make(network={"deny": [f"{EXT_A}:*", f"{EXT_B}:8081"], "allow": ["ext.test:8080"]})
+    status = sb.network_status()
+    assert status.policy == dsec.NetworkDeny(deny=[f"{EXT_A}:*", f"{EXT_B}:8081"], allow=["ext.test:8080"])
+    before = status.denied_packets
+    found = probe(
+        sb,
+        f"tcp:{EXT_A}:8080",  # denied until the allowed name resolves to it
+        f"tcp:{EXT_A}:8081",
+        f"udp:{EXT_A}:8080",
+        f"tcp:{EXT_B}:8080",
+        f"udp:{EXT_B}:8080",
+        f"tcp:{EXT_B}:8081",
+        f"tcp:{EXT_P}:8080",  # private: "full"'s denials hold under a deny list
+        "dns:other.test",
+        *unreachable_specs(status, host_listener, neighbour.network_status().address or ""),
+    )
+    assert found.pop(f"tcp:{EXT_B}:8080") == "open"
+    assert found.pop(f"udp:{EXT_B}:8080") == "open"
+    assert found.pop("dns:other.test") == EXT_B  # names resolve as under "full"
+    assert not reached(found), found
+    assert sb.network_status().denied_packets > before
+    # the allowed name opens its port past the deny list, and only that port
+    assert probe(sb, "dns:ext.test")["dns:ext.test"] == EXT_A
+    opened = probe(sb, f"tcp:{EXT_A}:8080", f"tcp:{EXT_A}:8081")
+    assert opened == {f"tcp:{EXT_A}:8080": "open", f"tcp:{EXT_A}:8081": opened[f"tcp:{EXT_A}:8081"]}
+    assert opened[f"tcp:{EXT_A}:8081"] != "open"
+    # changed while it runs: the open flow's next packet follows the new list
+    sb.set_network({"deny": [f"{EXT_B}:*"]})
+    again = probe(sb, f"tcp:{EXT_A}:8081", f"tcp:{EXT_B}:8080")
+    assert again[f"tcp:{EXT_A}:8081"] == "open" and again[f"tcp:{EXT_B}:8080"] != "open"
+
+
 def test_policy_changes_on_a_running_sandbox_both_ways(make: Callable[..., dsec.Sandbox]) -> None:
     sb = make()
     target = f"tcp:{EXT_B}:8081"

@@ -230,7 +230,7 @@ class E2BGateway:
         """Every node's list, merged in the order asked, paged here with a token of the gateway's."""
         params = dict(parse_qsl(query(scope)))
         after, limit = params.pop("nextToken", None), params.pop("limit", None)
-        desc = params.get("order") == "desc"
+        desc = params.get("order") != "asc"  # E2B's default order is newest first
         items: list[dict[str, Any]] = []
         for node in self.gw.nodes.routable():
             http = self.client(node)

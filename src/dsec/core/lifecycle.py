@@ -40,6 +40,9 @@ WAITING_EVERY = 1.0  # s between updates of what it waits for
 log = logging.getLogger("dsec.core")
 
 KEEP_FINISHED_S = 24 * 3600.0
+# a sandbox that pauses at its time to live but runs a command then is paused at a later pass; past
+# this grace it is stopped instead (the time to live bounds what it holds)
+PAUSE_GRACE_S = 30.0
 MAX_CONCURRENT_CREATES = 32
 
 
@@ -96,6 +99,8 @@ class Lifecycle:
                 raise InvalidRequest(f"kind {req.kind!r} is not available on this node: {why}")
             self.kinds.check(req.kind)  # raises the precise "not available" / "unknown" error
             raise InvalidRequest(f"kind {req.kind!r} is not enabled on this node")
+        if req.on_timeout == "pause" and not backends[req.kind].can_pause():
+            raise InvalidRequest(f"on_timeout 'pause': sandboxes of kind {req.kind!r} cannot be paused")
         if req.limits.memory > host_memory():
             raise InvalidRequest(f"memory limit {req.limits.memory} exceeds this node's {host_memory()} bytes")
         # refused now (too big for the node or the tenant's quota) rather than after an image build
@@ -143,6 +148,7 @@ class Lifecycle:
         rec.network = req.network
         rec.node = self.node_name
         rec.trajectory = req.trajectory or None
+        rec.on_timeout = req.on_timeout
         return rec
 
     async def create_on(
@@ -282,10 +288,54 @@ class Lifecycle:
         self.sandboxes.records.flush()
         for rec in self.sandboxes.live():
             if rec.state in (State.running, State.paused) and rec.expires_at <= now:
-                log.info("sandbox %s reached its time to live", rec.id)
                 with contextlib.suppress(DsecError):
-                    await self.stop(rec.id, "time to live expired")
+                    await self._expired(rec, now)
         self.sandboxes.store.delete_older_than(now - KEEP_FINISHED_S, set(TERMINAL_STATES))
+
+    async def expire(self, sandbox_id: str, *, caller: Caller = OPERATOR) -> SandboxInfo:
+        """Reach the time to live now: what the reaper does at its end (stop, or pause). Allowed in:
+        running, paused."""
+        rec = self.sandboxes.get(sandbox_id, caller)
+        if rec.state in TERMINAL_STATES:
+            raise gone(rec)
+        if rec.state not in (State.running, State.paused):
+            raise InvalidState(f"sandbox {rec.id} is {rec.state.value}", detail={"state": rec.state.value})
+        now = time.time()
+        rec.expires_at = min(rec.expires_at, now)
+        self.sandboxes.save(rec)
+        await self._expired(rec, now)
+        return rec.info()
+
+    async def _expired(self, rec: SandboxRecord, now: float) -> None:
+        """A sandbox past its time to live: stopped; or, if it pauses at its time to live and runs, paused
+        and kept paused for up to the longest time to live (stopped if it cannot be paused in time)."""
+        if rec.on_timeout != "pause" or rec.state != State.running:
+            log.info("sandbox %s reached its time to live", rec.id)
+            await self.stop(rec.id, "time to live expired")
+            return
+        busy = self.sandboxes.commands_running(rec.id)
+        if busy and now - rec.expires_at < PAUSE_GRACE_S:
+            return  # paused at a later pass, once its commands are done
+        if busy:
+            why = f"time to live expired; not paused: {busy} command(s) still ran {PAUSE_GRACE_S:g} s after it"
+            await self.stop(rec.id, why)
+            return
+        expired_at, rec.expires_at = rec.expires_at, time.time() + MAX_TTL_S  # a running one is paused, not gone
+        try:
+            await self.pause(rec.id)
+        except InvalidState:
+            rec.expires_at = expired_at  # a command started meanwhile: a later pass
+            return
+        except DsecError as e:
+            rec.expires_at = expired_at
+            if rec.state == State.running:
+                await self.stop(rec.id, f"time to live expired; it could not be paused: {e}")
+            return
+        except BaseException:
+            rec.expires_at = expired_at
+            raise
+        self.sandboxes.save(rec)
+        log.info("sandbox %s reached its time to live: paused", rec.id)
 
     async def remove_tenant(self, name: str) -> tuple[float, builtins.list[str]]:
         """Revoke the tenant's token at once, then kill its live sandboxes; its images stay, owned."""

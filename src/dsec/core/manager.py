@@ -315,6 +315,9 @@ class SandboxManager:
     ) -> ExecResult:
         return await self.lifecycle.exec(sandbox_id, req, on_output, caller=caller, io=io)
 
+    async def expire(self, sandbox_id: str, *, caller: Caller = OPERATOR) -> SandboxInfo:
+        return await self.lifecycle.expire(sandbox_id, caller=caller)
+
     async def pause(self, sandbox_id: str, *, caller: Caller = OPERATOR) -> SandboxInfo:
         return await self.lifecycle.pause(sandbox_id, caller=caller)
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
@@ -29,6 +30,7 @@ log = logging.getLogger("dsec.usage")
 
 SAMPLE_S = 2.0
 DEFAULT_EVICT_AT = 0.95
+HISTORY = 300  # samples kept per sandbox (10 minutes at SAMPLE_S): the series E2B's metrics answer from
 
 
 @dataclass(slots=True)
@@ -37,6 +39,15 @@ class Usage:
     memory: int
     at: float
     cpu_used: float = 0.0  # cores, over the last interval
+
+
+@dataclass(frozen=True, slots=True)
+class Sample:
+    """One point of a sandbox's usage series, at a wall-clock time (what callers ask ranges of)."""
+
+    at: float
+    cpu_used: float
+    memory: int
 
 
 def host_pressure() -> float:
@@ -61,6 +72,7 @@ class UsageMonitor:
         self.evict = evict  # sandbox id, why
         self.evict_at = evict_at
         self.usage: dict[str, Usage] = {}
+        self.history: dict[str, deque[Sample]] = {}  # sandbox id -> its last HISTORY samples, oldest first
         self.pressure = 0.0
         self.evictions = 0
         self.on_sample: Callable[[str, float], None] | None = None  # kind, cpu used / requested
@@ -87,6 +99,7 @@ class UsageMonitor:
                 paths[rec.id] = path
         if not paths:
             self.usage.clear()
+            self.history.clear()
             self.pressure = await asyncio.to_thread(host_pressure)
             return
         read = await asyncio.to_thread(self._read, paths)
@@ -102,8 +115,28 @@ class UsageMonitor:
                     self.on_sample(owner.kind, u.cpu_used / owner.limits.cpu)
             fresh[sid] = u
         self.usage = fresh
+        self._record(fresh)
         sandboxes = sum(u.memory for u in fresh.values()) / max(1, self.sandboxes.admission.capacity.memory)
         self.pressure = max(await asyncio.to_thread(host_pressure), sandboxes)
+
+    def _record(self, fresh: dict[str, Usage]) -> None:
+        """Append this pass to each sandbox's series; the series of sandboxes no longer sampled go."""
+        wall = time.time()
+        for sid in [s for s in self.history if s not in fresh]:
+            del self.history[sid]
+        for sid, u in fresh.items():
+            series = self.history.get(sid)
+            if series is None:
+                series = self.history[sid] = deque(maxlen=HISTORY)
+            series.append(Sample(wall, u.cpu_used, u.memory))
+
+    def series(self, sandbox_id: str, start: float | None = None, end: float | None = None) -> list[Sample]:
+        """The sandbox's kept samples taken within [start, end] (wall-clock seconds; None: unbounded)."""
+        return [
+            s
+            for s in self.history.get(sandbox_id, ())
+            if (start is None or s.at >= start) and (end is None or s.at <= end)
+        ]
 
     def used(self) -> tuple[float, int]:
         return sum(u.cpu_used for u in self.usage.values()), sum(u.memory for u in self.usage.values())

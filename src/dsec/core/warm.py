@@ -130,7 +130,7 @@ class WarmPools:
         before = (rec.pool, rec.created_at, rec.expires_at, rec.labels, rec.env, rec.image, rec.timings)
         rec.pool, rec.owner, rec.image = None, caller.tenant, image.name
         rec.created_at, rec.expires_at = now, now + req.timeout
-        rec.labels, rec.env = dict(req.labels), dict(req.env)
+        rec.labels, rec.env, rec.on_timeout = dict(req.labels), dict(req.env), req.on_timeout
         seconds = round(time.monotonic() - started, 6)
         rec.timings = {"queue": 0.0, "claim": seconds, "total": seconds}
         try:

@@ -16,6 +16,7 @@ from ..protocol.network import ALLOW_DESTINATION
 from ..protocol.sandbox import KINDS, MAX_TTL_S, TRAJECTORY_ID
 from ..protocol.types import MAX_LABEL_KEY, MAX_LABEL_VALUE, MAX_LABELS, PATH_MAX, Env
 from ..protocol.volumes import MAX_VOLUMES, MOUNT_PATH, RESERVED_PATTERN, VOLUME_NAME, VolumeName
+from .hosts import MASK_HOST, MAX_MASK_HOST
 
 # the envd version this layer speaks: the SDK turns features on by it (octet-stream uploads from 0.5.7,
 # file metadata from 0.6.2, watch entries from 0.6.3, network-mount watches from 0.6.4)
@@ -28,8 +29,8 @@ MAX_TIMEOUT = int(MAX_TTL_S)
 TEMPLATE_ID = rf"^{NAME_BODY}(@(?:{'|'.join(KINDS)}))?$"
 MAX_TEMPLATE_ID = MAX_REFERENCE  # an image name's bound: with '@KIND' the name is shorter, without it as long
 # What the schema states of what dsec cannot honour: absent, null or empty (the routes refuse the rest
-# with a 400 that says so); of network egress: allowOut entries are destinations, and denyOut must deny
-# everything (0.0.0.0/0) for allowOut to be an allowlist.
+# with a 400 that says so); of network egress: allowOut entries are destinations, denyOut entries
+# networks or addresses.
 UNSUPPORTED = WithJsonSchema({"type": "null", "description": "Not supported by dsec (docs/e2b.md)."})
 Destinations = Annotated[
     list[str] | None,
@@ -46,13 +47,13 @@ Destinations = Annotated[
         }
     ),
 ]
+# denyOut: networks and addresses (0.0.0.0/0: everything, allowOut then an allowlist)
 DenyAll = Annotated[
     list[str] | None,
     WithJsonSchema(
         {
             "anyOf": [
-                {"type": "array", "maxItems": 256, "items": {"type": "string"}, "contains": {"enum": ["0.0.0.0/0"]}},
-                {"type": "array", "maxItems": 0},
+                {"type": "array", "maxItems": 256, "items": {"type": "string", "maxLength": 43}},
                 {"type": "null"},
             ]
         }
@@ -62,8 +63,13 @@ DenyAll = Annotated[
 # word for (their values checked as a sandbox's limits are)
 METADATA_SCHEMA = {
     "type": "object",
-    "maxProperties": MAX_LABELS - 1,
-    "propertyNames": {"type": "string", "minLength": 1, "maxLength": MAX_LABEL_KEY},
+    "maxProperties": MAX_LABELS - 3,  # this layer's own labels: the template, auto-resume, the masked host
+    "propertyNames": {
+        "type": "string",
+        "minLength": 1,
+        "maxLength": MAX_LABEL_KEY,
+        "not": {"pattern": "^dsec\\.e2b\\."},
+    },
     "additionalProperties": {"type": "string", "maxLength": MAX_LABEL_VALUE},
     "properties": {
         "dsec.kind": {"enum": list(KINDS)},
@@ -92,18 +98,44 @@ class NetworkConfig(_In):
     allow_out: Destinations = Field(None, alias="allowOut")
     deny_out: DenyAll = Field(None, alias="denyOut")
     allow_public_traffic: bool | None = Field(None, alias="allowPublicTraffic")
-    mask_request_host: Annotated[str | None, UNSUPPORTED] = Field(None, alias="maskRequestHost")
+    mask_request_host: Annotated[
+        str | None,
+        WithJsonSchema({"type": "string", "maxLength": MAX_MASK_HOST, "pattern": MASK_HOST}),
+    ] = Field(None, alias="maskRequestHost", description="The Host header the sandbox's servers are told.")
     rules: Annotated[Any, UNSUPPORTED] = None
     egress_proxy: Annotated[Any, UNSUPPORTED] = Field(None, alias="egressProxy")
     dns_servers: Annotated[Any, UNSUPPORTED] = Field(None, alias="dnsServers")
     https_ports: Annotated[Any, UNSUPPORTED] = Field(None, alias="httpsPorts")
 
 
+# what a timeout does: kill, or pause (keeping memory: dsec has no filesystem-only pause)
+ON_TIMEOUT_SCHEMA = {
+    "anyOf": [
+        {"enum": [None, "kill", "pause"]},
+        {
+            "type": "object",
+            "properties": {"action": {"enum": ["kill", "pause"]}, "keep_memory": {"enum": [None, True]}},
+            "required": ["action"],
+        },
+    ]
+}
+AutoResume = Annotated[
+    Any,
+    WithJsonSchema(
+        {
+            "anyOf": [
+                {"type": "object", "properties": {"enabled": {"type": "boolean"}}},
+                {"type": "boolean"},
+                {"type": "null"},
+            ]
+        }
+    ),
+]
+
+
 class Lifecycle(_In):
-    on_timeout: Annotated[Any, WithJsonSchema({"enum": [None, "kill", {"action": "kill"}]})] = Field(
-        None, alias="onTimeout"
-    )
-    auto_resume: Any = Field(None, alias="autoResume")
+    on_timeout: Annotated[Any, WithJsonSchema(ON_TIMEOUT_SCHEMA)] = Field(None, alias="onTimeout")
+    auto_resume: AutoResume = Field(None, alias="autoResume")
 
 
 class VolumeMount(_In):
@@ -142,9 +174,11 @@ class NewSandbox(_In):
         str, WithJsonSchema({"type": "string", "minLength": 1, "maxLength": MAX_TEMPLATE_ID, "pattern": TEMPLATE_ID})
     ] = Field(..., alias="templateID", min_length=1, max_length=MAX_TEMPLATE_ID)
     timeout: int = Field(DEFAULT_TIMEOUT, ge=1, le=MAX_TIMEOUT)
-    auto_pause: Annotated[bool, WithJsonSchema({"const": False})] = Field(False, alias="autoPause")
-    auto_pause_memory: Any = Field(None, alias="autoPauseMemory")
-    auto_resume: Any = Field(None, alias="autoResume")
+    auto_pause: bool = Field(False, alias="autoPause", description="Pause (not kill) at the timeout.")
+    auto_pause_memory: Annotated[bool | None, WithJsonSchema({"enum": [None, True]})] = Field(
+        None, alias="autoPauseMemory", description="dsec's pause keeps memory: false is refused."
+    )
+    auto_resume: AutoResume = Field(None, alias="autoResume")
     allow_internet_access: bool | None = Field(None, alias="allowInternetAccess")
     network: NetworkConfig | None = None
     metadata: Metadata = Field(default_factory=dict)
@@ -157,7 +191,7 @@ class NewSandbox(_In):
 
 
 class TimeoutRequest(_In):
-    timeout: int = Field(..., ge=1, le=MAX_TIMEOUT)
+    timeout: int = Field(..., ge=0, le=MAX_TIMEOUT, description="Seconds from now; 0: the timeout is reached now.")
 
 
 class RefreshRequest(_In):
@@ -165,7 +199,7 @@ class RefreshRequest(_In):
 
 
 class PauseRequest(_In):
-    memory: bool | None = None
+    memory: Annotated[bool | None, WithJsonSchema({"enum": [None, True]})] = None
     require_healthy_guest: bool | None = Field(None, alias="requireHealthyGuest")
 
 
@@ -173,7 +207,7 @@ class ConnectRequest(_In):
     """POST /v2/sandboxes/{id}/connect, and the older /sandboxes/{id}/connect and /resume."""
 
     timeout: int = Field(DEFAULT_TIMEOUT, ge=1, le=MAX_TIMEOUT)
-    memory: bool | None = None
+    memory: Annotated[bool | None, WithJsonSchema({"enum": [None, True]})] = None
     auto_pause: bool | None = Field(None, alias="autoPause")
 
 
@@ -227,11 +261,17 @@ class MountedVolume(_Out):
     path: str
 
 
+class LifecycleInfo(_Out):
+    auto_resume: bool = Field(..., alias="autoResume")
+    on_timeout: Literal["kill", "pause"] = Field(..., alias="onTimeout")
+
+
 class SandboxDetail(ListedSandbox):
     envd_access_token: str | None = Field(None, alias="envdAccessToken")
     allow_internet_access: bool | None = Field(None, alias="allowInternetAccess")
     domain: str | None = None
     volume_mounts: list[MountedVolume] = Field(default_factory=list, alias="volumeMounts")
+    lifecycle: LifecycleInfo | None = None
 
 
 class SandboxMetric(_Out):

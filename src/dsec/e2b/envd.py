@@ -13,6 +13,7 @@ from __future__ import annotations
 import base64
 import binascii
 import logging
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import TypeVar
@@ -20,7 +21,7 @@ from typing import TypeVar
 from fastapi import APIRouter, Request, Response
 
 from ..errors import DsecError, SandboxNotFound
-from ..protocol.sandbox import TERMINAL_STATES
+from ..protocol.sandbox import TERMINAL_STATES, State
 from ..store.records import SandboxRecord
 from ..tenancy import Caller
 from ..web.audit import note
@@ -114,6 +115,8 @@ def route(request: Request, *, signature: Callable[[str], bool] | None = None) -
     if rec.state in TERMINAL_STATES:
         svc.forget(rec.id)
         raise Refused(gone(sandbox_id))
+    if rec.state == State.stopping or (rec.state == State.running and rec.expires_at <= time.time()):
+        raise Refused(gone(sandbox_id))  # past its timeout: gone now, not at the reaper's next pass
     caller = owner_caller(rec.owner)
     name_caller(request.scope, caller)
     note(request.scope, sandbox=rec.id)

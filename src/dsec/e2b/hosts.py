@@ -8,13 +8,21 @@ core, so that the cluster gateway routes by the same rules without loading it.
 
 from __future__ import annotations
 
+import re
+from collections.abc import Mapping
+
 from ..errors import InvalidRequest
 
 ENVD_PORT = 49983
 SANDBOX_HEADER = b"e2b-sandbox-id"
 PORT_HEADER = b"e2b-sandbox-port"
 TRAFFIC_HEADER = b"e2b-traffic-access-token"
+ACCESS_HEADER = b"x-access-token"  # envd's: the sandbox's access token
 ROUTING = frozenset({SANDBOX_HEADER, PORT_HEADER, TRAFFIC_HEADER})  # end at the proxy, never reach the server
+# E2B's maskRequestHost, kept as a label of the sandbox: the Host its servers are told, ${PORT} the port
+META_MASK_HOST = "dsec.e2b.mask-host"
+MASK_HOST = r"^(?:[A-Za-z0-9-]{1,63}\.)*[A-Za-z0-9-]{1,63}(?::(?:[0-9]{1,5}|\$\{PORT\}))?$"
+MAX_MASK_HOST = 200
 
 
 def _header(headers: list[tuple[bytes, bytes]], name: bytes) -> str:
@@ -41,6 +49,21 @@ def sandbox_port(headers: list[tuple[bytes, bytes]], domain: str | None) -> tupl
     if not port_text or not sandbox_id or port_text == str(ENVD_PORT):
         return None
     return sandbox_id, _port(port_text)
+
+
+def check_mask(mask: str) -> str:
+    """E2B's maskRequestHost: a host name, perhaps with ``:PORT`` or ``:${PORT}`` (the port reached)."""
+    if len(mask) > MAX_MASK_HOST or not re.fullmatch(MASK_HOST, mask):
+        raise InvalidRequest(
+            f"network.maskRequestHost {mask[:80]!r}: expected a host name, optionally with :PORT or :${{PORT}}"
+        )
+    return mask
+
+
+def masked_host(labels: Mapping[str, str], port: int) -> str | None:
+    """The Host a sandbox's server is told for ``port``: its maskRequestHost, or None (its own address)."""
+    mask = labels.get(META_MASK_HOST)
+    return mask.replace("${PORT}", str(port)) if mask else None
 
 
 def check_domain(domain: str | None) -> str | None:

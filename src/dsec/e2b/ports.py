@@ -14,6 +14,7 @@ calls to audit, bound as JSON bodies or replay by idempotency keys.
 
 from __future__ import annotations
 
+import contextlib
 import json
 
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -22,8 +23,10 @@ from ..core.manager import SandboxManager
 from ..errors import DsecError, InvalidState, NotFound
 from ..web.port_relay import Hop, raw_path, refuse, relay, request_target
 from .auth import EnvdTokens
+from .control_lifecycle import auto_resumes
+from .control_models import DEFAULT_TIMEOUT
 from .errors import GONE_TEMPLATE
-from .hosts import ROUTING, TRAFFIC_HEADER, sandbox_port
+from .hosts import ACCESS_HEADER, ROUTING, SANDBOX_HEADER, TRAFFIC_HEADER, masked_host, sandbox_port
 
 
 def e2b_error(e: DsecError) -> tuple[int, bytes]:
@@ -42,6 +45,23 @@ class E2BPorts:
         self.tokens = tokens
         self.domain = domain
 
+    async def _wake(self, sandbox_id: str) -> None:
+        await self.manager.resume(sandbox_id)
+        self.manager.set_timeout(sandbox_id, float(DEFAULT_TIMEOUT))
+
+    async def _wake_for_envd(self, headers: list[tuple[bytes, bytes]]) -> None:
+        """An envd call (the SDK's) for a paused sandbox made with autoResume, with its access token:
+        the sandbox is resumed first, as E2B resumes it on any traffic. Failing, the call goes on and
+        gets its own answer."""
+        sandbox_id = next((v for k, v in headers if k == SANDBOX_HEADER), b"").decode("latin-1").strip()
+        rec = self.manager.sandboxes.find_live(sandbox_id) if sandbox_id else None
+        if rec is None or not auto_resumes(rec):
+            return
+        token = next((v for k, v in headers if k == ACCESS_HEADER), b"").decode("latin-1").strip()
+        if token and self.tokens.check(sandbox_id, token):
+            with contextlib.suppress(DsecError):
+                await self._wake(sandbox_id)
+
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] not in ("http", "websocket"):
             await self.app(scope, receive, send)
@@ -50,10 +70,11 @@ class E2BPorts:
         try:
             where = sandbox_port(headers, self.domain)
             if where is None:
+                await self._wake_for_envd(headers)
                 await self.app(scope, receive, send)
                 return
             sandbox_id, port = where
-            hop = Hop(port, request_target(scope, raw_path(scope)), drop=ROUTING)
+            target = request_target(scope, raw_path(scope))
         except DsecError as e:
             await refuse(scope, send, *e2b_error(e))
             return
@@ -62,7 +83,11 @@ class E2BPorts:
             message = "a sandbox's ports need its traffic access token (trafficAccessToken) in e2b-traffic-access-token"
             await refuse(scope, send, *_body(403, message))
             return
+        rec = self.manager.sandboxes.find_live(sandbox_id)
+        hop = Hop(port, target, drop=ROUTING, host=masked_host(rec.labels if rec else {}, port))
         try:
+            if rec is not None and auto_resumes(rec):  # traffic wakes it, as E2B's autoResume does
+                await self._wake(sandbox_id)
             sock = await self.manager.ports.reach(sandbox_id, port)
         except (NotFound, InvalidState):  # as E2B's proxy answers for a sandbox it cannot reach
             await refuse(scope, send, *_body(502, GONE_TEMPLATE.format(id=sandbox_id[:64])))

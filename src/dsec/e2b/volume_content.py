@@ -28,7 +28,7 @@ from ..protocol.types import PATH_MAX
 from ..tenancy import Caller
 from ..web.auth import name_caller
 from .auth import header
-from .control import service
+from .control_common import service
 from .errors import content_error
 from .volume_models import MetadataUpdate, VolumeEntryStat
 

@@ -15,7 +15,7 @@ from fastapi import APIRouter, Body, Path, Response
 from ..protocol.volumes import VolumeCreate, VolumeInfo
 from ..tenancy import Caller
 from . import control_models as m
-from .control import Svc, Who, json_answer, parse
+from .control_common import Svc, Who, json_answer, parse
 from .control_doc import doc
 from .service import E2BService
 

@@ -224,6 +224,10 @@ class Backend(ABC):
     async def network_status(self, rec: SandboxRecord) -> NetworkStatus:
         return NetworkStatus(policy=rec.network)
 
+    def can_pause(self) -> bool:
+        """Whether the kind pauses sandboxes (it overrides pause)."""
+        return type(self).pause is not Backend.pause
+
     async def pause(self, rec: SandboxRecord) -> None:
         """Stop every process of the sandbox where it stands (a VM's vCPUs; a container's cgroup)."""
         raise InvalidRequest(f"sandboxes of kind {self.kind!r} cannot be paused")

@@ -3,7 +3,9 @@
 ``None``: loopback only. ``"full"``: anything but the unreachable set (host, daemon, metadata, other
 sandboxes). ``{"allow": [...]}``: only the listed destinations, each ``CIDR:PORT``, ``IP:PORT`` or
 ``NAME:PORT`` with PORT a number or ``*``; tcp and udp alike. Names are resolved by the platform's
-resolver, which answers only listed names for that sandbox.
+resolver, which answers only listed names for that sandbox. ``{"deny": [...], "allow": [...]}``: what
+"full" reaches except the denied networks (``CIDR:PORT`` or ``IP:PORT``), the allowed destinations
+reachable even so; the unreachable set stays unreachable.
 """
 
 from __future__ import annotations
@@ -133,19 +135,68 @@ class NetworkAllow(BaseModel):
         return [parse_entry(e) for e in self.allow]
 
 
-NetworkSpec = Literal["full"] | NetworkAllow | None
+# a denied destination: a network or an address (no name: what a name resolves to changes), with a port
+DENY_ENTRY = rf"^{_NETWORK}:{_PORT}$"
+DenyEntryText = Annotated[
+    str, WithJsonSchema({"type": "string", "minLength": 3, "maxLength": 24, "pattern": DENY_ENTRY})
+]
+
+
+def parse_deny(text: str) -> AllowEntry:
+    entry = parse_entry(text)
+    if entry.net is None:
+        raise ValueError(f"deny entry {text!r}: a network or an address (CIDR:PORT, IP:PORT), not a name")
+    return entry
+
+
+class NetworkDeny(BaseModel):
+    """What "full" reaches except the denied networks; the allowed destinations are reachable even so."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    deny: list[DenyEntryText] = Field(
+        ...,
+        min_length=1,
+        max_length=MAX_ENTRIES,
+        description="Networks not reached, e.g. '8.8.8.8:*', '203.0.113.0/24:443' (a network's host bits zero).",
+    )
+    allow: list[AllowEntryText] = Field(
+        default_factory=list,
+        max_length=MAX_ENTRIES,
+        description="Exceptions to deny, as an allowlist's entries ('CIDR:PORT', 'IP:PORT', 'NAME:PORT').",
+    )
+
+    @field_validator("deny")
+    @classmethod
+    def _denied(cls, v: list[str]) -> list[str]:
+        return list(dict.fromkeys(str(parse_deny(e)) for e in v))
+
+    @field_validator("allow")
+    @classmethod
+    def _allowed(cls, v: list[str]) -> list[str]:
+        return list(dict.fromkeys(str(parse_entry(e)) for e in v))
+
+    def entries(self) -> list[AllowEntry]:
+        """The allowed exceptions."""
+        return [parse_entry(e) for e in self.allow]
+
+    def denied(self) -> list[AllowEntry]:
+        return [parse_deny(e) for e in self.deny]
+
+
+NetworkSpec = Literal["full"] | NetworkAllow | NetworkDeny | None
 
 
 def to_json(policy: NetworkSpec) -> Any:
-    return policy.model_dump() if isinstance(policy, NetworkAllow) else policy
+    return policy.model_dump() if isinstance(policy, NetworkAllow | NetworkDeny) else policy
 
 
 def from_json(value: Any) -> NetworkSpec:
-    """A policy as stored (None, "full", {"allow": [...]}); anything else reads as None."""
+    """A policy as stored (None, "full", {"allow": [...]}, {"deny": [...], ...}); anything else reads as None."""
     if value == "full":
         return "full"
     if isinstance(value, dict):
-        return NetworkAllow.model_validate(value)
+        return NetworkDeny.model_validate(value) if "deny" in value else NetworkAllow.model_validate(value)
     return None
 
 
@@ -154,4 +205,6 @@ def describe(policy: NetworkSpec) -> str:
         return "none"
     if policy == "full":
         return "full"
+    if isinstance(policy, NetworkDeny):
+        return f"full but {len(policy.deny)} denied networks"
     return f"allow {len(policy.allow)} destinations"

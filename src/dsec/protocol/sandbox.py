@@ -125,6 +125,11 @@ class Limits(_Strict):
         return self.file_size if self.file_size is not None else self.disk
 
 
+OnTimeout = Literal["stop", "pause"]
+ON_TIMEOUT_DOC = (
+    "What reaching the time to live does: 'stop' ends the sandbox; 'pause' pauses it (its processes and "
+    "memory kept, resumed by a resume), and it is then kept paused for up to the longest time to live."
+)
 # letters, digits and . _ : / @ + -, starting with a letter or digit; at most 200
 TRAJECTORY_ID = r"^[A-Za-z0-9][A-Za-z0-9._:/@+-]{0,199}$"
 
@@ -153,6 +158,7 @@ class SandboxSpec(_Strict):
     )
     volumes: Volumes = Field(default_factory=dict, description=VOLUMES_DOC)
     pull: PullPolicy = Field("if-not-present", description=PULL_POLICY_DOC)
+    on_timeout: OnTimeout = Field("stop", description=ON_TIMEOUT_DOC)
 
 
 class CreateSandbox(SandboxSpec):
@@ -196,6 +202,7 @@ class SandboxInfo(BaseModel):
         "that resumes fast-forwards through them.",
     )
     node: str | None = Field(default=None, description="The node the sandbox runs on.")
+    on_timeout: OnTimeout = Field(default="stop", description=ON_TIMEOUT_DOC)
     volumes: list[MountedVolume] = Field(default_factory=list, description="The named volumes it mounts.")
     timings: dict[str, float] = Field(
         default_factory=dict,

@@ -26,6 +26,7 @@ from ..protocol.sandbox import (
     Health,
     ImageInfo,
     NetworkStatus,
+    OnTimeout,
     SandboxInfo,
     SandboxList,
     SnapshotRequest,
@@ -165,6 +166,7 @@ class AsyncSandbox(CodeMixin):
         pull: PullPolicy = "if-not-present",
         wait_for_capacity: float = DEFAULT_WAIT_FOR_CAPACITY,
         volumes: dict[str, str | tuple[str, str]] | None = None,
+        on_timeout: OnTimeout = "stop",
         client: AsyncClient | None = None,
     ) -> AsyncSandbox:
         """Create a sandbox and wait until it runs. ``timeout`` is its time to live in seconds.
@@ -179,8 +181,12 @@ class AsyncSandbox(CodeMixin):
         it is gone), and the calls the log holds are answered from it until the log ends (see
         ``sb.trajectory``). A call that differs from the recorded one raises ``TrajectoryDiverged``.
 
-        ``network``: None (loopback only), ``"full"``, or ``{"allow": ["10.1.2.0/24:443", "pypi.org:443"]}``
-        (container kind); see ``set_network``.
+        ``network``: None (loopback only), ``"full"``, ``{"allow": ["10.1.2.0/24:443", "pypi.org:443"]}``,
+        or ``{"deny": ["203.0.113.0/24:*"], "allow": [...]}`` ("full" but the denied networks); see
+        ``set_network``.
+
+        ``on_timeout``: what the end of its time to live does: ``"stop"`` ends it, ``"pause"`` pauses it
+        (kinds that pause), kept paused for up to 7 days until ``resume``.
 
         ``volumes``: named volumes (``client.create_volume``) to mount, by path: ``{"/data": "name"}``
         read-write, ``{"/data": ("name", "ro")}`` read-only (container kind). One live sandbox at a time
@@ -201,7 +207,9 @@ class AsyncSandbox(CodeMixin):
             "nofile": nofile,
             "file_size": file_size,
         }
-        body = create_body(image, kind, limits, timeout, env, labels, network, trajectory, queue_timeout, volumes, pull)
+        body = create_body(
+            image, kind, limits, timeout, env, labels, network, trajectory, queue_timeout, volumes, pull, on_timeout
+        )
         return cls(await post_create(client._transport, body, wait_for_capacity), client)
 
     @classmethod

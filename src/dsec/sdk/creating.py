@@ -18,9 +18,9 @@ from typing import Any
 
 from ..errors import DsecError, InvalidRequest, Overloaded, error_from_wire, validation_message
 from ..protocol.names import PullPolicy
-from ..protocol.network import NetworkAllow, NetworkSpec
+from ..protocol.network import NetworkAllow, NetworkDeny, NetworkSpec
 from ..protocol.node import BatchCreate, BatchEvent
-from ..protocol.sandbox import CreateSandbox, Limits, SandboxInfo
+from ..protocol.sandbox import CreateSandbox, Limits, OnTimeout, SandboxInfo
 from .transport import Transport, new_key
 
 log = logging.getLogger("dsec.sdk")
@@ -34,7 +34,9 @@ def network_body(policy: NetworkSpec | dict[str, Any]) -> Any:
     if policy == "full":
         return "full"
     try:
-        raw = policy.model_dump() if isinstance(policy, NetworkAllow) else policy
+        raw = policy.model_dump() if isinstance(policy, NetworkAllow | NetworkDeny) else policy
+        if isinstance(raw, dict) and "deny" in raw:
+            return NetworkDeny.model_validate(raw).model_dump()
         return NetworkAllow.model_validate(raw).model_dump()
     except ValueError as e:
         raise InvalidRequest(validation_message(e)) from None
@@ -52,6 +54,7 @@ def create_body(
     queue_timeout: float | None,
     volumes: Mapping[str, str | tuple[str, str]] | None = None,
     pull: PullPolicy = "if-not-present",
+    on_timeout: OnTimeout = "stop",
 ) -> dict[str, Any]:
     """The JSON of a CreateSandbox, validated locally for a clear error before the round trip."""
     limits = {k: v for k, v in limits.items() if v is not None}
@@ -64,6 +67,8 @@ def create_body(
         body["queue_timeout"] = queue_timeout
     if pull != "if-not-present":  # the default is left out: a node from before pull policies accepts the body
         body["pull"] = pull
+    if on_timeout != "stop":  # likewise
+        body["on_timeout"] = on_timeout
     if limits:
         body["limits"] = limits
     if volumes:

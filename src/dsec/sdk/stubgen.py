@@ -48,6 +48,7 @@ from ..protocol.sandbox import (
     ImageStats,
     Limits,
     NetworkStatus,
+    OnTimeout,
     SandboxInfo,
     TenantCreated,
     TenantInfo,

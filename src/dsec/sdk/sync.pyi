@@ -27,6 +27,7 @@ from ..protocol.sandbox import (
     ImageStats,
     Limits,
     NetworkStatus,
+    OnTimeout,
     SandboxInfo,
     TenantCreated,
     TenantInfo,
@@ -107,7 +108,7 @@ class Sandbox:
     @property
     def kind(self) -> str: ...
     @classmethod
-    def create(cls, image: str = 'dsec/debian:12', kind: str = 'container', *, cpu: float | None = None, cpu_limit: float | None = None, memory: int | str | None = None, memory_request: int | str | None = None, disk: int | str | None = None, pids: int | None = None, nofile: int | None = None, file_size: int | str | None = None, timeout: float = 600.0, env: dict[str, str] | None = None, labels: dict[str, str] | None = None, network: NetworkSpec | dict[str, Any] = None, trajectory: str | None = None, queue_timeout: float | None = None, pull: PullPolicy = 'if-not-present', wait_for_capacity: float = 600.0, volumes: dict[str, str | tuple[str, str]] | None = None, client: Client | None = None) -> Sandbox: ...
+    def create(cls, image: str = 'dsec/debian:12', kind: str = 'container', *, cpu: float | None = None, cpu_limit: float | None = None, memory: int | str | None = None, memory_request: int | str | None = None, disk: int | str | None = None, pids: int | None = None, nofile: int | None = None, file_size: int | str | None = None, timeout: float = 600.0, env: dict[str, str] | None = None, labels: dict[str, str] | None = None, network: NetworkSpec | dict[str, Any] = None, trajectory: str | None = None, queue_timeout: float | None = None, pull: PullPolicy = 'if-not-present', wait_for_capacity: float = 600.0, volumes: dict[str, str | tuple[str, str]] | None = None, on_timeout: OnTimeout = 'stop', client: Client | None = None) -> Sandbox: ...
     @classmethod
     def create_many(cls, n: int, image: str = 'dsec/debian:12', kind: str = 'container', *, cpu: float | None = None, cpu_limit: float | None = None, memory: int | str | None = None, memory_request: int | str | None = None, disk: int | str | None = None, pids: int | None = None, timeout: float = 600.0, env: dict[str, str] | None = None, labels: dict[str, str] | None = None, network: NetworkSpec | dict[str, Any] = None, trajectories: builtins.list[str] | None = None, queue_timeout: float | None = None, volumes: dict[str, str | tuple[str, str]] | None = None, pull: PullPolicy = 'if-not-present', client: Client | None = None) -> Iterator[Sandbox | DsecError]: ...
     @property

@@ -18,7 +18,7 @@ from ..kinds.output import StreamForwarder
 from ..protocol import network as policy
 from ..protocol.grade import GradeRequest, GradeResult
 from ..protocol.names import ImageName
-from ..protocol.network import NetworkAllow
+from ..protocol.network import NetworkAllow, NetworkDeny
 from ..protocol.sandbox import (
     BuildRequest,
     BuildResult,
@@ -348,10 +348,11 @@ async def set_network(
     sandbox_id: str,
     mgr: Mgr,
     caller: CallerDep,
-    body: Annotated[Literal["full"] | NetworkAllow | None, Body()] = None,
+    body: Annotated[Literal["full"] | NetworkAllow | NetworkDeny | None, Body()] = None,
     seq: Seq = None,
 ) -> Response:
-    """Change the policy of a running sandbox (JSON null: loopback only, "full", or {"allow": [...]})."""
+    """Change the policy of a running sandbox (JSON null: loopback only, "full", {"allow": [...]}, or
+    {"deny": [...], "allow": [...]})."""
     req = {"policy": policy.to_json(body)}
     status, replayed = await mgr.actions.call(sandbox_id, "set_network", req, seq=seq, caller=caller)
     return _mark(_json(status), replayed)

@@ -10,7 +10,7 @@ from typing import Any, Literal
 
 from ..protocol import network as policy
 from ..protocol.network import NetworkSpec
-from ..protocol.sandbox import Limits, SandboxInfo, State
+from ..protocol.sandbox import Limits, OnTimeout, SandboxInfo, State
 from ..protocol.volumes import MountedVolume
 
 StartedFrom = Literal["boot", "snapshot", "fork"]
@@ -29,6 +29,7 @@ CORE_KEYS = (
     "volumes",
     "ports",
     "pool",
+    "on_timeout",
 )
 
 
@@ -85,6 +86,7 @@ class SandboxRecord:
     ports: dict[int, tuple[str, float]] = field(default_factory=dict)  # exposed port -> (secret, when)
     # the warm pool it idles in, until a creation claims it (core/warm.py): listed nowhere, no tenant's
     pool: str | None = None
+    on_timeout: OnTimeout = "stop"  # what its time to live's end does: stop it, or pause it
 
     def persisted(self) -> dict[str, Any]:
         """The kind's state and the core's fields, as stored."""
@@ -100,6 +102,7 @@ class SandboxRecord:
             "volumes": [v.to_json() for v in self.volumes] or None,
             "ports": {str(p): [secret, at] for p, (secret, at) in self.ports.items()} or None,
             "pool": self.pool,
+            "on_timeout": None if self.on_timeout == "stop" else self.on_timeout,
         }
         return {**self.runtime, **{k: v for k, v in core.items() if v is not None}}
 
@@ -117,6 +120,7 @@ class SandboxRecord:
         self.accelerator = _text(core.get("accel"))
         self.waiting = _text(core.get("waiting"))
         self.pool = _text(core.get("pool"))
+        self.on_timeout = "pause" if core.get("on_timeout") == "pause" else "stop"
         started = core.get("started_from")
         if started is None and "restored" in runtime:  # written by a daemon from before this field
             started = "snapshot" if runtime.pop("restored") else "boot"
@@ -151,6 +155,7 @@ class SandboxRecord:
             network=self.network,
             trajectory=self.trajectory,
             node=self.node,
+            on_timeout=self.on_timeout,
             timings=dict(self.timings),
             volumes=[MountedVolume(path=v.path, name=v.name, mode="ro" if v.read_only else "rw") for v in self.volumes],
         )

@@ -47,6 +47,7 @@ class Hop:
     target: str  # the path and query for the server, percent-encoded as the client sent them
     prefix: str = ""  # the URL's path up to the port's root ("" when the server's root is the URL's)
     drop: frozenset[bytes] = field(default_factory=frozenset)  # the client's headers that stop here
+    host: str | None = None  # the Host the server is told (None: its own address, 127.0.0.1:PORT)
 
 
 class _ClientGone(Exception):
@@ -90,7 +91,7 @@ def forwarded(scope: Scope, prefix: str) -> list[tuple[bytes, bytes]]:
 def upstream_headers(scope: Scope, hop: Hop) -> list[tuple[bytes, bytes]]:
     """The client's headers for the sandbox's server: its own Host, hop-by-hop ones and ``hop.drop``
     left out, a body of unknown length (the client's was chunked) sent chunked again."""
-    out = [(b"host", f"127.0.0.1:{hop.port}".encode())]
+    out = [(b"host", (hop.host or f"127.0.0.1:{hop.port}").encode())]
     for name, value in scope.get("headers", []):
         if name == b"transfer-encoding":
             out.append((name, b"chunked"))

@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
 
+from dsec.core import lifecycle
 from dsec.core.manager import SandboxManager
 from dsec.errors import BackendError, InvalidRequest, InvalidState, SandboxGone
-from dsec.protocol.sandbox import CreateSandbox, ExecRequest, ForkRequest, State
+from dsec.protocol.sandbox import MAX_TTL_S, CreateSandbox, ExecRequest, ForkRequest, State
 from dsec.store.records import SandboxRecord
 
 from ...fakes.backend import FakeBackend
@@ -119,6 +121,8 @@ async def test_a_kind_that_cannot_pause_or_fork_says_so(fresh: Core) -> None:
         with pytest.raises(InvalidRequest, match="memory snapshot"):
             await mgr.fork(sid, ForkRequest(n=2))
         assert [s.id for s in mgr.list()] == [sid]  # and no half-made copies
+        with pytest.raises(InvalidRequest, match=r"on_timeout 'pause'.*cannot be paused"):
+            await _create(mgr, on_timeout="pause")
     finally:
         await mgr.close()
 
@@ -211,3 +215,70 @@ def test_the_wire(api: Api) -> None:
     body = reply.json()
     assert len(body["sandboxes"]) == 2 and all(s["forked_from"] == sid for s in body["sandboxes"])
     assert api.client.post(f"/v1/sandboxes/{sid}/resume", headers=AUTH).json()["state"] == "running"
+
+
+async def test_a_sandbox_that_pauses_at_its_timeout(machine: tuple[SandboxManager, MachineFake]) -> None:
+    mgr, backend = machine
+    sid = await _create(mgr, on_timeout="pause")
+    assert mgr.info(sid).on_timeout == "pause"
+    mgr.sandboxes.get(sid).expires_at = time.time() - 1
+    await mgr.reap_once()
+    info = mgr.info(sid)
+    assert info.state == State.paused and sid in backend.paused
+    assert info.expires_at.timestamp() > time.time() + MAX_TTL_S - 60  # kept paused, not reaped next pass
+    await mgr.reap_once()
+    assert mgr.info(sid).state == State.paused
+    assert (await mgr.resume(sid)).state == State.running
+    # expire(): the timeout reached now, as the reaper would
+    assert (await mgr.expire(sid)).state == State.paused
+    plain = await _create(mgr)
+    assert (await mgr.expire(plain)).state == State.stopped
+    # a paused one past its time to live is stopped
+    mgr.sandboxes.get(sid).expires_at = time.time() - 1
+    await mgr.reap_once()
+    assert mgr.info(sid).state == State.stopped
+
+
+async def test_a_command_running_at_the_timeout_delays_the_pause_within_a_grace(
+    machine: tuple[SandboxManager, MachineFake],
+) -> None:
+    mgr, backend = machine
+    sid = await _create(mgr, on_timeout="pause")
+    backend.exec_gate = asyncio.Event()
+    running = asyncio.create_task(mgr.exec(sid, ExecRequest(cmd="sleep 1")))
+    await asyncio.sleep(0.01)
+    mgr.sandboxes.get(sid).expires_at = time.time() - 1
+    await mgr.reap_once()
+    assert mgr.info(sid).state == State.running  # paused at a later pass, once the command is done
+    backend.exec_gate.set()
+    await running
+    await mgr.reap_once()
+    assert mgr.info(sid).state == State.paused
+    # past the grace, a sandbox still running a command is stopped: the time to live bounds it
+    other = await _create(mgr, on_timeout="pause")
+    backend.exec_gate = asyncio.Event()
+    held = asyncio.create_task(mgr.exec(other, ExecRequest(cmd="sleep 1")))
+    await asyncio.sleep(0.01)
+    mgr.sandboxes.get(other).expires_at = time.time() - lifecycle.PAUSE_GRACE_S - 1
+    await mgr.reap_once()
+    info = mgr.info(other)
+    assert info.state == State.stopped and "not paused: 1 command(s)" in (info.reason or "")
+    backend.exec_gate.set()
+    with contextlib.suppress(Exception):
+        await held
+
+
+async def test_a_sandbox_that_fails_to_pause_at_its_timeout_is_stopped(
+    machine: tuple[SandboxManager, MachineFake],
+) -> None:
+    mgr, backend = machine
+    sid = await _create(mgr, on_timeout="pause")
+
+    async def broken(rec: SandboxRecord) -> None:
+        raise BackendError("the freezer is stuck")
+
+    backend.pause = broken  # type: ignore[method-assign]
+    mgr.sandboxes.get(sid).expires_at = time.time() - 1
+    await mgr.reap_once()
+    info = mgr.info(sid)
+    assert info.state == State.stopped and "could not be paused: the freezer is stuck" in (info.reason or "")

@@ -15,12 +15,13 @@ import pytest
 from dsec.core.manager import SandboxManager
 from dsec.e2b.auth import EnvdTokens
 from dsec.e2b.control import network_spec
-from dsec.e2b.control_models import NetworkConfig
+from dsec.e2b.control_lifecycle import on_timeout
+from dsec.e2b.control_models import NetworkConfig, NewSandbox
 from dsec.e2b.files import _gunzip
 from dsec.e2b.process_service import end_event
 from dsec.e2b.service import E2BOptions, E2BService
 from dsec.errors import InvalidRequest, LimitExceeded
-from dsec.protocol.network import NetworkAllow
+from dsec.protocol.network import NetworkAllow, NetworkDeny
 from dsec.protocol.sandbox import ExecResult
 
 from ...fakes.backend import FakeBackend
@@ -85,6 +86,14 @@ async def test_control_api_errors(served: tuple[str, SandboxManager, FakeBackend
         assert (await http.get("/v2/sandboxes", params={"state": "exploded"})).status_code == 400
         assert (await http.get("/v2/sandboxes", params={"nextToken": "!!"})).status_code == 400
         assert (await http.get("/secrets")).status_code == 501
+        reserved = await http.post(
+            "/v2/sandboxes", json={"templateID": IMAGE, "metadata": {"dsec.e2b.mask-host": "a\r\nb: c"}}
+        )
+        assert reserved.status_code == 400 and "dsec's own" in reserved.json()["message"]
+        many = await http.post(
+            "/v2/sandboxes", json={"templateID": IMAGE, "metadata": {str(i): "v" for i in range(62)}}
+        )
+        assert many.status_code == 400 and "at most 61 keys" in many.json()["message"]
         assert (await http.post("/sandboxes/sb-nope/timeout", json={"timeout": 5})).status_code == 404
         # a method a path of ours does not have: a 405 naming every method it has (not E2B's 501)
         for method in ("DELETE", "TRACE"):
@@ -107,11 +116,17 @@ async def test_pages_and_metadata_filters(served: tuple[str, SandboxManager, Fak
             token = page.headers.get("x-next-token")
             if not token:
                 break
-        assert seen == ids  # oldest first, each once
+        assert seen == ids[::-1]  # newest first (E2B's order when none is named), each once
         one = await http.get("/v2/sandboxes", params={"metadata": "n=3"})
         assert [s["sandboxID"] for s in one.json()] == [ids[3]]
         desc = await http.get("/v2/sandboxes", params={"metadata": "p=1", "order": "desc"})
         assert [s["sandboxID"] for s in desc.json()] == ids[::-1]
+        asc = await http.get("/v2/sandboxes", params={"metadata": "p=1", "order": "asc", "limit": "3"})
+        assert [s["sandboxID"] for s in asc.json()] == ids[:3]
+        rest = await http.get(
+            "/v2/sandboxes", params={"metadata": "p=1", "order": "asc", "nextToken": asc.headers["x-next-token"]}
+        )
+        assert [s["sandboxID"] for s in rest.json()] == ids[3:]
 
 
 async def test_idempotent_creates_and_trajectory_positions(served: tuple[str, SandboxManager, FakeBackend]) -> None:
@@ -164,10 +179,39 @@ def test_network_mapping() -> None:
     spec = network_spec(None, NetworkConfig(allowOut=["1.2.3.0/24", "pypi.org"], denyOut=["0.0.0.0/0"]), "full")
     assert isinstance(spec, NetworkAllow) and spec.allow == ["1.2.3.0/24:*", "pypi.org:*"]
     assert network_spec(None, NetworkConfig(allowOut=["1.2.3.4"]), None) == "full"  # nothing denied
-    with pytest.raises(InvalidRequest, match="allowlists"):
-        network_spec(None, NetworkConfig(denyOut=["10.0.0.0/8"]), "full")
+    # denying some networks: "full" but those, allowOut reaching past them; dsec's own denials need no entry
+    spec = network_spec(
+        None, NetworkConfig(denyOut=["8.8.8.0/24", "169.254.169.254"], allowOut=["8.8.8.8", "pypi.org"]), "full"
+    )
+    assert spec == NetworkDeny(deny=["8.8.8.0/24:*"], allow=["8.8.8.8:*", "pypi.org:*"])
+    assert network_spec(None, NetworkConfig(denyOut=["127.0.0.1/32"]), None) == "full"
+    with pytest.raises(InvalidRequest, match="denyOut"):
+        network_spec(None, NetworkConfig(denyOut=["8.8.8.8/16"]), "full")  # host bits set
+    with pytest.raises(InvalidRequest, match="not a name"):
+        network_spec(None, NetworkConfig(denyOut=["example.com"]), "full")
     with pytest.raises(InvalidRequest, match="rules"):
         network_spec(None, NetworkConfig(rules={"x": 1}), "full")
+
+
+def test_timeout_actions() -> None:
+    def action(**body: object) -> tuple[str, bool]:
+        return on_timeout(NewSandbox.model_validate({"templateID": "base", **body}))
+
+    assert action() == ("stop", False)
+    assert action(autoPause=True) == ("pause", False)
+    assert action(autoPause=True, autoPauseMemory=True, autoResume={"enabled": True}) == ("pause", True)
+    assert action(autoPause=True, autoResume={"enabled": False}) == ("pause", False)
+    assert action(lifecycle={"onTimeout": "pause", "autoResume": True}) == ("pause", True)
+    assert action(lifecycle={"onTimeout": {"action": "pause"}}) == ("pause", False)
+    assert action(lifecycle={"onTimeout": {"action": "kill"}}) == ("stop", False)
+    for refused, why in (
+        ({"autoPause": True, "autoPauseMemory": False}, "without memory"),
+        ({"lifecycle": {"onTimeout": {"action": "pause", "keep_memory": False}}}, "without memory"),
+        ({"autoResume": {"enabled": True}}, "autoResume needs"),
+        ({"lifecycle": {"onTimeout": "hibernate"}}, "kill or pause"),
+    ):
+        with pytest.raises(InvalidRequest, match=why):
+            action(**refused)
 
 
 def test_templates_and_options(fresh: Core, workdir: Path) -> None:

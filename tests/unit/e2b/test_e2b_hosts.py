@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from dsec.e2b.auth import EnvdTokens
-from dsec.e2b.hosts import check_domain, sandbox_port
+from dsec.e2b.hosts import META_MASK_HOST, check_domain, check_mask, masked_host, sandbox_port
 from dsec.errors import InvalidRequest
 
 DOMAIN = "localhost:49999"
@@ -74,3 +74,15 @@ def test_the_traffic_token_opens_one_sandbox_and_is_not_the_envd_token() -> None
     assert not tokens.check_traffic("sb-1", tokens.token("sb-1"))  # the envd token opens no port
     assert not tokens.check("sb-1", token)  # nor the traffic token envd
     assert EnvdTokens(b"j" * 32).traffic_token("sb-1") != token  # the daemon's key makes it
+
+
+def test_mask_request_host() -> None:
+    labels = {META_MASK_HOST: "app.example.test:${PORT}"}
+    assert masked_host(labels, 8080) == "app.example.test:8080"
+    assert masked_host({META_MASK_HOST: "plain.test"}, 8080) == "plain.test"
+    assert masked_host({}, 8080) is None
+    for good in ("custom-host.example.com:${PORT}", "a.b:443", "localhost"):
+        assert check_mask(good) == good
+    for bad in ("a b", "host:${HOST}", "host/evil", "h\r\nX-Injected: 1", "x" * 300, "", "host:99999999"):
+        with pytest.raises(InvalidRequest, match="maskRequestHost"):
+            check_mask(bad)

@@ -18,7 +18,7 @@ from dsec.isolation.network import addresses, nft
 from dsec.isolation.network.options import DEFAULT_FULL_DENY, NetworkOptions, parse_full_deny
 from dsec.isolation.network.resolver import ALLOW_TIMEOUT, Client, Resolver, decide
 from dsec.isolation.network.static import parse_resolve
-from dsec.protocol.network import NetworkAllow, from_json, parse_entry, to_json
+from dsec.protocol.network import NetworkAllow, NetworkDeny, from_json, parse_entry, to_json
 from dsec.protocol.sandbox import CreateSandbox, NetworkStatus
 
 from ..conftest import AUTH, IMAGE, Api
@@ -155,6 +155,32 @@ def test_full_mode_denies_the_nodes_own_networks_first() -> None:
             parse_full_deny(bad)
 
 
+def test_a_deny_list_is_full_but_its_networks_with_allowed_exceptions_first() -> None:
+    policy = NetworkDeny(deny=["8.8.8.0/24:*", "203.0.113.7:443", "8.8.8.8:*"], allow=["8.8.8.8:*", "ext.test:80"])
+    assert policy.deny == ["8.8.8.0/24:*", "203.0.113.7:443", "8.8.8.8:*"]
+    assert from_json(to_json(policy)) == policy
+    rules = nft.SandboxRules(
+        "sb-0123456789ab", "10.201.0.5", "deny", 5, policy.entries(), ("10.0.0.0/8",), policy.denied()
+    )
+    text = nft.install("dsec_t", rules).splitlines()
+    assert "add element inet dsec_t blkall_0123456789ab { 8.8.8.0/24 }" in text
+    assert "add element inet dsec_t blk_0123456789ab { 203.0.113.7/32 . 443 }" in text
+    rule = "add rule inet dsec_t sb_0123456789ab"
+    allowed = f"{rule} meta l4proto {{ tcp, udp }} ip daddr @allany_0123456789ab ct mark set 5 accept"
+    private = "add rule inet dsec_t sb_0123456789ab ip daddr { 10.0.0.0/8 } jump deny"
+    denied = "add rule inet dsec_t sb_0123456789ab ip daddr @blkall_0123456789ab jump deny"
+    last = "add rule inet dsec_t sb_0123456789ab ct mark set 5 accept"
+    # the exceptions first, then the node's own networks and the denied ones, then everything else
+    assert text.index(allowed) < text.index(private) < text.index(denied) < text.index(last) == len(text) - 5
+    assert "delete set inet dsec_t blk_0123456789ab" in nft.remove("dsec_t", "sb-0123456789ab", None)
+    for bad in ({"deny": []}, {"deny": ["example.com:*"]}, {"deny": ["127.0.0.1:*"]}, {"deny": ["8.8.8.8/16:*"]}):
+        with pytest.raises(ValidationError):
+            NetworkDeny.model_validate(bad)
+    with pytest.raises(ValidationError):
+        CreateSandbox.model_validate({"network": {"deny": ["8.8.8.8:*"], "extra": 1}})
+    assert CreateSandbox.model_validate({"network": {"deny": ["8.8.8.8:*"]}}).network == NetworkDeny(deny=["8.8.8.8:*"])
+
+
 def test_removal_and_resolved_entries_never_fail_on_missing_objects() -> None:
     text = nft.remove("dsec_t", "sb-0123456789ab", "10.201.0.5").splitlines()
     # every delete is preceded by an add of the same object
@@ -205,6 +231,7 @@ def test_decide() -> None:
     assert decide(allow, "other.test") == "refuse"
     assert decide(Client("sb-2", "full"), "anything.example") == "resolve"
     assert decide(Client("sb-2", "full"), "bad_name") == "refuse"
+    assert decide(Client("sb-3", "deny"), "anything.example") == "resolve"
     assert decide(None, "ext.test") == "refuse"
 
 
@@ -245,6 +272,13 @@ def test_resolver_answers_only_what_the_sandbox_may_resolve() -> None:
     assert _ask(r, "pypi.org", "10.201.0.7").rcode() == dns.rcode.NOERROR
     assert _ask(r, "nowhere.example", "10.201.0.7").rcode() == dns.rcode.NXDOMAIN
     assert full.denied == 0 and len(granted) == 2
+    # a deny list's sandbox resolves anything, and its allowed names open past the deny list
+    r.clients["10.201.0.9"] = Client("sb-d", "deny", {"pypi.org": {None}})
+    assert _ask(r, "nowhere.example", "10.201.0.9").rcode() == dns.rcode.NXDOMAIN
+    assert _ask(r, "ext.test", "10.201.0.9").answer[0][0].address == "10.202.0.2"
+    assert len(granted) == 2
+    assert _ask(r, "pypi.org", "10.201.0.9").rcode() == dns.rcode.NOERROR
+    assert granted[-1] == ("sb-d", ["151.101.0.223"], {None})
     # strangers (not a sandbox address) get nothing
     assert _ask(r, "ext.test", "192.0.2.9").rcode() == dns.rcode.REFUSED
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ...errors import BackendError
-from ...protocol.network import NetworkAllow, NetworkSpec
+from ...protocol.network import NetworkAllow, NetworkDeny, NetworkSpec
 from . import addresses, nft
 from .options import NetworkOptions
 from .resolver import ALLOW_TIMEOUT, Client, Resolver
@@ -45,12 +45,12 @@ class Attached:
 
 
 def _mode(policy: NetworkSpec) -> tuple[str, dict[str, set[int | None]]]:
-    if isinstance(policy, NetworkAllow):
+    if isinstance(policy, NetworkAllow | NetworkDeny):
         names: dict[str, set[int | None]] = {}
         for e in policy.entries():
             if e.name is not None:
                 names.setdefault(e.name, set()).add(e.port)
-        return "allow", names
+        return "deny" if isinstance(policy, NetworkDeny) else "allow", names
     return "full", {}
 
 
@@ -243,8 +243,9 @@ class NetworkHost:
 
     async def _install(self, sandbox_id: str, address: str, policy: NetworkSpec, gen: int, keep: bool = False) -> None:
         mode, names = _mode(policy)
-        entries = policy.entries() if isinstance(policy, NetworkAllow) else []
-        rules = nft.SandboxRules(sandbox_id, address, mode, gen, entries, self.options.full_deny)
+        entries = policy.entries() if isinstance(policy, NetworkAllow | NetworkDeny) else []
+        denied = policy.denied() if isinstance(policy, NetworkDeny) else []
+        rules = nft.SandboxRules(sandbox_id, address, mode, gen, entries, self.options.full_deny, denied)
         await nft.apply(nft.install(self.table, rules, keep))
         assert self.resolver is not None
         self.resolver.clients[address] = Client(sandbox_id, mode, names)

@@ -60,10 +60,11 @@ class SandboxRules:
 
     sandbox_id: str
     address: str
-    mode: str  # "full" or "allow"
+    mode: str  # "full", "allow" or "deny" (full but the denied networks)
     gen: int
     entries: list[AllowEntry] = field(default_factory=list)
     full_deny: tuple[str, ...] = ()  # networks "full" does not reach (private ranges by default)
+    denied: list[AllowEntry] = field(default_factory=list)  # "deny": networks it does not reach
 
     @property
     def key(self) -> str:
@@ -139,6 +140,8 @@ def _objects(t: str, k: str) -> list[str]:
         f"add set {t} allany_{k} {{ type ipv4_addr; flags interval; }}",
         f"add set {t} dyn_{k} {{ type ipv4_addr . inet_service; flags timeout; }}",
         f"add set {t} dynall_{k} {{ type ipv4_addr; flags timeout; }}",
+        f"add set {t} blk_{k} {{ type ipv4_addr . inet_service; flags interval; }}",
+        f"add set {t} blkall_{k} {{ type ipv4_addr; flags interval; }}",
         f"add chain {t} sb_{k}",
     ]
 
@@ -148,17 +151,13 @@ def install(table: str, s: SandboxRules, keep_resolved: bool = False) -> str:
     t, k, name = f"inet {table}", s.key, s.ifname
     lines = _objects(t, k)
     lines += [f"flush chain {t} sb_{k}", f"flush set {t} allow_{k}", f"flush set {t} allany_{k}"]
+    lines += [f"flush set {t} blk_{k}", f"flush set {t} blkall_{k}"]
     if not keep_resolved:
         lines += [f"flush set {t} dyn_{k}", f"flush set {t} dynall_{k}"]
     mark = f"ct mark set {s.gen} accept"
     lines.append(f"add rule {t} sb_{k} ct state established,related ct mark {s.gen} accept")
-    if s.mode == "full":
-        if s.full_deny:
-            # the node's own networks (a cluster's gateway, other nodes, the layer repository): an
-            # allowlist may name them, "full" does not reach them
-            lines.append(f"add rule {t} sb_{k} ip daddr {{ {', '.join(s.full_deny)} }} jump deny")
-        lines.append(f"add rule {t} sb_{k} {mark}")
-    else:
+    if s.mode != "full":
+        # an allowlist's destinations; under a deny list, the exceptions to it
         pairs, anys = _static_elements(s.entries)
         if pairs:
             lines.append(f"add element {t} allow_{k} {{ {', '.join(pairs)} }}")
@@ -170,6 +169,22 @@ def install(table: str, s: SandboxRules, keep_resolved: bool = False) -> str:
             f"add rule {t} sb_{k} {PROTOS} ip daddr . th dport @dyn_{k} {mark}",
             f"add rule {t} sb_{k} {PROTOS} ip daddr @dynall_{k} {mark}",
         ]
+    if s.mode != "allow":
+        if s.full_deny:
+            # the node's own networks (a cluster's gateway, other nodes, the layer repository): an
+            # allowlist may name them, "full" does not reach them
+            lines.append(f"add rule {t} sb_{k} ip daddr {{ {', '.join(s.full_deny)} }} jump deny")
+        if s.mode == "deny":
+            pairs, anys = _static_elements(s.denied)
+            if pairs:
+                lines.append(f"add element {t} blk_{k} {{ {', '.join(pairs)} }}")
+            if anys:
+                lines.append(f"add element {t} blkall_{k} {{ {', '.join(anys)} }}")
+            lines += [
+                f"add rule {t} sb_{k} {PROTOS} ip daddr . th dport @blk_{k} jump deny",
+                f"add rule {t} sb_{k} ip daddr @blkall_{k} jump deny",
+            ]
+        lines.append(f"add rule {t} sb_{k} {mark}")
     lines += [
         f'add element {t} ifs {{ "{name}" }}',
         f'add element {t} owners {{ "{name}" . {s.address} }}',
@@ -191,7 +206,7 @@ def remove(table: str, sandbox_id: str, address: str | None) -> str:
     for set_name, add, delete in elements:
         lines += [f"add element {t} {set_name} {{ {add} }}", f"delete element {t} {set_name} {{ {delete} }}"]
     lines += [f"delete chain {t} sb_{k}", f"delete counter {t} deny_{k}"]
-    lines += [f"delete set {t} {s}_{k}" for s in ("allow", "allany", "dyn", "dynall")]
+    lines += [f"delete set {t} {s}_{k}" for s in ("allow", "allany", "dyn", "dynall", "blk", "blkall")]
     return "\n".join(lines) + "\n"
 
 

@@ -50,7 +50,7 @@ class Client:
     """One sandbox as the resolver sees it."""
 
     sandbox_id: str
-    mode: str  # "full" or "allow"
+    mode: str  # "full", "allow" or "deny" (full but some networks; names may be allowed past them)
     names: dict[str, set[int | None]] = field(default_factory=dict)  # allowed name -> its ports
     denied: int = 0
     inflight: int = 0
@@ -70,7 +70,7 @@ def decide(client: Client | None, qname: str) -> str:
         name = valid_name(qname)
     except ValueError:
         return "refuse"
-    if client.mode == "full" or name in client.names:
+    if client.mode in ("full", "deny") or name in client.names:
         return "resolve"
     return "refuse"
 
@@ -210,7 +210,7 @@ class Resolver:
             addresses = self.static.get(name) or await self.upstream(name)
             if not addresses:
                 return reply(query, dns.rcode.NXDOMAIN)
-            if client.mode == "allow":
+            if name in client.names:  # an allowed name: its addresses open (past a deny list too)
                 await self.on_resolved(client, addresses, client.names.get(name, set()))
             return reply(query, dns.rcode.NOERROR, addresses)
         except Exception:

@@ -404,6 +404,9 @@ class FunctionBackend(Backend):
             update={"denied_packets": max(0, st.denied_packets - packets), "denied_dns": max(0, st.denied_dns - dns)}
         )
 
+    def can_pause(self) -> bool:
+        return False
+
     async def pause(self, rec: SandboxRecord) -> None:
         raise InvalidRequest("function sandboxes cannot be paused: they are lent for short uses")
 
