@@ -59,3 +59,10 @@ class FileActions:
         rec, backend = self.sandboxes.running(sandbox_id, caller)
         await self.sandboxes.not_packing(rec.id)
         await backend.rename(rec, source, destination)
+
+    async def set_metadata(
+        self, sandbox_id: str, path: str, metadata: dict[str, str], *, caller: Caller = OPERATOR
+    ) -> None:
+        rec, backend = self.sandboxes.running(sandbox_id, caller)
+        await self.sandboxes.not_packing(rec.id)
+        await backend.set_metadata(rec, path, metadata)

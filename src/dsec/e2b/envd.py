@@ -88,13 +88,14 @@ def _service(request: Request) -> E2BService:
     return svc
 
 
-def route(request: Request, *, signature: Callable[[str], bool] | None = None) -> Call:
+def route(request: Request, *, signature: Callable[[str], bool] | None = None, sandbox_id: str | None = None) -> Call:
     """The sandbox of an envd call, and the caller it acts as (the sandbox's owner).
 
-    ``signature``: for /files, a check of a signed URL that stands in for the access token."""
+    ``signature``: for /files, a check of a signed URL that stands in for the access token;
+    ``sandbox_id``: the sandbox such a URL was found to be for, when it names none."""
     svc = _service(request)
     headers = request.scope.get("headers", [])
-    sandbox_id = header(headers, SANDBOX_HEADER).decode(errors="replace").strip()
+    sandbox_id = sandbox_id or header(headers, SANDBOX_HEADER).decode(errors="replace").strip()
     if not sandbox_id:
         raise Refused(
             plain_error(

@@ -5,9 +5,8 @@ host; VMs: the guest's read-only busybox). Watches poll the directory through th
 from __future__ import annotations
 
 import asyncio
-import stat as st
+import contextlib
 from collections.abc import AsyncIterator
-from datetime import UTC, datetime
 
 from ..core.watch import POLL_INTERVAL, Change, DirWatch
 from ..errors import FileNotFoundInSandbox, InvalidRequest, LimitExceeded
@@ -15,31 +14,21 @@ from ..protocol.sandbox import FileEntry
 from . import envd_models as pm
 from .connect import RpcError
 from .envd import Call, server_stream, unary
+from .fs_entries import entry_info, names
 
 MAX_LIST_ENTRIES = 20_000  # a deep list_dir is refused past this
 
-_TYPES = {"file": pm.FileType.FILE_TYPE_FILE, "dir": pm.FileType.FILE_TYPE_DIRECTORY}
-_TYPE_BITS = {"file": st.S_IFREG, "dir": st.S_IFDIR, "symlink": st.S_IFLNK}
 _EVENTS = {
     "create": pm.EventType.EVENT_TYPE_CREATE,
     "write": pm.EventType.EVENT_TYPE_WRITE,
     "remove": pm.EventType.EVENT_TYPE_REMOVE,
+    "rename": pm.EventType.EVENT_TYPE_RENAME,
     "chmod": pm.EventType.EVENT_TYPE_CHMOD,
 }
 
 
-def entry_info(e: FileEntry) -> pm.EntryInfo:
-    link = e.type == "symlink"
-    return pm.EntryInfo(
-        name=e.name,
-        type=pm.FileType.FILE_TYPE_SYMLINK if link else _TYPES.get(e.type, pm.FileType.FILE_TYPE_UNSPECIFIED),
-        path=e.path,
-        size=e.size,
-        mode=e.mode,
-        permissions=st.filemode(_TYPE_BITS.get(e.type, 0) | e.mode),
-        modified_time=datetime.fromtimestamp(e.mtime, UTC),
-        is_symlink=link,
-    )
+async def _info(call: Call, e: FileEntry) -> pm.EntryInfo:
+    return entry_info(e, await names(call.svc.mgr, call.sandbox_id, call.caller))
 
 
 async def _path(call: Call, path: str) -> str:
@@ -54,27 +43,29 @@ async def _stat(call: Call, path: str) -> FileEntry:
 
 @unary("/filesystem.Filesystem/Stat", pm.StatRequest)
 async def stat(call: Call, req: pm.StatRequest) -> pm.StatResponse:
-    return pm.StatResponse(entry=entry_info(await _stat(call, await _path(call, req.path))))
+    return pm.StatResponse(entry=await _info(call, await _stat(call, await _path(call, req.path))))
 
 
 @unary("/filesystem.Filesystem/ListDir", pm.ListDirRequest)
 async def list_dir(call: Call, req: pm.ListDirRequest) -> pm.ListDirResponse:
+    """Depth first, each directory's entries by name, as envd walks (a directory, then what it holds);
+    symlinks to directories are listed, not entered."""
     root = await _path(call, req.path)
     depth = max(1, req.depth)
-    out: list[pm.EntryInfo] = []
-    level = [root]
-    for _ in range(depth):
-        below: list[str] = []
-        for directory in level:
-            entries: list[FileEntry] = await call.svc.call(call.rec, "list", {"path": directory}, caller=call.caller)
-            for e in entries:
-                out.append(entry_info(e))
-                if e.type == "dir":
-                    below.append(e.path)
-            if len(out) > MAX_LIST_ENTRIES:
+    found: list[FileEntry] = []
+
+    async def walk(directory: str, level: int) -> None:
+        entries: list[FileEntry] = await call.svc.call(call.rec, "list", {"path": directory}, caller=call.caller)
+        for e in entries:
+            found.append(e)
+            if len(found) > MAX_LIST_ENTRIES:
                 raise LimitExceeded(f"{root} holds more than {MAX_LIST_ENTRIES} entries to depth {depth}")
-        level = below
-    return pm.ListDirResponse(entries=out)
+            if e.type == "dir" and level < depth:
+                await walk(e.path, level + 1)
+
+    await walk(root, 1)
+    who = await names(call.svc.mgr, call.sandbox_id, call.caller)
+    return pm.ListDirResponse(entries=[entry_info(e, who) for e in found])
 
 
 @unary("/filesystem.Filesystem/MakeDir", pm.MakeDirRequest)
@@ -89,20 +80,21 @@ async def make_dir(call: Call, req: pm.MakeDirRequest) -> pm.MakeDirResponse:
             raise RpcError("already_exists", f"directory {path} already exists")
         raise InvalidRequest(f"{path} exists and is not a directory")
     await call.svc.call(call.rec, "mkdir", {"path": path}, caller=call.caller)
-    return pm.MakeDirResponse(entry=entry_info(await _stat(call, path)))
+    return pm.MakeDirResponse(entry=await _info(call, await _stat(call, path)))
 
 
 @unary("/filesystem.Filesystem/Move", pm.MoveRequest)
 async def move(call: Call, req: pm.MoveRequest) -> pm.MoveResponse:
     source, destination = await _path(call, req.source), await _path(call, req.destination)
     await call.svc.call(call.rec, "move", {"source": source, "destination": destination}, caller=call.caller)
-    return pm.MoveResponse(entry=entry_info(await _stat(call, destination)))
+    return pm.MoveResponse(entry=await _info(call, await _stat(call, destination)))
 
 
 @unary("/filesystem.Filesystem/Remove", pm.RemoveRequest)
 async def remove(call: Call, req: pm.RemoveRequest) -> pm.RemoveResponse:
     path = await _path(call, req.path)
-    await call.svc.call(call.rec, "remove", {"path": path, "recursive": True}, caller=call.caller)
+    with contextlib.suppress(FileNotFoundInSandbox):  # envd: removing what is not there succeeds
+        await call.svc.call(call.rec, "remove", {"path": path, "recursive": True}, caller=call.caller)
     return pm.RemoveResponse()
 
 

@@ -173,6 +173,12 @@ class Backend(ABC):
         """rename(2) of ``source`` to ``destination`` (parents of the destination are made)."""
         raise InvalidRequest(f"sandboxes of kind {self.kind!r} cannot rename files yet")
 
+    async def set_metadata(self, rec: SandboxRecord, path: str, metadata: dict[str, str]) -> None:
+        """The file's user metadata becomes exactly ``metadata`` (``FileEntry.metadata``); a kind that
+        keeps none takes only an empty one."""
+        if metadata:
+            raise InvalidRequest(f"sandboxes of kind {self.kind!r} keep no file metadata")
+
     @abstractmethod
     async def upload_tar(self, rec: SandboxRecord, path: str, data: bytes) -> None:
         """Unpack a tar archive into directory ``path`` (created if missing)."""

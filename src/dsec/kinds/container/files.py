@@ -11,6 +11,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ...errors import InvalidRequest
+from ...isolation import rootpath_meta
+from ...isolation.idmap import RANGE
 from ...isolation.rootpath import RootFS, clean_path
 from ...protocol.sandbox import ExecResult, FileEntry
 from ...store.records import SandboxRecord, VolumeMount
@@ -18,6 +20,8 @@ from ..base import MAX_FILE_READ
 from . import spec
 from .execution import ExecPlan
 from .state import ContainerState
+
+OVERFLOW_ID = 65534  # what the kernel shows for an id outside a user namespace's map
 
 
 class ContainerFiles:
@@ -67,14 +71,31 @@ class ContainerFiles:
         fs, path = self._fs(rec, path, writing=True)
         await asyncio.to_thread(fs.write, path, data, mode)
 
+    def _as_seen(
+        self, rec: SandboxRecord, path: str, fs: RootFS, found: list[tuple[FileEntry, str]]
+    ) -> list[FileEntry]:
+        """Entries (each with the path the sandbox names it by, and its path in ``fs``) as the sandbox sees
+        them: with its own uids and gids (its root's are shifted by its user namespace, a volume's are
+        not), and what rootpath_meta adds (metadata, symlink targets)."""
+        base = ContainerState(rec).uid_base
+        shift = 0 if base is None or _volume_of(rec, clean_path(path)) is not None else base
+        out = []
+        for entry, inner in found:
+            e = rootpath_meta.describe(fs, entry, inner)
+            if shift and e.uid is not None and e.gid is not None:
+                e = e.model_copy(update={"uid": _unshift(e.uid, shift), "gid": _unshift(e.gid, shift)})
+            out.append(e)
+        return out
+
     async def list_dir(self, rec: SandboxRecord, path: str) -> list[FileEntry]:
         fs, inner = self._fs(rec, path)
-        entries = await asyncio.to_thread(fs.list, inner)
-        if inner == path:
-            return entries
-        # the view's paths are the volume's own: give them as the sandbox names them
         base = "/" + clean_path(path).lstrip(".")
-        return [e.model_copy(update={"path": posixpath.join(base, e.name)}) for e in entries]
+
+        def listed() -> list[FileEntry]:
+            found = [(e.model_copy(update={"path": posixpath.join(base, e.name)}), e.path) for e in fs.list(inner)]
+            return self._as_seen(rec, path, fs, found)
+
+        return await asyncio.to_thread(listed)
 
     async def remove(self, rec: SandboxRecord, path: str, recursive: bool = False) -> None:
         self._mount_point(rec, path)
@@ -87,9 +108,17 @@ class ContainerFiles:
 
     async def stat(self, rec: SandboxRecord, path: str) -> FileEntry:
         fs, inner = self._fs(rec, path)
-        entry = await asyncio.to_thread(fs.stat, inner)
         full = "/" + clean_path(path).lstrip(".")
-        return entry.model_copy(update={"path": full, "name": posixpath.basename(full) or "/"})
+
+        def stated() -> FileEntry:
+            entry = fs.stat(inner).model_copy(update={"path": full, "name": posixpath.basename(full) or "/"})
+            return self._as_seen(rec, path, fs, [(entry, inner)])[0]
+
+        return await asyncio.to_thread(stated)
+
+    async def set_metadata(self, rec: SandboxRecord, path: str, metadata: dict[str, str]) -> None:
+        fs, inner = self._fs(rec, path, writing=True)
+        await asyncio.to_thread(rootpath_meta.set_metadata, fs, inner, metadata)
 
     async def rename(self, rec: SandboxRecord, source: str, destination: str) -> None:
         self._mount_point(rec, source)
@@ -127,6 +156,13 @@ class ContainerFiles:
             raise InvalidRequest(f"cannot archive {path}: {res.stderr.strip()[-500:]}")
         assert plan.raw is not None
         return bytes(plan.raw)
+
+
+def _unshift(host_id: int, base: int) -> int:
+    """A host id of the sandbox's user namespace as the sandbox numbers it; one outside the namespace's
+    range is its overflow id, as the kernel shows it inside."""
+    inner = host_id - base
+    return inner if 0 <= inner < RANGE else OVERFLOW_ID
 
 
 def _volume_of(rec: SandboxRecord, clean: str) -> VolumeMount | None:

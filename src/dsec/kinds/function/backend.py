@@ -372,6 +372,9 @@ class FunctionBackend(Backend):
     async def rename(self, rec: SandboxRecord, source: str, destination: str) -> None:
         await self.containers.rename(self._worker(rec).rec, source, destination)
 
+    async def set_metadata(self, rec: SandboxRecord, path: str, metadata: dict[str, str]) -> None:
+        await self.containers.set_metadata(self._worker(rec).rec, path, metadata)
+
     async def upload_tar(self, rec: SandboxRecord, path: str, data: bytes) -> None:
         await self.containers.upload_tar(self._worker(rec).rec, path, data)
 

@@ -1,0 +1,88 @@
+"""A sandbox's file entries as envd describes them (``EntryInfo``): owner and group by name, from the
+sandbox's own /etc/passwd and /etc/group; a symlink by what it points to (its ``type`` is the target's,
+``symlink_target`` the absolute target, ``is_symlink`` set), as envd reports it."""
+
+from __future__ import annotations
+
+import stat as st
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+
+from ..core.manager import SandboxManager
+from ..errors import DsecError
+from ..protocol.sandbox import FileEntry
+from ..tenancy import Caller
+from . import envd_models as pm
+
+NAMES_TTL = 2.0  # seconds a sandbox's account names are reused
+MAX_CACHED = 1024  # sandboxes whose names are kept
+
+_TYPES = {"file": pm.FileType.FILE_TYPE_FILE, "dir": pm.FileType.FILE_TYPE_DIRECTORY}
+_TYPE_BITS = {"file": st.S_IFREG, "dir": st.S_IFDIR, "symlink": st.S_IFLNK}
+
+
+@dataclass
+class Names:
+    users: dict[int, str] = field(default_factory=dict)
+    groups: dict[int, str] = field(default_factory=dict)
+
+    def user(self, uid: int | None) -> str:
+        return "" if uid is None else self.users.get(uid, str(uid))
+
+    def group(self, gid: int | None) -> str:
+        return "" if gid is None else self.groups.get(gid, str(gid))
+
+
+def parse_ids(text: str) -> dict[int, str]:
+    """name by id, of an /etc/passwd or /etc/group text (the first name of an id wins, as getpwuid's)."""
+    out: dict[int, str] = {}
+    for line in text.splitlines():
+        parts = line.split(":")
+        if len(parts) >= 3 and parts[0] and parts[2].isdigit():
+            out.setdefault(int(parts[2]), parts[0])
+    return out
+
+
+_cache: OrderedDict[str, tuple[float, Names]] = OrderedDict()
+
+
+async def names(mgr: SandboxManager, sandbox_id: str, caller: Caller) -> Names:
+    """The sandbox's account names, read again at most every NAMES_TTL seconds."""
+    hit = _cache.get(sandbox_id)
+    if hit is not None and time.monotonic() - hit[0] < NAMES_TTL:
+        return hit[1]
+    found = Names()
+    for path, table in (("/etc/passwd", found.users), ("/etc/group", found.groups)):
+        try:
+            text = (await mgr.read_file(sandbox_id, path, caller=caller)).decode(errors="replace")
+        except DsecError:
+            continue  # no such file: ids are given as numbers
+        table.update(parse_ids(text))
+    _cache[sandbox_id] = (time.monotonic(), found)
+    _cache.move_to_end(sandbox_id)
+    while len(_cache) > MAX_CACHED:
+        _cache.popitem(last=False)
+    return found
+
+
+def entry_info(e: FileEntry, who: Names | None = None) -> pm.EntryInfo:
+    link = e.type == "symlink"
+    kind = e.link_type if link and e.link_type is not None else e.type
+    return pm.EntryInfo(
+        name=e.name,
+        type=pm.FileType.FILE_TYPE_SYMLINK
+        if kind == "symlink"
+        else _TYPES.get(kind, pm.FileType.FILE_TYPE_UNSPECIFIED),
+        path=e.path,
+        size=e.size,
+        mode=e.mode,
+        permissions=st.filemode(_TYPE_BITS.get(e.type, 0) | e.mode),
+        owner=who.user(e.uid) if who is not None else "",
+        group=who.group(e.gid) if who is not None else "",
+        modified_time=datetime.fromtimestamp(e.mtime, UTC),
+        symlink_target=e.link_target if link else None,
+        metadata=dict(e.metadata),
+        is_symlink=link,
+    )
