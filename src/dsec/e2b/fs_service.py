@@ -1,14 +1,16 @@
 """envd's ``filesystem.Filesystem`` service (the SDK's ``sbx.files`` beyond reads and writes) on the
 core's file API, which each kind carries out from the host side (containers: openat2-confined on the
-host; VMs: the guest's read-only busybox). Watches poll the directory through the same API."""
+host; VMs: the guest's read-only busybox). Watches are core/watch.py's: the kind's exact events where
+it has them (inotify, for containers and function workers), a comparison of looks elsewhere."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import posixpath
 from collections.abc import AsyncIterator
 
-from ..core.watch import POLL_INTERVAL, Change, DirWatch
+from ..core.watch import Change, DirWatch
 from ..errors import FileNotFoundInSandbox, InvalidRequest, LimitExceeded
 from ..protocol.sandbox import FileEntry
 from . import envd_models as pm
@@ -17,6 +19,7 @@ from .envd import Call, server_stream, unary
 from .fs_entries import entry_info, names
 
 MAX_LIST_ENTRIES = 20_000  # a deep list_dir is refused past this
+STREAM_CHECK = 1.0  # seconds a quiet watch stream waits before it checks its sandbox and keepalive
 
 _EVENTS = {
     "create": pm.EventType.EVENT_TYPE_CREATE,
@@ -98,45 +101,67 @@ async def remove(call: Call, req: pm.RemoveRequest) -> pm.RemoveResponse:
     return pm.RemoveResponse()
 
 
-def _event(change: Change, include_entry: bool) -> pm.FilesystemEvent:
-    entry = entry_info(change.entry) if include_entry and change.entry is not None else None
-    return pm.FilesystemEvent(name=change.name, type=_EVENTS[change.type], entry=entry)
+async def _event(call: Call, root: str, change: Change, include_entry: bool) -> pm.FilesystemEvent:
+    """envd's event; with ``include_entry``, the entry where the path still is (best effort, as envd)."""
+    info = None
+    if include_entry and change.type not in ("remove", "rename"):
+        entry = change.entry
+        if entry is None:
+            with contextlib.suppress(FileNotFoundInSandbox, InvalidRequest):
+                entry = await _stat(call, posixpath.join(root, change.name))
+        info = await _info(call, entry) if entry is not None else None
+    return pm.FilesystemEvent(name=change.name, type=_EVENTS[change.type], entry=info)
+
+
+async def _watch(call: Call, path: str, recursive: bool) -> DirWatch:
+    watch = DirWatch(call.svc.mgr, call.sandbox_id, await _path(call, path), recursive=recursive, caller=call.caller)
+    await watch.start()
+    return watch
 
 
 @server_stream("/filesystem.Filesystem/WatchDir", pm.WatchDirRequest)
 async def watch_dir(call: Call, req: pm.WatchDirRequest) -> AsyncIterator[pm.WatchDirResponse]:
-    watch = DirWatch(
-        call.svc.mgr, call.sandbox_id, await _path(call, req.path), recursive=req.recursive, caller=call.caller
-    )
-    await watch.start()
-    yield pm.WatchDirResponse(start=pm.WatchDirStart())
-    quiet, keepalive = 0.0, call.keepalive()
-    while True:
-        await asyncio.sleep(POLL_INTERVAL)
-        changes = await watch.changes()
-        for change in changes:
-            yield pm.WatchDirResponse(filesystem=_event(change, req.include_entry))
-        quiet = 0.0 if changes else quiet + POLL_INTERVAL
-        if quiet >= keepalive:
-            quiet = 0.0
-            yield pm.WatchDirResponse(keepalive=pm.KeepAlive())
+    watch = await _watch(call, req.path, req.recursive)
+    try:
+        yield pm.WatchDirResponse(start=pm.WatchDirStart())
+        keepalive = call.keepalive()
+        clock = asyncio.get_running_loop().time
+        due = clock() + keepalive
+        while True:
+            await watch.wait(STREAM_CHECK)
+            changes = await watch.changes()
+            for change in changes:
+                yield pm.WatchDirResponse(filesystem=await _event(call, watch.path, change, req.include_entry))
+            if changes:
+                due = clock() + keepalive
+                continue
+            if watch.exact:  # nothing to look at that would fail: the stream ends with its sandbox here
+                call.svc.mgr.sandboxes.running(call.sandbox_id, call.caller)
+            if clock() >= due:
+                due = clock() + keepalive
+                yield pm.WatchDirResponse(keepalive=pm.KeepAlive())
+    finally:
+        watch.close()
 
 
 @unary("/filesystem.Filesystem/CreateWatcher", pm.CreateWatcherRequest)
 async def create_watcher(call: Call, req: pm.CreateWatcherRequest) -> pm.CreateWatcherResponse:
-    watch = DirWatch(
-        call.svc.mgr, call.sandbox_id, await _path(call, req.path), recursive=req.recursive, caller=call.caller
-    )
-    await watch.start()
-    return pm.CreateWatcherResponse(watcher_id=call.svc.add_watcher(call.sandbox_id, watch, req.include_entry))
+    watch = await _watch(call, req.path, req.recursive)
+    try:
+        watcher_id = call.svc.add_watcher(call.sandbox_id, watch, req.include_entry)
+    except BaseException:
+        watch.close()
+        raise
+    return pm.CreateWatcherResponse(watcher_id=watcher_id)
 
 
 @unary("/filesystem.Filesystem/GetWatcherEvents", pm.GetWatcherEventsRequest)
 async def watcher_events(call: Call, req: pm.GetWatcherEventsRequest) -> pm.GetWatcherEventsResponse:
-    """What changed since the previous call: the look is taken now, so nothing is lost between polls
-    except what was created and removed in between."""
+    """What changed since the previous call: exact events where the kind watches itself; elsewhere the
+    look is taken now, so nothing is lost between polls except what was created and removed in between."""
     w = call.svc.watcher(call.sandbox_id, req.watcher_id)
-    return pm.GetWatcherEventsResponse(events=[_event(c, w.include_entry) for c in await w.watch.changes()])
+    changes = await w.watch.changes()
+    return pm.GetWatcherEventsResponse(events=[await _event(call, w.watch.path, c, w.include_entry) for c in changes])
 
 
 @unary("/filesystem.Filesystem/RemoveWatcher", pm.RemoveWatcherRequest)

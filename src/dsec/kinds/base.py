@@ -6,10 +6,10 @@ import contextlib
 import posixpath
 import socket
 from abc import ABC, abstractmethod
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
 from ..errors import FileNotFoundInSandbox, InvalidRequest
 from ..images.store import ImageRef
@@ -43,6 +43,20 @@ async def each_of(*steps: Awaitable[object]) -> None:
 
 
 MAX_ARCHIVE = 512 << 20
+
+
+class FileWatch(Protocol):
+    """Change events of a directory as they happen (a kind's own watch; isolation/rootwatch.py)."""
+
+    lost: bool  # some events were lost (a queue overflowed)
+
+    def take(self) -> Sequence[tuple[str, str]]:
+        """The events since the last take: (create|write|remove|rename|chmod, path under the directory)."""
+        ...
+
+    async def wait(self, timeout: float) -> None: ...
+
+    def close(self) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -172,6 +186,11 @@ class Backend(ABC):
     async def rename(self, rec: SandboxRecord, source: str, destination: str) -> None:
         """rename(2) of ``source`` to ``destination`` (parents of the destination are made)."""
         raise InvalidRequest(f"sandboxes of kind {self.kind!r} cannot rename files yet")
+
+    async def watch(self, rec: SandboxRecord, path: str, recursive: bool) -> FileWatch | None:
+        """Events of the directory at ``path`` as they happen; None: the kind has no such watch, and the
+        core looks at the directory again and again instead (core/watch.py)."""
+        return None
 
     async def set_metadata(self, rec: SandboxRecord, path: str, metadata: dict[str, str]) -> None:
         """The file's user metadata becomes exactly ``metadata`` (``FileEntry.metadata``); a kind that

@@ -11,12 +11,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ...errors import InvalidRequest
-from ...isolation import rootpath_meta
+from ...isolation import inotify, rootpath_meta
 from ...isolation.idmap import RANGE
 from ...isolation.rootpath import RootFS, clean_path
+from ...isolation.rootwatch import LIMITS, RootWatch
 from ...protocol.sandbox import ExecResult, FileEntry
 from ...store.records import SandboxRecord, VolumeMount
-from ..base import MAX_FILE_READ
+from ..base import MAX_FILE_READ, FileWatch
 from . import spec
 from .execution import ExecPlan
 from .state import ContainerState
@@ -26,6 +27,8 @@ OVERFLOW_ID = 65534  # what the kernel shows for an id outside a user namespace'
 
 class ContainerFiles:
     """Mixed into the ContainerBackend, which provides what is declared here."""
+
+    _inotify: inotify.Hub | None = None  # made at the first watch: one per backend
 
     if TYPE_CHECKING:
 
@@ -115,6 +118,19 @@ class ContainerFiles:
             return self._as_seen(rec, path, fs, [(entry, inner)])[0]
 
         return await asyncio.to_thread(stated)
+
+    async def watch(self, rec: SandboxRecord, path: str, recursive: bool) -> FileWatch | None:
+        fs, inner = self._fs(rec, path)
+        if self._inotify is None:
+            self._inotify = inotify.Hub()
+        watch = RootWatch(self._inotify, fs, inner, recursive=recursive)
+        try:
+            watch.start()  # on the loop: the events are read there
+        except OSError as e:
+            if e.errno in LIMITS:
+                return None  # the host's inotify limits are reached: the core polls instead
+            raise
+        return watch
 
     async def set_metadata(self, rec: SandboxRecord, path: str, metadata: dict[str, str]) -> None:
         fs, inner = self._fs(rec, path, writing=True)
