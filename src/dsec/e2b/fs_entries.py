@@ -7,11 +7,12 @@ from __future__ import annotations
 import stat as st
 import time
 from collections import OrderedDict
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
 from ..core.manager import SandboxManager
-from ..errors import DsecError
+from ..errors import DsecError, LimitExceeded
 from ..protocol.sandbox import FileEntry
 from ..tenancy import Caller
 from . import envd_models as pm
@@ -64,6 +65,35 @@ async def names(mgr: SandboxManager, sandbox_id: str, caller: Caller) -> Names:
     _cache.move_to_end(sandbox_id)
     while len(_cache) > MAX_CACHED:
         _cache.popitem(last=False)
+    return found
+
+
+async def depth_first(
+    listed: Callable[[str], Awaitable[list[FileEntry]]], root: str, depth: int, limit: int
+) -> list[FileEntry]:
+    """What ``root`` holds to ``depth`` levels (1: its own entries), depth first as envd walks: each
+    directory's entries by name, a directory followed by what it holds. Symlinks to directories are
+    listed, not entered. More than ``limit`` entries is refused."""
+
+    def by_name(entries: list[FileEntry]) -> list[FileEntry]:
+        return sorted(entries, key=lambda e: e.name)
+
+    found: list[FileEntry] = []
+    # (a directory's entries, the next one to take, its level): a loop, not recursion, so a deep tree
+    # cannot exhaust the stack
+    stack = [(by_name(await listed(root)), 0, 1)]
+    while stack:
+        entries, at, level = stack[-1]
+        if at == len(entries):
+            stack.pop()
+            continue
+        stack[-1] = (entries, at + 1, level)
+        e = entries[at]
+        found.append(e)
+        if len(found) > limit:
+            raise LimitExceeded(f"{root} holds more than {limit} entries to depth {depth}")
+        if e.type == "dir" and level < depth:
+            stack.append((by_name(await listed(e.path)), 0, level + 1))
     return found
 
 

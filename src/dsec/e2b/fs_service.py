@@ -11,12 +11,12 @@ import posixpath
 from collections.abc import AsyncIterator
 
 from ..core.watch import Change, DirWatch
-from ..errors import FileNotFoundInSandbox, InvalidRequest, LimitExceeded
+from ..errors import FileNotFoundInSandbox, InvalidRequest
 from ..protocol.sandbox import FileEntry
 from . import envd_models as pm
 from .connect import RpcError
 from .envd import Call, server_stream, unary
-from .fs_entries import entry_info, names
+from .fs_entries import depth_first, entry_info, names
 
 MAX_LIST_ENTRIES = 20_000  # a deep list_dir is refused past this
 STREAM_CHECK = 1.0  # seconds a quiet watch stream waits before it checks its sandbox and keepalive
@@ -51,22 +51,14 @@ async def stat(call: Call, req: pm.StatRequest) -> pm.StatResponse:
 
 @unary("/filesystem.Filesystem/ListDir", pm.ListDirRequest)
 async def list_dir(call: Call, req: pm.ListDirRequest) -> pm.ListDirResponse:
-    """Depth first, each directory's entries by name, as envd walks (a directory, then what it holds);
-    symlinks to directories are listed, not entered."""
+    """Depth first, as envd walks (fs_entries.depth_first)."""
     root = await _path(call, req.path)
-    depth = max(1, req.depth)
-    found: list[FileEntry] = []
 
-    async def walk(directory: str, level: int) -> None:
+    async def listed(directory: str) -> list[FileEntry]:
         entries: list[FileEntry] = await call.svc.call(call.rec, "list", {"path": directory}, caller=call.caller)
-        for e in entries:
-            found.append(e)
-            if len(found) > MAX_LIST_ENTRIES:
-                raise LimitExceeded(f"{root} holds more than {MAX_LIST_ENTRIES} entries to depth {depth}")
-            if e.type == "dir" and level < depth:
-                await walk(e.path, level + 1)
+        return entries
 
-    await walk(root, 1)
+    found = await depth_first(listed, root, max(1, req.depth), MAX_LIST_ENTRIES)
     who = await names(call.svc.mgr, call.sandbox_id, call.caller)
     return pm.ListDirResponse(entries=[entry_info(e, who) for e in found])
 
