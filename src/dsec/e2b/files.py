@@ -95,6 +95,9 @@ async def upload(request: Request, path: PathQ = None, username: UserQ = None) -
         metadata = check_metadata(
             {k[len(METADATA_PREFIX) :]: v for k, v in request.headers.items() if k.lower().startswith(METADATA_PREFIX)}
         )
+        backend = call.svc.mgr.backends.get(call.rec.kind)
+        if metadata and not (backend is not None and backend.keeps_metadata):
+            raise InvalidRequest(f"sandboxes of kind {call.rec.kind!r} keep no file metadata (X-Metadata-* headers)")
         home = await _home(call, username)
         files: list[tuple[str, bytes]] = []
         content_type = request.headers.get("content-type", "").partition(";")[0].strip().lower()

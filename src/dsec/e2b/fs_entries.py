@@ -5,7 +5,6 @@ sandbox's own /etc/passwd and /etc/group; a symlink by what it points to (its ``
 from __future__ import annotations
 
 import stat as st
-import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -17,7 +16,6 @@ from ..protocol.sandbox import FileEntry
 from ..tenancy import Caller
 from . import envd_models as pm
 
-NAMES_TTL = 2.0  # seconds a sandbox's account names are reused
 MAX_CACHED = 1024  # sandboxes whose names are kept
 
 _TYPES = {"file": pm.FileType.FILE_TYPE_FILE, "dir": pm.FileType.FILE_TYPE_DIRECTORY}
@@ -46,22 +44,36 @@ def parse_ids(text: str) -> dict[int, str]:
     return out
 
 
-_cache: OrderedDict[str, tuple[float, Names]] = OrderedDict()
+_cache: OrderedDict[str, tuple[tuple[object, ...], Names]] = OrderedDict()
+_TABLES = ("/etc/passwd", "/etc/group")
+
+
+async def _version(mgr: SandboxManager, sandbox_id: str, caller: Caller) -> tuple[object, ...]:
+    """What changes when the sandbox changes its account files (useradd replaces them)."""
+    out: list[object] = []
+    for path in _TABLES:
+        try:
+            e = await mgr.stat(sandbox_id, path, caller=caller)
+            out += [e.mtime, e.size]
+        except DsecError:
+            out += [None, None]
+    return tuple(out)
 
 
 async def names(mgr: SandboxManager, sandbox_id: str, caller: Caller) -> Names:
-    """The sandbox's account names, read again at most every NAMES_TTL seconds."""
+    """The sandbox's account names, read again when its /etc/passwd or /etc/group changed."""
+    version = await _version(mgr, sandbox_id, caller)
     hit = _cache.get(sandbox_id)
-    if hit is not None and time.monotonic() - hit[0] < NAMES_TTL:
+    if hit is not None and hit[0] == version:
         return hit[1]
     found = Names()
-    for path, table in (("/etc/passwd", found.users), ("/etc/group", found.groups)):
+    for path, table in zip(_TABLES, (found.users, found.groups), strict=True):
         try:
             text = (await mgr.read_file(sandbox_id, path, caller=caller)).decode(errors="replace")
         except DsecError:
             continue  # no such file: ids are given as numbers
         table.update(parse_ids(text))
-    _cache[sandbox_id] = (time.monotonic(), found)
+    _cache[sandbox_id] = (version, found)
     _cache.move_to_end(sandbox_id)
     while len(_cache) > MAX_CACHED:
         _cache.popitem(last=False)

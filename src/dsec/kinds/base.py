@@ -81,6 +81,7 @@ class Backend(ABC):
     # why the kind cannot mount named volumes (None: it can)
     volumes_unsupported: ClassVar[str | None] = "this kind does not mount them"
     guest_busybox: ClassVar[str | None] = None  # a busybox in the sandbox: its nc reaches exposed ports
+    keeps_metadata: ClassVar[bool] = False  # whether set_metadata keeps a file's user metadata
 
     def __init__(self, ctx: BackendContext) -> None:
         self.ctx = ctx

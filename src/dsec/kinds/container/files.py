@@ -29,6 +29,7 @@ class ContainerFiles:
     """Mixed into the ContainerBackend, which provides what is declared here."""
 
     _inotify: inotify.Hub | None = None  # made at the first watch: one per backend
+    keeps_metadata = True  # as user.e2b.* extended attributes (overlayfs and volumes keep them)
 
     if TYPE_CHECKING:
 

@@ -63,6 +63,7 @@ class Worker:
 
 class FunctionBackend(Backend):
     kind = "function"
+    keeps_metadata = True  # its worker container's
     volumes_unsupported = None  # on a worker made for the sandbox (create)
 
     def __init__(self, ctx: BackendContext) -> None:
