@@ -14,7 +14,7 @@ import posixpath
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal, cast
 
-from ..errors import FileNotFoundInSandbox, InvalidRequest, LimitExceeded
+from ..errors import FileNotFoundInSandbox, InvalidRequest, LimitExceeded, SandboxGone
 from ..kinds.base import FileWatch
 from ..protocol.sandbox import FileEntry
 from ..tenancy import Caller
@@ -67,7 +67,13 @@ class DirWatch:
         """What changed since the previous call, in order for exact events; for looks, in a stable order
         (creations and writes by name, then removals)."""
         if self._native is not None:
-            return [Change(cast(ChangeType, kind), name, None) for kind, name in self._native.take()]
+            events = self._native.take()
+            # checked after the take: what was taken happened while the sandbox was still this one (a
+            # function sandbox's worker is lent to another sandbox once it ended)
+            if not self.mgr.is_live(self.sandbox_id):
+                self.close()
+                raise SandboxGone(f"sandbox {self.sandbox_id} has ended")
+            return [Change(cast(ChangeType, kind), name, None) for kind, name in events]
         if self._seen is None:
             await self.start()
             return []
@@ -99,6 +105,8 @@ class DirWatch:
     def close(self) -> None:
         if self._native is not None:
             self._native.close()
+            self._native = None
+            self._seen = {}  # closed: nothing more is reported
 
     async def _look(self) -> dict[str, FileEntry]:
         seen: dict[str, FileEntry] = {}

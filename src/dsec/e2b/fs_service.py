@@ -126,10 +126,7 @@ async def watch_dir(call: Call, req: pm.WatchDirRequest) -> AsyncIterator[pm.Wat
                 yield pm.WatchDirResponse(filesystem=await _event(call, watch.path, change, req.include_entry))
             if changes:
                 due = clock() + keepalive
-                continue
-            if watch.exact:  # nothing to look at that would fail: the stream ends with its sandbox here
-                call.svc.mgr.sandboxes.running(call.sandbox_id, call.caller)
-            if clock() >= due:
+            elif clock() >= due:
                 due = clock() + keepalive
                 yield pm.WatchDirResponse(keepalive=pm.KeepAlive())
     finally:

@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import ctypes
 import errno
+import logging
 import os
 import struct
 from collections.abc import Callable
@@ -41,6 +42,7 @@ READ_SIZE = 1 << 16
 Sink = Callable[[int, int, int, bytes], None]
 
 _libc = ctypes.CDLL(None, use_errno=True)
+log = logging.getLogger("dsec.inotify")
 
 
 def _check(rc: int) -> int:
@@ -118,7 +120,10 @@ class Hub:
                         callback()
                     continue
                 for sink in list(self._sinks.get(wd, {}).values()):
-                    sink(wd, mask, cookie, name)
+                    try:
+                        sink(wd, mask, cookie, name)
+                    except Exception:  # one subscriber's failure must not drop the others' events
+                        log.exception("an inotify subscriber failed")
                 if mask & IN_IGNORED:
                     self._sinks.pop(wd, None)
 
