@@ -20,6 +20,7 @@ from . import file_urls
 from .envd import Call, Refused, route
 from .errors import files_status, plain_error
 from .file_urls import Signed
+from .hosts import envd_sandbox
 from .service import E2BService
 
 METADATA_PREFIX = "x-metadata-"
@@ -36,7 +37,9 @@ def _call(request: Request, path: str | None, operation: str, username: str | No
         return route(request)
     svc: E2BService = request.app.state.e2b
     user = username or ""
-    named = request.headers.get("e2b-sandbox-id", "").strip()
+    named = request.headers.get("e2b-sandbox-id", "").strip() or envd_sandbox(
+        request.scope.get("headers", []), svc.options.domain
+    )
     if named:
         result = file_urls.check(svc.tokens.token(named), path, operation, user, signature, expiration)
         found: str | None = named if result is not Signed.INVALID else None

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from dsec.e2b.auth import EnvdTokens
-from dsec.e2b.hosts import check_domain, sandbox_port
+from dsec.e2b.hosts import check_domain, envd_sandbox, sandbox_port
 from dsec.errors import InvalidRequest
 
 DOMAIN = "localhost:49999"
@@ -74,3 +74,12 @@ def test_the_traffic_token_opens_one_sandbox_and_is_not_the_envd_token() -> None
     assert not tokens.check_traffic("sb-1", tokens.token("sb-1"))  # the envd token opens no port
     assert not tokens.check("sb-1", token)  # nor the traffic token envd
     assert EnvdTokens(b"j" * 32).traffic_token("sb-1") != token  # the daemon's key makes it
+
+
+def test_an_envd_call_at_its_sandboxs_own_host_names_the_sandbox() -> None:
+    assert envd_sandbox(_h(host="49983-sb-0123456789ab.localhost:49999"), DOMAIN) == "sb-0123456789ab"
+    assert envd_sandbox(_h(host="49983-SB-1.LOCALHOST:49999"), DOMAIN) == "sb-1"
+    for host in ("8000-sb-1.localhost:49999", "49983-sb-1.example.com", "49983-.localhost:49999", "127.0.0.1:49999"):
+        assert envd_sandbox(_h(host=host), DOMAIN) is None, host
+    assert envd_sandbox(_h(host="49983-a.b.localhost:49999"), DOMAIN) is None  # an id holds no dot
+    assert envd_sandbox(_h(host="49983-sb-1.localhost:49999"), None) is None  # no domain: headers only
