@@ -99,7 +99,8 @@ async def upload(request: Request, path: PathQ = None, username: UserQ = None) -
             {k[len(METADATA_PREFIX) :]: v for k, v in request.headers.items() if k.lower().startswith(METADATA_PREFIX)}
         )
         backend = call.svc.mgr.backends.get(call.rec.kind)
-        if metadata and not (backend is not None and backend.keeps_metadata):
+        keeps = backend is not None and backend.keeps_metadata
+        if metadata and not keeps:
             raise InvalidRequest(f"sandboxes of kind {call.rec.kind!r} keep no file metadata (X-Metadata-* headers)")
         home = await _home(call, username)
         files: list[tuple[str, bytes]] = []
@@ -127,9 +128,9 @@ async def upload(request: Request, path: PathQ = None, username: UserQ = None) -
         written = []
         for target, data in files:
             await call.svc.call(call.rec, "write", {"path": target, "mode": 0o644}, data, caller=call.caller)
-            # an upload replaces the file's metadata, as envd's does (none given: none left)
-            meta = {"path": target, "metadata": metadata}
-            await call.svc.call(call.rec, "set_metadata", meta, caller=call.caller)
+            if keeps:  # an upload replaces the file's metadata, as envd's does (none given: none left)
+                meta = {"path": target, "metadata": metadata}
+                await call.svc.call(call.rec, "set_metadata", meta, caller=call.caller)
             info: dict[str, object] = {"name": posixpath.basename(target), "type": "file", "path": target}
             if metadata:
                 info["metadata"] = metadata
