@@ -73,6 +73,13 @@ def test_entries_as_envd_describes_them(box: Sandbox) -> None:
     assert listed["dirlink"].symlink_target == "/tmp/t/s1" and listed["dangling"].symlink_target == "/tmp/t/nowhere"
     assert listed["file.txt"].owner == "alice" and listed["s2"].owner == "root"
 
+    box.files.write("/.dotted", "at the root")  # a name at the root may start with a dot
+    assert (box.files.get_info("/.dotted").path, [e.path for e in box.files.list("/") if e.name == ".dotted"]) == (
+        "/.dotted",
+        ["/.dotted"],
+    )
+    box.files.remove("/.dotted")
+
     box.files.remove("/tmp/t/not-there")  # envd: removing what is not there succeeds
     box.files.remove("/tmp/no-parent/not-there")
     box.files.remove("/tmp/t")

@@ -93,7 +93,7 @@ class ContainerFiles:
 
     async def list_dir(self, rec: SandboxRecord, path: str) -> list[FileEntry]:
         fs, inner = self._fs(rec, path)
-        base = "/" + clean_path(path).lstrip(".")
+        base = _absolute(path)
 
         def listed() -> list[FileEntry]:
             found = [(e.model_copy(update={"path": posixpath.join(base, e.name)}), e.path) for e in fs.list(inner)]
@@ -112,7 +112,7 @@ class ContainerFiles:
 
     async def stat(self, rec: SandboxRecord, path: str) -> FileEntry:
         fs, inner = self._fs(rec, path)
-        full = "/" + clean_path(path).lstrip(".")
+        full = _absolute(path)
 
         def stated() -> FileEntry:
             entry = fs.stat(inner).model_copy(update={"path": full, "name": posixpath.basename(full) or "/"})
@@ -150,7 +150,7 @@ class ContainerFiles:
     # Archives are packed and unpacked by the helper busybox inside the sandbox's own namespaces, so
     # whatever a hostile archive names (absolute paths, .., links, devices) stays inside the sandbox.
     async def upload_tar(self, rec: SandboxRecord, path: str, data: bytes) -> None:
-        target = "/" + clean_path(path).lstrip(".")
+        target = _absolute(path)
         bb = f"{spec.HELPER_MOUNT}/busybox"
         script = f'{bb} mkdir -p "$1" && exec {bb} tar -x -o -f - -C "$1"'
         plan = ExecPlan(argv=[bb, "sh", "-c", script, "untar", target], stdin=data, timeout=600, limit=1 << 16)
@@ -159,7 +159,7 @@ class ContainerFiles:
             raise InvalidRequest(f"cannot unpack the archive into {path}: {res.stderr.strip()[-500:]}")
 
     async def download_tar(self, rec: SandboxRecord, path: str) -> bytes:
-        target = "/" + clean_path(path).lstrip(".")
+        target = _absolute(path)
         bb = f"{spec.HELPER_MOUNT}/busybox"
         plan = ExecPlan(
             argv=[bb, "tar", "-c", "-f", "-", "-C", target, "."],
@@ -173,6 +173,12 @@ class ContainerFiles:
             raise InvalidRequest(f"cannot archive {path}: {res.stderr.strip()[-500:]}")
         assert plan.raw is not None
         return bytes(plan.raw)
+
+
+def _absolute(path: str) -> str:
+    """``path`` made clean and absolute (a name at the root may start with a dot: /.config)."""
+    clean = clean_path(path)
+    return "/" if clean == "." else "/" + clean
 
 
 def _unshift(host_id: int, base: int) -> int:
