@@ -18,7 +18,6 @@ import errno
 import itertools
 import os
 import posixpath
-import stat
 from collections import deque
 from collections.abc import Iterator
 from typing import Literal
@@ -29,6 +28,7 @@ from .rootpath import RootFS, _fd, _translate, clean_path, openat2
 
 EventType = Literal["create", "write", "remove", "rename", "chmod"]
 MAX_DIRS = 1_000  # directories one recursive watch holds
+MAX_SCAN = 50_000  # entries one descent looks at (a watch's start, or a directory moved in)
 MAX_PENDING = 10_000  # events kept for a reader that does not read; past it they are lost (``lost``)
 LIMITS = (errno.ENOSPC, errno.EMFILE, errno.ENFILE, errno.ENOMEM)  # inotify's: watches, instances, memory
 _ids = itertools.count(1)
@@ -94,33 +94,41 @@ class RootWatch:
         wd = self.hub.add(dir_fd, self._id, self._sink)
         self._dirs[wd] = rel
 
-    def _descend(self, dir_fd: int, rel: str, *, report: bool) -> None:
-        """Watch the directories under ``dir_fd`` (``rel``); ``report``: what is there is new."""
-        for name, st in self._entries(dir_fd):
+    def _descend(self, dir_fd: int, rel: str, *, report: bool, budget: list[int] | None = None) -> None:
+        """Watch the directories under ``dir_fd`` (``rel``); ``report``: what is there is new. At most
+        MAX_SCAN entries are looked at (``budget``, shared by the whole descent), on the event loop."""
+        budget = [MAX_SCAN] if budget is None else budget
+        for name, is_dir, is_file in self._entries(dir_fd, budget):
             sub = posixpath.join(rel, name) if rel else name
             if report:
                 self._emit("create", sub)
-                if stat.S_ISREG(st.st_mode) and st.st_size > 0:
-                    self._emit("write", sub)
-            if stat.S_ISDIR(st.st_mode):
+                with contextlib.suppress(OSError):
+                    if is_file and os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_size > 0:
+                        self._emit("write", sub)
+            if is_dir:
                 try:
                     child = openat2(dir_fd, name, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW)
                 except OSError:
                     continue  # gone, or replaced by something else, meanwhile
                 with _fd(child):
                     self._add(child, sub)
-                    self._descend(child, sub, report=report)
+                    self._descend(child, sub, report=report, budget=budget)
 
-    @staticmethod
-    def _entries(dir_fd: int) -> Iterator[tuple[str, os.stat_result]]:
-        with _fd(openat2(dir_fd, ".", os.O_RDONLY | os.O_DIRECTORY)) as fd:
-            with os.scandir(fd) as it:
-                names = [entry.name for entry in it]
-            for name in sorted(names):
-                try:
-                    yield name, os.stat(name, dir_fd=fd, follow_symlinks=False)
-                except OSError:
-                    continue
+    def _entries(self, dir_fd: int, budget: list[int]) -> Iterator[tuple[str, bool, bool]]:
+        """(name, a directory, a regular file) of what ``dir_fd`` holds, by name; types from the
+        directory itself (no stat for each entry)."""
+        found: list[tuple[str, bool, bool]] = []
+        with _fd(openat2(dir_fd, ".", os.O_RDONLY | os.O_DIRECTORY)) as fd, os.scandir(fd) as it:
+            for entry in it:
+                if budget[0] <= 0:
+                    self.lost = True  # more than a watch looks at: what is beyond goes unreported
+                    break
+                budget[0] -= 1
+                with contextlib.suppress(OSError):
+                    found.append(
+                        (entry.name, entry.is_dir(follow_symlinks=False), entry.is_file(follow_symlinks=False))
+                    )
+        yield from sorted(found)
 
     def _watch_new(self, rel: str) -> None:
         """A directory made (or moved) into a recursive watch: watched, and what it holds reported."""

@@ -138,3 +138,22 @@ async def test_two_watches_of_one_directory_share_its_inotify_watch(root: Path) 
     finally:
         second.close()
         hub.close()
+
+
+async def test_a_directory_moved_in_is_looked_at_within_a_bound(root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(rootwatch, "MAX_SCAN", 5)
+    hub = inotify.Hub()
+    watch = RootWatch(hub, RootFS(str(root)), "/w", recursive=True)
+    watch.start()
+    try:
+        staged = root / "many"
+        staged.mkdir()
+        for n in range(20):
+            (staged / f"f{n:02}").write_text("")
+        os.rename(staged, root / "w" / "many")
+        events = await _events(watch)
+        assert events[0] == ("create", "many")
+        assert len([e for e in events if e[1].startswith("many/")]) == 5 and watch.lost
+    finally:
+        watch.close()
+        hub.close()
