@@ -128,7 +128,7 @@ async def upload(request: Request, path: PathQ = None, username: UserQ = None) -
         written = []
         for target, data in files:
             await call.svc.call(call.rec, "write", {"path": target, "mode": 0o644}, data, caller=call.caller)
-            if keeps:  # an upload replaces the file's metadata, as envd's does (none given: none left)
+            if metadata:  # the write dropped what the file had: an upload replaces it, as envd's does
                 meta = {"path": target, "metadata": metadata}
                 await call.svc.call(call.rec, "set_metadata", meta, caller=call.caller)
             info: dict[str, object] = {"name": posixpath.basename(target), "type": "file", "path": target}

@@ -311,7 +311,8 @@ class FileEntry(BaseModel):
     )
     metadata: dict[str, str] = Field(
         default_factory=dict,
-        description="the file's user-defined metadata: its `user.e2b.*` extended attributes, without the prefix",
+        description="the file's user-defined metadata: its `user.e2b.*` extended attributes, without the prefix "
+        "(a write replaces the file, and drops them)",
     )
 
 

@@ -73,7 +73,12 @@ class ContainerFiles:
 
     async def write_file(self, rec: SandboxRecord, path: str, data: bytes, mode: int = 0o644) -> None:
         fs, path = self._fs(rec, path, writing=True)
-        await asyncio.to_thread(fs.write, path, data, mode)
+
+        def written() -> None:
+            fs.write(path, data, mode)
+            rootpath_meta.set_metadata(fs, path, {})  # a write replaces the file: its metadata goes too
+
+        await asyncio.to_thread(written)
 
     def _as_seen(
         self, rec: SandboxRecord, path: str, fs: RootFS, found: list[tuple[FileEntry, str]]
