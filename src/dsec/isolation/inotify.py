@@ -73,6 +73,7 @@ class Hub:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._sinks: dict[int, dict[int, Sink]] = {}  # wd -> subscriber id -> sink
         self._overflow: list[Callable[[], None]] = []
+        self._reading = False  # in _readable: sinks may add and remove, the instance stays open
 
     def _open(self) -> int:
         if self._fd is None:
@@ -99,6 +100,13 @@ class Hub:
             del self._sinks[wd]
             if self._fd is not None:
                 _libc.inotify_rm_watch(self._fd, wd)  # EINVAL: the kernel removed it already
+        self._idle()
+
+    def _idle(self) -> None:
+        """No directory watched: the instance is closed (made again by the next watch), so the daemon
+        holds no inotify descriptor while nothing is watched."""
+        if not self._sinks and not self._reading:
+            self.close()
 
     def on_overflow(self, callback: Callable[[], None]) -> Callable[[], None]:
         """Call ``callback`` when the kernel's queue overflowed (events were lost); returns the undo."""
@@ -106,8 +114,17 @@ class Hub:
         return lambda: self._overflow.remove(callback) if callback in self._overflow else None
 
     def _readable(self) -> None:
-        assert self._fd is not None
+        self._reading = True
+        try:
+            self._read()
+        finally:
+            self._reading = False
+        self._idle()
+
+    def _read(self) -> None:
         for _ in range(64):  # then let the loop breathe; the reader is called again
+            if self._fd is None:
+                return
             try:
                 buf = os.read(self._fd, READ_SIZE)
             except OSError as e:

@@ -135,9 +135,26 @@ async def test_two_watches_of_one_directory_share_its_inotify_watch(root: Path) 
         first.close()  # the other keeps the directory's watch
         (root / "w" / "b").write_text("")
         assert ("create", "w/b") in await _events(second)
+        assert _inotify_fds() == 1
     finally:
         second.close()
-        hub.close()
+    assert _inotify_fds() == 0  # nothing watched: the daemon holds no inotify descriptor
+    again = RootWatch(hub, fs, "/w", recursive=False)
+    again.start()
+    (root / "w" / "c").write_text("")
+    assert ("create", "c") in await _events(again)
+    again.close()
+    assert _inotify_fds() == 0
+
+
+def _inotify_fds() -> int:
+    links = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            links.append(os.readlink(f"/proc/self/fd/{fd}"))
+        except OSError:
+            continue
+    return links.count("anon_inode:inotify")
 
 
 async def test_a_directory_moved_in_is_looked_at_within_a_bound(root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
