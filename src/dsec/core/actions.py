@@ -60,6 +60,8 @@ class Target(Protocol):
 
     async def rename(self, sandbox_id: str, source: str, destination: str, *, caller: Caller) -> None: ...
 
+    async def set_metadata(self, sandbox_id: str, path: str, metadata: dict[str, str], *, caller: Caller) -> None: ...
+
     async def remove(self, sandbox_id: str, path: str, recursive: bool = False, *, caller: Caller) -> None: ...
 
     async def upload_tar(self, sandbox_id: str, path: str, data: bytes, *, caller: Caller) -> None: ...
@@ -154,6 +156,10 @@ async def _move(t: Target, sid: str, req: Any, _: bytes | None, c: Caller, __: O
     await t.rename(sid, req["source"], req["destination"], caller=c)
 
 
+async def _metadata(t: Target, sid: str, req: Any, _: bytes | None, c: Caller, __: OutputCallback | None) -> Any:
+    await t.set_metadata(sid, req["path"], req["metadata"], caller=c)
+
+
 async def _remove(t: Target, sid: str, req: Any, _: bytes | None, c: Caller, __: OutputCallback | None) -> Any:
     await t.remove(sid, req["path"], req["recursive"], caller=c)
 
@@ -193,6 +199,7 @@ ACTIONS: dict[str, Action] = {
         Action("stat", _stat, None, FileEntry),
         Action("move", _move),
         Action("remove", _remove),
+        Action("set_metadata", _metadata),
         Action("upload", _upload),
         Action("download", _download, None, "bytes"),
         Action("snapshot", _snapshot, SnapshotRequest, ImageInfo),

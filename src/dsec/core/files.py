@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 
 from ..isolation import tarcheck
+from ..kinds.base import FileWatch
 from ..protocol.sandbox import FileEntry
 from ..tenancy import OPERATOR, Caller
 from .sandboxes import Sandboxes
@@ -59,3 +60,17 @@ class FileActions:
         rec, backend = self.sandboxes.running(sandbox_id, caller)
         await self.sandboxes.not_packing(rec.id)
         await backend.rename(rec, source, destination)
+
+    async def watch(
+        self, sandbox_id: str, path: str, recursive: bool, *, caller: Caller = OPERATOR
+    ) -> FileWatch | None:
+        """The kind's own watch of a directory (exact events), or None where it has none."""
+        rec, backend = self.sandboxes.running(sandbox_id, caller)
+        return await backend.watch(rec, path, recursive)
+
+    async def set_metadata(
+        self, sandbox_id: str, path: str, metadata: dict[str, str], *, caller: Caller = OPERATOR
+    ) -> None:
+        rec, backend = self.sandboxes.running(sandbox_id, caller)
+        await self.sandboxes.not_packing(rec.id)
+        await backend.set_metadata(rec, path, metadata)

@@ -368,6 +368,11 @@ class SandboxManager:
     async def rename(self, sandbox_id: str, source: str, destination: str, *, caller: Caller = OPERATOR) -> None:
         await self.files.rename(sandbox_id, source, destination, caller=caller)
 
+    async def set_metadata(
+        self, sandbox_id: str, path: str, metadata: dict[str, str], *, caller: Caller = OPERATOR
+    ) -> None:
+        await self.files.set_metadata(sandbox_id, path, metadata, caller=caller)
+
     # ---- named volumes -------------------------------------------------------------------------------
 
     async def create_volume(self, req: VolumeCreate, *, caller: Caller = OPERATOR) -> VolumeInfo:

@@ -7,8 +7,8 @@ The in-sandbox (envd) API is reached with a per-sandbox access token, E2B's ``en
 create answer carries it and the SDK sends it as ``X-Access-Token`` with every call, next to the
 ``E2b-Sandbox-Id`` header that routes the call. The token is an HMAC of the sandbox id under a key
 only the daemon holds (``STATE_DIR/e2b.key``, 0600), so it needs no table, survives a daemon restart,
-and opens exactly one sandbox. A signed file URL (E2B's ``signature`` query parameter) is checked the
-way the SDK makes it, over that same token.
+and opens exactly one sandbox. A signed file URL (E2B's ``signature`` query parameter) is made over
+that same token (file_urls.py).
 
 A sandbox's ports (E2B's ``get_host``) are reached with its traffic access token, E2B's
 ``trafficAccessToken``, sent as the ``e2b-traffic-access-token`` header: an HMAC of the sandbox id
@@ -30,7 +30,6 @@ import hashlib
 import hmac
 import os
 import secrets
-import time
 from datetime import datetime
 from pathlib import Path
 
@@ -108,21 +107,6 @@ class EnvdTokens:
 
     def check_traffic(self, sandbox_id: str, token: str) -> bool:
         return bool(token) and hmac.compare_digest(self.traffic_token(sandbox_id).encode(), token.encode())
-
-    def check_signature(
-        self, sandbox_id: str, path: str, operation: str, user: str, signature: str, expiration: str | None
-    ) -> bool:
-        """E2B's v1 file-URL signature: sha256 over ``path:operation:user:token[:expiration]``."""
-        if not signature.startswith("v1_"):
-            return False
-        parts = [path, operation, user, self.token(sandbox_id)]
-        if expiration:
-            if not expiration.isdigit() or int(expiration) < time.time():
-                return False
-            parts.append(expiration)
-        digest = hashlib.sha256(":".join(parts).encode()).digest()
-        want = "v1_" + base64.b64encode(digest).rstrip(b"=").decode()
-        return hmac.compare_digest(want.encode(), signature.encode())
 
 
 class VolumeTokens:

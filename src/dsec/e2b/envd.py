@@ -31,6 +31,7 @@ from .auth import header, owner_caller
 from .connect import HttpError, RpcError
 from .envd_models import WireModel
 from .errors import gone, plain_error, rpc_error
+from .hosts import envd_sandbox
 from .service import E2BService
 
 log = logging.getLogger("dsec.e2b")
@@ -89,13 +90,18 @@ def _service(request: Request) -> E2BService:
     return svc
 
 
-def route(request: Request, *, signature: Callable[[str], bool] | None = None) -> Call:
+def route(request: Request, *, signature: Callable[[str], bool] | None = None, sandbox_id: str | None = None) -> Call:
     """The sandbox of an envd call, and the caller it acts as (the sandbox's owner).
 
-    ``signature``: for /files, a check of a signed URL that stands in for the access token."""
+    ``signature``: for /files, a check of a signed URL that stands in for the access token;
+    ``sandbox_id``: the sandbox such a URL was found to be for, when it names none."""
     svc = _service(request)
     headers = request.scope.get("headers", [])
-    sandbox_id = header(headers, SANDBOX_HEADER).decode(errors="replace").strip()
+    sandbox_id = (
+        sandbox_id
+        or header(headers, SANDBOX_HEADER).decode(errors="replace").strip()
+        or envd_sandbox(headers, svc.options.domain)
+    )
     if not sandbox_id:
         raise Refused(
             plain_error(

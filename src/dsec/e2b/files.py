@@ -12,11 +12,16 @@ from fastapi import APIRouter, Query, Request, Response
 from starlette.datastructures import UploadFile
 
 from ..errors import DsecError, InvalidRequest, LimitExceeded
+from ..isolation.rootpath_meta import check_metadata
 from ..kinds.base import MAX_FILE_READ
+from ..protocol.sandbox import TERMINAL_STATES
 from ..web.limits import MAX_UPLOAD_BODY
-from .auth import EnvdTokens
+from . import file_urls
 from .envd import Call, Refused, route
 from .errors import files_status, plain_error
+from .file_urls import Signed
+from .hosts import envd_sandbox
+from .service import E2BService
 
 METADATA_PREFIX = "x-metadata-"
 router = APIRouter()
@@ -25,16 +30,27 @@ UserQ = Annotated[str | None, Query(max_length=64)]
 
 
 def _call(request: Request, path: str | None, operation: str, username: str | None) -> Call:
+    """The call's sandbox: by its header and access token, or by a signed URL (file_urls.py)."""
     q = request.query_params
     signature, expiration = q.get("signature"), q.get("signature_expiration")
-
-    def signed(sandbox_id: str) -> bool:
-        if not signature or path is None:
-            return False
-        tokens: EnvdTokens = request.app.state.e2b.tokens
-        return tokens.check_signature(sandbox_id, path, operation, username or "", signature, expiration)
-
-    return route(request, signature=signed)
+    if not signature or path is None or request.headers.get("x-access-token"):
+        return route(request)
+    svc: E2BService = request.app.state.e2b
+    user = username or ""
+    named = request.headers.get("e2b-sandbox-id", "").strip() or envd_sandbox(
+        request.scope.get("headers", []), svc.options.domain
+    )
+    if named:
+        result = file_urls.check(svc.tokens.token(named), path, operation, user, signature, expiration)
+        found: str | None = named if result is not Signed.INVALID else None
+    else:
+        live = (r.id for r in svc.mgr.sandboxes.live() if r.state not in TERMINAL_STATES)
+        found, result = file_urls.signer(live, svc.tokens.token, path, operation, user, signature, expiration)
+    if result is Signed.EXPIRED:
+        raise Refused(plain_error(401, "signature is already expired"))
+    if found is None and not named:
+        raise Refused(plain_error(401, "invalid signature: it was not made for this path, operation and user"))
+    return route(request, signature=lambda sandbox_id: sandbox_id == found, sandbox_id=found)
 
 
 async def _home(call: Call, username: str | None) -> str:
@@ -79,8 +95,13 @@ async def download(request: Request, path: PathQ = None, username: UserQ = None)
 async def upload(request: Request, path: PathQ = None, username: UserQ = None) -> Response:
     try:
         call = _call(request, path, "write", username)
-        if any(k.lower().startswith(METADATA_PREFIX) for k in request.headers):
-            raise InvalidRequest("file metadata (X-Metadata-* extended attributes) is not supported by dsec's E2B API")
+        metadata = check_metadata(
+            {k[len(METADATA_PREFIX) :]: v for k, v in request.headers.items() if k.lower().startswith(METADATA_PREFIX)}
+        )
+        backend = call.svc.mgr.backends.get(call.rec.kind)
+        keeps = backend is not None and backend.keeps_metadata
+        if metadata and not keeps:
+            raise InvalidRequest(f"sandboxes of kind {call.rec.kind!r} keep no file metadata (X-Metadata-* headers)")
         home = await _home(call, username)
         files: list[tuple[str, bytes]] = []
         content_type = request.headers.get("content-type", "").partition(";")[0].strip().lower()
@@ -107,7 +128,13 @@ async def upload(request: Request, path: PathQ = None, username: UserQ = None) -
         written = []
         for target, data in files:
             await call.svc.call(call.rec, "write", {"path": target, "mode": 0o644}, data, caller=call.caller)
-            written.append({"name": posixpath.basename(target), "type": "file", "path": target})
+            if metadata:  # the write dropped what the file had: an upload replaces it, as envd's does
+                meta = {"path": target, "metadata": metadata}
+                await call.svc.call(call.rec, "set_metadata", meta, caller=call.caller)
+            info: dict[str, object] = {"name": posixpath.basename(target), "type": "file", "path": target}
+            if metadata:
+                info["metadata"] = metadata
+            written.append(info)
     except Refused as e:
         return e.response
     except DsecError as e:

@@ -66,6 +66,17 @@ def masked_host(labels: Mapping[str, str], port: int) -> str | None:
     return mask.replace("${PORT}", str(port)) if mask else None
 
 
+def envd_sandbox(headers: list[tuple[bytes, bytes]], domain: str | None) -> str | None:
+    """The sandbox of an envd call made at its own host, ``49983-ID.DOMAIN`` (what the SDKs' file URLs
+    name when no E2B_SANDBOX_URL is set); None for any other host, or without a domain."""
+    host = _header(headers, b"host").lower()
+    prefix = f"{ENVD_PORT}-"
+    if not domain or not host.startswith(prefix) or not host.endswith("." + domain):
+        return None
+    sandbox_id = host[len(prefix) : -len(domain) - 1]
+    return sandbox_id if sandbox_id and "." not in sandbox_id else None
+
+
 def check_domain(domain: str | None) -> str | None:
     """A sandbox domain as E2B's SDKs put it after ``PORT-ID.``: a host name, perhaps with a port."""
     if domain is None:

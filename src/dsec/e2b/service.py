@@ -260,7 +260,7 @@ class E2BService:
         mine = self._watchers.setdefault(sandbox_id, {})
         now = time.monotonic()
         for wid in [w for w, v in mine.items() if now - v.used > WATCHER_IDLE]:
-            del mine[wid]
+            mine.pop(wid).watch.close()
         if len(mine) >= MAX_WATCHERS:
             raise LimitExceeded(f"sandbox {sandbox_id} already has {MAX_WATCHERS} watchers; remove one first")
         wid = uuid.uuid4().hex
@@ -275,9 +275,10 @@ class E2BService:
         return found
 
     def remove_watcher(self, sandbox_id: str, watcher_id: str) -> None:
-        mine = self._watchers.get(sandbox_id, {})
-        if mine.pop(watcher_id, None) is None:
+        found = self._watchers.get(sandbox_id, {}).pop(watcher_id, None)
+        if found is None:
             raise NotFound(f"no watcher {watcher_id!r} in sandbox {sandbox_id}")
+        found.watch.close()
 
     def sweep(self) -> None:
         """Drop what this layer kept for sandboxes that ended some other way (their TTL, a native kill);
@@ -292,7 +293,8 @@ class E2BService:
     def forget(self, sandbox_id: str) -> None:
         """The sandbox ended: drop what this layer kept for it."""
         self._cursors.pop(sandbox_id, None)
-        self._watchers.pop(sandbox_id, None)
+        for watcher in self._watchers.pop(sandbox_id, {}).values():
+            watcher.watch.close()
         for key in [k for k in self._accounts if k[0] == sandbox_id]:
             del self._accounts[key]
 

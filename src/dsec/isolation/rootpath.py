@@ -108,7 +108,16 @@ def _entry(name: str, path: str, st: os.stat_result) -> FileEntry:
         kind = "symlink"
     else:
         kind = "other"
-    return FileEntry(name=name, path=path, type=kind, size=st.st_size, mode=stat.S_IMODE(st.st_mode), mtime=st.st_mtime)
+    return FileEntry(
+        name=name,
+        path=path,
+        type=kind,
+        size=st.st_size,
+        mode=stat.S_IMODE(st.st_mode),
+        mtime=st.st_mtime,
+        uid=st.st_uid,
+        gid=st.st_gid,
+    )
 
 
 @contextmanager

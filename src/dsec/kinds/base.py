@@ -6,10 +6,10 @@ import contextlib
 import posixpath
 import socket
 from abc import ABC, abstractmethod
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
 from ..errors import FileNotFoundInSandbox, InvalidRequest
 from ..images.store import ImageRef
@@ -45,6 +45,20 @@ async def each_of(*steps: Awaitable[object]) -> None:
 MAX_ARCHIVE = 512 << 20
 
 
+class FileWatch(Protocol):
+    """Change events of a directory as they happen (a kind's own watch; isolation/rootwatch.py)."""
+
+    lost: bool  # some events were lost (a queue overflowed)
+
+    def take(self) -> Sequence[tuple[str, str]]:
+        """The events since the last take: (create|write|remove|rename|chmod, path under the directory)."""
+        ...
+
+    async def wait(self, timeout: float) -> None: ...
+
+    def close(self) -> None: ...
+
+
 @dataclass(frozen=True)
 class BackendContext:
     state_dir: Path
@@ -67,6 +81,7 @@ class Backend(ABC):
     # why the kind cannot mount named volumes (None: it can)
     volumes_unsupported: ClassVar[str | None] = "this kind does not mount them"
     guest_busybox: ClassVar[str | None] = None  # a busybox in the sandbox: its nc reaches exposed ports
+    keeps_metadata: ClassVar[bool] = False  # whether set_metadata keeps a file's user metadata
 
     def __init__(self, ctx: BackendContext) -> None:
         self.ctx = ctx
@@ -172,6 +187,17 @@ class Backend(ABC):
     async def rename(self, rec: SandboxRecord, source: str, destination: str) -> None:
         """rename(2) of ``source`` to ``destination`` (parents of the destination are made)."""
         raise InvalidRequest(f"sandboxes of kind {self.kind!r} cannot rename files yet")
+
+    async def watch(self, rec: SandboxRecord, path: str, recursive: bool) -> FileWatch | None:
+        """Events of the directory at ``path`` as they happen; None: the kind has no such watch, and the
+        core looks at the directory again and again instead (core/watch.py)."""
+        return None
+
+    async def set_metadata(self, rec: SandboxRecord, path: str, metadata: dict[str, str]) -> None:
+        """The file's user metadata becomes exactly ``metadata`` (``FileEntry.metadata``); a kind that
+        keeps none takes only an empty one."""
+        if metadata:
+            raise InvalidRequest(f"sandboxes of kind {self.kind!r} keep no file metadata")
 
     @abstractmethod
     async def upload_tar(self, rec: SandboxRecord, path: str, data: bytes) -> None:

@@ -308,6 +308,19 @@ class FileEntry(BaseModel):
     size: int
     mode: int
     mtime: float
+    uid: int | None = Field(None, description="owner, as the sandbox numbers it (None: not known)")
+    gid: int | None = Field(None, description="group, as the sandbox numbers it (None: not known)")
+    link_target: str | None = Field(
+        None, description="a symlink's target as the link says it, made absolute against the link's directory"
+    )
+    link_type: Literal["file", "dir", "other"] | None = Field(
+        None, description="what a symlink resolves to inside the sandbox (None: nothing, a dangling link)"
+    )
+    metadata: dict[str, str] = Field(
+        default_factory=dict,
+        description="the file's user-defined metadata: its `user.e2b.*` extended attributes, without the prefix "
+        "(a write replaces the file, and drops them)",
+    )
 
 
 class FileList(BaseModel):

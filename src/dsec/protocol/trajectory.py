@@ -22,7 +22,7 @@ RECORDED_AT = "recorded_at"
 
 # Calls that change a sandbox: a rebuild re-applies them in order. The others are recorded for their
 # results only (reads, grades, snapshots).
-MUTATING_OPS = frozenset({"exec", "write", "mkdir", "remove", "move", "upload", "set_network", "kill"})
+MUTATING_OPS = frozenset({"exec", "write", "mkdir", "remove", "move", "upload", "set_metadata", "set_network", "kill"})
 OPS = MUTATING_OPS | {"create", "read", "list", "stat", "download", "snapshot", "grade"}
 
 

@@ -13,10 +13,12 @@ import httpx
 import pytest
 
 from dsec.core.manager import SandboxManager
+from dsec.e2b import file_urls
 from dsec.e2b.auth import EnvdTokens
 from dsec.e2b.control import network_spec
 from dsec.e2b.control_lifecycle import on_timeout
 from dsec.e2b.control_models import NetworkConfig, NewSandbox
+from dsec.e2b.file_urls import Signed
 from dsec.e2b.files import _gunzip
 from dsec.e2b.process_service import end_event
 from dsec.e2b.service import E2BOptions, E2BService
@@ -242,14 +244,32 @@ def test_tokens_and_the_sdks_own_signatures() -> None:
     assert tokens.check("sb-1", token) and not tokens.check("sb-2", token) and not tokens.check("sb-1", "")
     assert EnvdTokens(b"t" * 32).token("sb-1") != token  # another daemon's key opens nothing here
     sig = get_signature("/tmp/a.txt", "read", "user", token)
-    assert tokens.check_signature("sb-1", "/tmp/a.txt", "read", "user", sig["signature"], None)
-    assert not tokens.check_signature("sb-1", "/tmp/b.txt", "read", "user", sig["signature"], None)
-    assert not tokens.check_signature("sb-1", "/tmp/a.txt", "write", "user", sig["signature"], None)
+    assert file_urls.check(token, "/tmp/a.txt", "read", "user", sig["signature"], None) is Signed.VALID
+    assert file_urls.check(token, "/tmp/b.txt", "read", "user", sig["signature"], None) is Signed.INVALID
+    assert file_urls.check(token, "/tmp/a.txt", "write", "user", sig["signature"], None) is Signed.INVALID
+    assert file_urls.check(token, "/tmp/a.txt", "read", "root", sig["signature"], None) is Signed.INVALID
+    other = tokens.token("sb-2")
+    assert file_urls.check(other, "/tmp/a.txt", "read", "user", sig["signature"], None) is Signed.INVALID
     timed = get_signature("/f", "write", None, token, expiration_in_seconds=60)
     exp = str(timed["expiration"])
-    assert tokens.check_signature("sb-1", "/f", "write", "", timed["signature"], exp)
+    assert file_urls.check(token, "/f", "write", "", timed["signature"], exp) is Signed.VALID
+    # the expiration is signed: moving it later breaks the signature
+    assert file_urls.check(token, "/f", "write", "", timed["signature"], str(int(exp) + 3600)) is Signed.INVALID
     old = get_signature("/f", "write", None, token, expiration_in_seconds=-5)
-    assert not tokens.check_signature("sb-1", "/f", "write", "", old["signature"], str(old["expiration"]))
+    assert file_urls.check(token, "/f", "write", "", old["signature"], str(old["expiration"])) is Signed.EXPIRED
+    # a forged signature with a past expiration is invalid, not "expired"
+    assert file_urls.check(token, "/f", "write", "", "v1_" + "A" * 43, str(old["expiration"])) is Signed.INVALID
+
+
+def test_an_unnamed_signature_finds_the_sandbox_whose_token_made_it() -> None:
+    tokens = EnvdTokens(b"s" * 32)
+    ids = [f"sb-{n}" for n in range(50)]
+    sig = get_signature("a.txt", "read", "", tokens.token("sb-31"), expiration_in_seconds=30)
+    args = ("a.txt", "read", "", sig["signature"], str(sig["expiration"]))
+    assert file_urls.signer(ids, tokens.token, *args) == ("sb-31", Signed.VALID)
+    assert file_urls.signer([i for i in ids if i != "sb-31"], tokens.token, *args) == (None, Signed.INVALID)
+    assert file_urls.signer(ids, EnvdTokens(b"t" * 32).token, *args) == (None, Signed.INVALID)
+    assert file_urls.signer(ids, tokens.token, "b.txt", *args[1:]) == (None, Signed.INVALID)
 
 
 def test_gzip_uploads_are_inflated_within_a_bound() -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from dsec.e2b.auth import EnvdTokens
-from dsec.e2b.hosts import META_MASK_HOST, check_domain, check_mask, masked_host, sandbox_port
+from dsec.e2b.hosts import META_MASK_HOST, check_domain, check_mask, envd_sandbox, masked_host, sandbox_port
 from dsec.errors import InvalidRequest
 
 DOMAIN = "localhost:49999"
@@ -86,3 +86,12 @@ def test_mask_request_host() -> None:
     for bad in ("a b", "host:${HOST}", "host/evil", "h\r\nX-Injected: 1", "x" * 300, "", "host:99999999"):
         with pytest.raises(InvalidRequest, match="maskRequestHost"):
             check_mask(bad)
+
+
+def test_an_envd_call_at_its_sandboxs_own_host_names_the_sandbox() -> None:
+    assert envd_sandbox(_h(host="49983-sb-0123456789ab.localhost:49999"), DOMAIN) == "sb-0123456789ab"
+    assert envd_sandbox(_h(host="49983-SB-1.LOCALHOST:49999"), DOMAIN) == "sb-1"
+    for host in ("8000-sb-1.localhost:49999", "49983-sb-1.example.com", "49983-.localhost:49999", "127.0.0.1:49999"):
+        assert envd_sandbox(_h(host=host), DOMAIN) is None, host
+    assert envd_sandbox(_h(host="49983-a.b.localhost:49999"), DOMAIN) is None  # an id holds no dot
+    assert envd_sandbox(_h(host="49983-sb-1.localhost:49999"), None) is None  # no domain: headers only

@@ -78,3 +78,26 @@ async def test_move_refusals(tmp_path: Path) -> None:
     with pytest.raises(InvalidRequest):
         await files.move("/", str(tmp_path / "x"))
     assert (tmp_path / "full" / "keep").read_text() == "k"
+
+
+async def test_entries_carry_owner_and_where_symlinks_point(tmp_path: Path) -> None:
+    (tmp_path / "f.txt").write_bytes(b"hello")
+    (tmp_path / "sub").mkdir()
+    os.symlink("f.txt", tmp_path / "to-file")
+    os.symlink("sub", tmp_path / "to-dir")
+    os.symlink("/nowhere/at/all", tmp_path / "dangling")
+    os.symlink("x|y\n>|directory|/etc", tmp_path / "odd")  # a target that looks like the format's own lines
+    files = _files()
+    listed = {e.name: e for e in await files.list(str(tmp_path))}
+    assert (listed["f.txt"].uid, listed["f.txt"].gid) == (os.getuid(), os.getgid())
+    assert listed["f.txt"].link_target is None and listed["sub"].link_type is None
+    to_file, to_dir = listed["to-file"], listed["to-dir"]
+    assert (to_file.type, to_file.link_type, to_file.link_target) == ("symlink", "file", str(tmp_path / "f.txt"))
+    assert (to_dir.type, to_dir.link_type, to_dir.link_target) == ("symlink", "dir", str(tmp_path / "sub"))
+    assert (listed["dangling"].link_type, listed["dangling"].link_target) == (None, "/nowhere/at/all")
+    # the odd target's second line is taken for nothing: the entry after a symlink keeps its own fields
+    assert listed["odd"].type == "symlink" and listed["odd"].link_type is None
+    stat = await files.stat(str(tmp_path / "to-dir"))
+    assert (stat.name, stat.link_type, stat.link_target) == ("to-dir", "dir", str(tmp_path / "sub"))
+    plain = await files.stat(str(tmp_path / "f.txt"))
+    assert (plain.uid, plain.link_target) == (os.getuid(), None)

@@ -11,17 +11,25 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ...errors import InvalidRequest
+from ...isolation import inotify, rootpath_meta
+from ...isolation.idmap import RANGE
 from ...isolation.rootpath import RootFS, clean_path
+from ...isolation.rootwatch import LIMITS, RootWatch
 from ...protocol.sandbox import ExecResult, FileEntry
 from ...store.records import SandboxRecord, VolumeMount
-from ..base import MAX_FILE_READ
+from ..base import MAX_FILE_READ, FileWatch
 from . import spec
 from .execution import ExecPlan
 from .state import ContainerState
 
+OVERFLOW_ID = 65534  # what the kernel shows for an id outside a user namespace's map
+
 
 class ContainerFiles:
     """Mixed into the ContainerBackend, which provides what is declared here."""
+
+    _inotify: inotify.Hub | None = None  # made at the first watch: one per backend
+    keeps_metadata = True  # as user.e2b.* extended attributes (overlayfs and volumes keep them)
 
     if TYPE_CHECKING:
 
@@ -65,16 +73,38 @@ class ContainerFiles:
 
     async def write_file(self, rec: SandboxRecord, path: str, data: bytes, mode: int = 0o644) -> None:
         fs, path = self._fs(rec, path, writing=True)
-        await asyncio.to_thread(fs.write, path, data, mode)
+
+        def written() -> None:
+            fs.write(path, data, mode)
+            rootpath_meta.set_metadata(fs, path, {})  # a write replaces the file: its metadata goes too
+
+        await asyncio.to_thread(written)
+
+    def _as_seen(
+        self, rec: SandboxRecord, path: str, fs: RootFS, found: list[tuple[FileEntry, str]]
+    ) -> list[FileEntry]:
+        """Entries (each with the path the sandbox names it by, and its path in ``fs``) as the sandbox sees
+        them: with its own uids and gids (its root's are shifted by its user namespace, a volume's are
+        not), and what rootpath_meta adds (metadata, symlink targets)."""
+        base = ContainerState(rec).uid_base
+        shift = 0 if base is None or _volume_of(rec, clean_path(path)) is not None else base
+        out = []
+        for entry, inner in found:
+            e = rootpath_meta.describe(fs, entry, inner)
+            if shift and e.uid is not None and e.gid is not None:
+                e = e.model_copy(update={"uid": _unshift(e.uid, shift), "gid": _unshift(e.gid, shift)})
+            out.append(e)
+        return out
 
     async def list_dir(self, rec: SandboxRecord, path: str) -> list[FileEntry]:
         fs, inner = self._fs(rec, path)
-        entries = await asyncio.to_thread(fs.list, inner)
-        if inner == path:
-            return entries
-        # the view's paths are the volume's own: give them as the sandbox names them
-        base = "/" + clean_path(path).lstrip(".")
-        return [e.model_copy(update={"path": posixpath.join(base, e.name)}) for e in entries]
+        base = _absolute(path)
+
+        def listed() -> list[FileEntry]:
+            found = [(e.model_copy(update={"path": posixpath.join(base, e.name)}), e.path) for e in fs.list(inner)]
+            return self._as_seen(rec, path, fs, found)
+
+        return await asyncio.to_thread(listed)
 
     async def remove(self, rec: SandboxRecord, path: str, recursive: bool = False) -> None:
         self._mount_point(rec, path)
@@ -87,9 +117,30 @@ class ContainerFiles:
 
     async def stat(self, rec: SandboxRecord, path: str) -> FileEntry:
         fs, inner = self._fs(rec, path)
-        entry = await asyncio.to_thread(fs.stat, inner)
-        full = "/" + clean_path(path).lstrip(".")
-        return entry.model_copy(update={"path": full, "name": posixpath.basename(full) or "/"})
+        full = _absolute(path)
+
+        def stated() -> FileEntry:
+            entry = fs.stat(inner).model_copy(update={"path": full, "name": posixpath.basename(full) or "/"})
+            return self._as_seen(rec, path, fs, [(entry, inner)])[0]
+
+        return await asyncio.to_thread(stated)
+
+    async def watch(self, rec: SandboxRecord, path: str, recursive: bool) -> FileWatch | None:
+        fs, inner = self._fs(rec, path)
+        if self._inotify is None:
+            self._inotify = inotify.Hub()
+        watch = RootWatch(self._inotify, fs, inner, recursive=recursive)
+        try:
+            watch.start()  # on the loop: the events are read there
+        except OSError as e:
+            if e.errno in LIMITS:
+                return None  # the host's inotify limits are reached: the core polls instead
+            raise
+        return watch
+
+    async def set_metadata(self, rec: SandboxRecord, path: str, metadata: dict[str, str]) -> None:
+        fs, inner = self._fs(rec, path, writing=True)
+        await asyncio.to_thread(rootpath_meta.set_metadata, fs, inner, metadata)
 
     async def rename(self, rec: SandboxRecord, source: str, destination: str) -> None:
         self._mount_point(rec, source)
@@ -104,7 +155,7 @@ class ContainerFiles:
     # Archives are packed and unpacked by the helper busybox inside the sandbox's own namespaces, so
     # whatever a hostile archive names (absolute paths, .., links, devices) stays inside the sandbox.
     async def upload_tar(self, rec: SandboxRecord, path: str, data: bytes) -> None:
-        target = "/" + clean_path(path).lstrip(".")
+        target = _absolute(path)
         bb = f"{spec.HELPER_MOUNT}/busybox"
         script = f'{bb} mkdir -p "$1" && exec {bb} tar -x -o -f - -C "$1"'
         plan = ExecPlan(argv=[bb, "sh", "-c", script, "untar", target], stdin=data, timeout=600, limit=1 << 16)
@@ -113,7 +164,7 @@ class ContainerFiles:
             raise InvalidRequest(f"cannot unpack the archive into {path}: {res.stderr.strip()[-500:]}")
 
     async def download_tar(self, rec: SandboxRecord, path: str) -> bytes:
-        target = "/" + clean_path(path).lstrip(".")
+        target = _absolute(path)
         bb = f"{spec.HELPER_MOUNT}/busybox"
         plan = ExecPlan(
             argv=[bb, "tar", "-c", "-f", "-", "-C", target, "."],
@@ -127,6 +178,19 @@ class ContainerFiles:
             raise InvalidRequest(f"cannot archive {path}: {res.stderr.strip()[-500:]}")
         assert plan.raw is not None
         return bytes(plan.raw)
+
+
+def _absolute(path: str) -> str:
+    """``path`` made clean and absolute (a name at the root may start with a dot: /.config)."""
+    clean = clean_path(path)
+    return "/" if clean == "." else "/" + clean
+
+
+def _unshift(host_id: int, base: int) -> int:
+    """A host id of the sandbox's user namespace as the sandbox numbers it; one outside the namespace's
+    range is its overflow id, as the kernel shows it inside."""
+    inner = host_id - base
+    return inner if 0 <= inner < RANGE else OVERFLOW_ID
 
 
 def _volume_of(rec: SandboxRecord, clean: str) -> VolumeMount | None:

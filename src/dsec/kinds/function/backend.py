@@ -32,7 +32,7 @@ from ...protocol.run import PoolInfo
 from ...protocol.sandbox import ExecRequest, ExecResult, FileEntry, Limits, NetworkStatus, State
 from ...store.records import SandboxRecord, VolumeMount
 from ...tenancy import OPERATOR
-from ..base import Backend, BackendContext, OutputCallback
+from ..base import Backend, BackendContext, FileWatch, OutputCallback
 from ..container.backend import ContainerBackend
 from ..execio import ExecIO
 from . import reset
@@ -63,6 +63,7 @@ class Worker:
 
 class FunctionBackend(Backend):
     kind = "function"
+    keeps_metadata = True  # its worker container's
     volumes_unsupported = None  # on a worker made for the sandbox (create)
 
     def __init__(self, ctx: BackendContext) -> None:
@@ -371,6 +372,12 @@ class FunctionBackend(Backend):
 
     async def rename(self, rec: SandboxRecord, source: str, destination: str) -> None:
         await self.containers.rename(self._worker(rec).rec, source, destination)
+
+    async def watch(self, rec: SandboxRecord, path: str, recursive: bool) -> FileWatch | None:
+        return await self.containers.watch(self._worker(rec).rec, path, recursive)
+
+    async def set_metadata(self, rec: SandboxRecord, path: str, metadata: dict[str, str]) -> None:
+        await self.containers.set_metadata(self._worker(rec).rec, path, metadata)
 
     async def upload_tar(self, rec: SandboxRecord, path: str, data: bytes) -> None:
         await self.containers.upload_tar(self._worker(rec).rec, path, data)

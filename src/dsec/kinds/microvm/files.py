@@ -10,6 +10,7 @@ from __future__ import annotations
 import errno
 import posixpath
 from collections.abc import Awaitable, Callable
+from typing import Literal
 
 from ...errors import FileNotFoundInSandbox, InvalidRequest, LimitExceeded
 from ...isolation.rootpath import clean_path
@@ -30,6 +31,8 @@ p=$(dirname -- "$1")
 cat > "$1" || { df -P "$p" | awk 'NR==2 && $4 < 64 {f=1} END {exit !f}' && exit 28; exit 5; }
 chmod "$2" -- "$1"
 """
+# one line per entry; after a symlink's, a line ">|TYPE|TARGET" (TYPE of what it resolves to, empty if
+# nothing): no entry line starts with ">" (%F is a word)
 LIST = r"""
 [ -e "$1" ] || exit 2
 [ -d "$1" ] || exit 20
@@ -37,12 +40,16 @@ cd -- "$1" || exit 13
 for f in .* *; do
   case "$f" in .|..) continue;; esac
   [ -e "$f" ] || [ -L "$f" ] || continue
-  stat -c '%F|%s|%a|%Y|%n' -- "$f"
+  stat -c '%F|%s|%a|%Y|%u|%g|%n' -- "$f"
+  [ -L "$f" ] && printf '>|%s|%s\n' "$(stat -L -c %F -- "$f" 2>/dev/null)" "$(readlink -- "$f")"
 done
+exit 0
 """
 STAT = r"""
 [ -e "$1" ] || [ -L "$1" ] || exit 2
-exec stat -c '%F|%s|%a|%Y|%n' -- "$1"
+stat -c '%F|%s|%a|%Y|%u|%g|%n' -- "$1" || exit 5
+[ -L "$1" ] && printf '>|%s|%s\n' "$(stat -L -c %F -- "$1" 2>/dev/null)" "$(readlink -- "$1")"
+exit 0
 """
 # rename(2) semantics (-T: a directory destination is replaced, not moved into); parents are made
 MOVE = r"""
@@ -96,25 +103,57 @@ def _error(status: int, path: str, stderr: str) -> Exception:
     return InvalidRequest(f"{path}: {stderr.strip() or f'failed with status {status}'}")
 
 
+def _kind(word: str) -> Literal["file", "dir", "symlink", "other"]:
+    """stat's %F as a FileEntry type."""
+    if word == "directory":
+        return "dir"
+    if word == "symbolic link":
+        return "symlink"
+    return "file" if word.startswith("regular") else "other"
+
+
+def _link_kind(word: str) -> Literal["file", "dir", "other"] | None:
+    """stat -L's %F of a symlink: what it resolves to (empty: nothing, it dangles)."""
+    kind = _kind(word) if word else None
+    return "other" if kind == "symlink" else kind
+
+
 def _entry(line: str, path_of: Callable[[str], str]) -> FileEntry | None:
-    """One line of ``stat -c '%F|%s|%a|%Y|%n'``."""
-    parts = line.split("|", 4)
-    if len(parts) != 5:
+    """One line of ``stat -c '%F|%s|%a|%Y|%u|%g|%n'``."""
+    parts = line.split("|", 6)
+    if len(parts) != 7:
         return None
-    kind, size, mode, mtime, name = parts
+    kind, size, mode, mtime, uid, gid, name = parts
     try:
         return FileEntry(
             name=name,
             path=path_of(name),
-            type={"directory": "dir", "symbolic link": "symlink"}.get(
-                kind, "file" if kind.startswith("regular") else "other"
-            ),
+            type=_kind(kind),
             size=int(size),
             mode=int(mode, 8),
             mtime=float(mtime),
+            uid=int(uid),
+            gid=int(gid),
         )
     except ValueError:
         return None
+
+
+def entries(out: bytes, path_of: Callable[[str], str]) -> list[FileEntry]:
+    """The LIST and STAT scripts' output: entry lines, each symlink's followed by its target line."""
+    found: list[FileEntry] = []
+    for line in out.decode(errors="surrogateescape").splitlines():
+        if line.startswith(">|"):
+            if found and found[-1].type == "symlink" and found[-1].link_target is None:
+                link = found[-1]
+                word, _, said = line[2:].partition("|")
+                target = posixpath.normpath(posixpath.join(posixpath.dirname(link.path), said))
+                found[-1] = link.model_copy(update={"link_target": target, "link_type": _link_kind(word)})
+            continue
+        entry = _entry(line, path_of)
+        if entry is not None:
+            found.append(entry)
+    return found
 
 
 def _abs(path: str) -> str:
@@ -144,20 +183,15 @@ class GuestFiles:
     async def list(self, path: str) -> list[FileEntry]:
         base = _abs(path)
         out = await self._call(LIST, base)
-        entries = []
-        for line in out.decode(errors="surrogateescape").splitlines():
-            entry = _entry(line, lambda name: posixpath.join(base, name))
-            if entry is not None:
-                entries.append(entry)
-        return sorted(entries, key=lambda e: e.name)
+        return sorted(entries(out, lambda name: posixpath.join(base, name)), key=lambda e: e.name)
 
     async def stat(self, path: str) -> FileEntry:
         target = _abs(path)
         out = await self._call(STAT, target)
-        entry = _entry(out.decode(errors="surrogateescape").rstrip("\n"), lambda _: target)
-        if entry is None:
+        found = entries(out, lambda _: target)
+        if len(found) != 1:
             raise InvalidRequest(f"{path}: the guest's stat answered {out[:200]!r}")
-        return entry.model_copy(update={"name": posixpath.basename(target) or "/"})
+        return found[0].model_copy(update={"name": posixpath.basename(target) or "/"})
 
     async def move(self, source: str, destination: str) -> None:
         src, dst = _abs(source), _abs(destination)
