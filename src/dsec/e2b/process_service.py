@@ -7,20 +7,25 @@ bytes both ways) and ``Update`` resizes it."""
 
 from __future__ import annotations
 
+import asyncio
 import signal as signals
 from collections.abc import AsyncIterator
 
 from pydantic import ValidationError
 
 from ..core.processes import Output, Process, Subscription
-from ..errors import InvalidRequest, InvalidState, validation_message
-from ..protocol.sandbox import MAX_EXEC_TIMEOUT_S, ExecRequest, ExecResult
+from ..errors import InvalidRequest, InvalidState, SandboxGone, SandboxNotFound, validation_message
+from ..protocol.sandbox import MAX_EXEC_TIMEOUT_S, TERMINAL_STATES, ExecRequest, ExecResult
 from ..protocol.terminal import PtySize
 from ..web.audit import note
 from . import envd_models as pm
-from .connect import RpcError
+from .connect import RpcError, StreamCut
 from .envd import Call, client_stream, server_stream, unary
 from .service import E2BService
+
+# how long a stream whose sandbox went away waits for the sandbox's end to be on record before it is cut
+SETTLE_S = 10.0
+SETTLE_POLL_S = 0.05
 
 
 def end_event(result: ExecResult) -> pm.EndEvent:
@@ -39,6 +44,23 @@ def end_event(result: ExecResult) -> pm.EndEvent:
     return pm.EndEvent(exit_code=result.exit_code, exited=True, status=f"exit status {result.exit_code}", error=error)
 
 
+async def _cut(call: Call) -> StreamCut:
+    """The sandbox went away under a running command: its stream is cut as E2B's is when its sandbox
+    dies, so that the SDK asks the sandbox's health and reports it killed (an error message would be
+    reported as a timeout). The cut waits, a bounded while, until the sandbox's end is on record: the
+    health answer must already say it is gone."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + SETTLE_S
+    while loop.time() < deadline:
+        try:
+            if call.svc.mgr.record(call.sandbox_id).state in TERMINAL_STATES:
+                break
+        except SandboxNotFound:
+            break
+        await asyncio.sleep(SETTLE_POLL_S)
+    return StreamCut()
+
+
 async def _events(call: Call, sub: Subscription) -> AsyncIterator[pm.ProcessEvent]:
     """A process's events from a subscription: output, keepalives while it is quiet, then its end."""
     keepalive = call.keepalive()
@@ -55,6 +77,8 @@ async def _events(call: Call, sub: Subscription) -> AsyncIterator[pm.ProcessEven
                 else:
                     data = pm.DataEvent(stderr=event.data)
                 yield pm.ProcessEvent(data=data)
+            elif isinstance(event.error, SandboxGone):
+                raise await _cut(call)
             elif event.error is not None:
                 raise event.error
             elif event.result is not None and event.result.timed_out:
