@@ -183,22 +183,8 @@ class GuestChannel:
         if not self._ready.done():
             await self.wait_ready(READY_TIMEOUT)
         exec_id = next(self._ids)
-        envs = [f"{k}={v}" for k, v in env.items()]
-        strings = b"".join(s.encode() + b"\0" for s in [cwd, *argv, *envs])
-        uid, gid = user if user is not None else (0, 0)
         live_stdin = stdin is not None or io is not None
-        pty = io.pty if io is not None else None
-        flags = (FLAG_STDIN if live_stdin else 0) | (FLAG_RLIMITS if rlimits is not None else 0)
-        extra = _RLIMITS.pack(*rlimits) if rlimits is not None else b""
-        if pty is not None:
-            if _protocol(self.version) < PTY_PROTOCOL:
-                # an agent restored from an older memory snapshot would run it on pipes without a word
-                raise KindUnavailable(
-                    f"the guest agent ({self.version}) predates terminals; a sandbox made afresh has one that runs them"
-                )
-            flags |= FLAG_PTY
-            extra += _WINSIZE.pack(pty.rows, pty.cols)
-        payload = _EXEC.pack(len(argv), len(envs), flags, uid, gid) + extra + strings
+        payload = self._exec_payload(argv, env, cwd, user, live_stdin, rlimits, io.pty if io is not None else None)
         if 5 + len(payload) > MAX_FRAME:
             raise InvalidRequest(f"the command line and environment exceed {MAX_FRAME} bytes")
         ex = _Exec(
@@ -246,6 +232,32 @@ class GuestChannel:
                 ex.stdin_task.cancel()
                 with contextlib.suppress(asyncio.CancelledError, SandboxGone):
                     await ex.stdin_task
+
+    def _exec_payload(
+        self,
+        argv: list[str],
+        env: dict[str, str],
+        cwd: str,
+        user: tuple[int, int] | None,
+        live_stdin: bool,
+        rlimits: tuple[int, int] | None,
+        pty: PtySize | None,
+    ) -> bytes:
+        """An 'E' frame's payload: the header, the limits and the terminal's size if any, the strings."""
+        envs = [f"{k}={v}" for k, v in env.items()]
+        strings = b"".join(s.encode() + b"\0" for s in [cwd, *argv, *envs])
+        uid, gid = user if user is not None else (0, 0)
+        flags = (FLAG_STDIN if live_stdin else 0) | (FLAG_RLIMITS if rlimits is not None else 0)
+        extra = _RLIMITS.pack(*rlimits) if rlimits is not None else b""
+        if pty is not None:
+            if _protocol(self.version) < PTY_PROTOCOL:
+                # an agent restored from an older memory snapshot would run it on pipes without a word
+                raise KindUnavailable(
+                    f"the guest agent ({self.version}) predates terminals; a sandbox made afresh has one that runs them"
+                )
+            flags |= FLAG_PTY
+            extra += _WINSIZE.pack(pty.rows, pty.cols)
+        return _EXEC.pack(len(argv), len(envs), flags, uid, gid) + extra + strings
 
     async def run_bytes(
         self, argv: list[str], stdin: bytes | None, timeout: float, user: tuple[int, int] | None = None
