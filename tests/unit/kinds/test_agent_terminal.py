@@ -5,6 +5,7 @@ takes from the agent nothing but a terminal's master (a fake agent on a socketpa
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import re
 import shutil
@@ -180,17 +181,31 @@ async def test_the_channel_refuses_anything_else_and_keeps_none_of_it(tmp_path: 
             os.close(fd)
 
 
+def _send_fds(sock: socket.socket, count: int) -> None:
+    for _ in range(count):
+        fd = os.open("/dev/null", os.O_RDONLY)
+        sock.sendmsg([b"\x00"], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, struct.pack("i", fd))])
+        os.close(fd)
+
+
 async def test_unclaimed_descriptors_are_bounded_and_closed() -> None:
     ours, theirs = socket.socketpair()
     chan = AgentChannel(ours)
     before = open_fds()
     try:
-        for _ in range(3 * MAX_WAITING_FDS):
-            fd = os.open("/dev/null", os.O_RDONLY)
-            theirs.sendmsg([b"\x00"], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, struct.pack("i", fd))])
-            os.close(fd)
+        _send_fds(theirs, 4)  # no terminal asked for: the channel reads none (the kernel drops them)
         await asyncio.sleep(0.1)
-        assert len(open_fds() - before) <= MAX_WAITING_FDS
+        assert open_fds() - before == set()
+        task = asyncio.create_task(chan.spawn_terminal(["sh"], [], "/", theirs.fileno(), SIZE, None))
+        await asyncio.sleep(0.05)
+        theirs.recv(1 << 16, socket.MSG_DONTWAIT)
+        before = open_fds()
+        _send_fds(theirs, 3 * MAX_WAITING_FDS)  # while one is: no frame claims these
+        await asyncio.sleep(0.1)
+        assert 0 < len(open_fds() - before) <= MAX_WAITING_FDS
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
     finally:
         await chan.aclose()
         theirs.close()

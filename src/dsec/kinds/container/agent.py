@@ -126,6 +126,9 @@ class AgentChannel:
         self._started: dict[int, asyncio.Future[int]] = {}
         self._exited: dict[int, asyncio.Future[int]] = {}
         self._masters: dict[int, int] = {}  # exec id -> its terminal's master, between its 'M' and 'S'
+        # execs asked for on a terminal and not started yet: only while there are some are descriptors
+        # read from the socket (recvmsg costs ~1 us more per read; plain reads make the kernel drop them)
+        self._terminals: set[int] = set()
         self._fds: deque[int] = deque()  # descriptors received and not yet claimed by an 'M' frame
         self._buf = bytearray()
         self.closed = False
@@ -202,6 +205,8 @@ class AgentChannel:
         exited: asyncio.Future[int] = loop.create_future()
         self._started[exec_id] = started
         self._exited[exec_id] = exited
+        if size is not None:
+            self._terminals.add(exec_id)
         try:
             await self._send(struct.pack("<I", len(body)) + body, fds)
             pid = await started
@@ -211,6 +216,7 @@ class AgentChannel:
             raise
         finally:
             self._started.pop(exec_id, None)
+            self._terminals.discard(exec_id)
             _close(self._masters.pop(exec_id, -1))
         if size is not None and master < 0:
             if self.closed:
@@ -243,10 +249,13 @@ class AgentChannel:
         try:
             while True:
                 try:
-                    data, ancillary, _, _ = self._sock.recvmsg(65536, _FD_SPACE, socket.MSG_CMSG_CLOEXEC)
+                    if self._terminals:
+                        data, ancillary, _, _ = self._sock.recvmsg(65536, _FD_SPACE, socket.MSG_CMSG_CLOEXEC)
+                        self._take_fds(ancillary)
+                    else:
+                        data = self._sock.recv(65536)
                 except BlockingIOError:
                     return
-                self._take_fds(ancillary)
                 if not data:
                     break
                 buf += data
@@ -292,7 +301,7 @@ class AgentChannel:
                 self._ready.set_result(None)
         elif kind == b"M":
             fd = self._fds.popleft() if self._fds else -1
-            if exec_id in self._started and exec_id not in self._masters and terminal_master(fd):
+            if exec_id in self._terminals and exec_id not in self._masters and terminal_master(fd):
                 self._masters[exec_id] = fd
             else:
                 _close(fd)
