@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
+import errno
 import os
 import tempfile
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -116,13 +117,17 @@ class FdReader:
     """``read_fd`` without a task: the event loop's reader callback reads and hands over each chunk, so
     a command's output and its EOF cost no task switches (two per stream per exec otherwise, a fair
     part of a short command's round trip). ``done`` resolves at EOF, or fails with what ``on_data``
-    raised; ``close`` unregisters the fd (before the caller closes it) and cancels ``done`` if pending."""
+    raised; ``close`` unregisters the fd (before the caller closes it) and cancels ``done`` if pending.
+    ``eio_is_eof``: EIO ends the stream as EOF does (a pseudo-terminal's master once its slave is closed)."""
 
-    def __init__(self, fd: int, on_data: Callable[[bytes], None], chunk: int = 1 << 16) -> None:
+    def __init__(
+        self, fd: int, on_data: Callable[[bytes], None], chunk: int = 1 << 16, *, eio_is_eof: bool = False
+    ) -> None:
         self._loop = asyncio.get_running_loop()
         self._fd = fd
         self._on_data = on_data
         self._chunk = chunk
+        self._eio_is_eof = eio_is_eof
         self.done: asyncio.Future[None] = self._loop.create_future()
         os.set_blocking(fd, False)
         self._loop.add_reader(fd, self._readable)
@@ -134,6 +139,10 @@ class FdReader:
                     data = os.read(self._fd, self._chunk)
                 except BlockingIOError:
                     return
+                except OSError as e:
+                    if not (self._eio_is_eof and e.errno == errno.EIO):
+                        raise
+                    data = b""
                 if not data:
                     self._end(None)
                     return

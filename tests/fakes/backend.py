@@ -10,7 +10,7 @@ import tarfile
 import time
 from pathlib import Path
 
-from dsec.errors import FileNotFoundInSandbox, InvalidRequest
+from dsec.errors import FileNotFoundInSandbox, InvalidRequest, SandboxGone
 from dsec.images.model import ImageConfig
 from dsec.images.scrub import ScrubRules
 from dsec.images.store import ImageRef, ImageStore
@@ -18,6 +18,7 @@ from dsec.kinds.base import Backend, BackendContext, OutputCallback
 from dsec.kinds.execio import ExecIO
 from dsec.protocol.build import LayerRole
 from dsec.protocol.sandbox import ExecRequest, ExecResult, FileEntry, ImageInfo
+from dsec.protocol.terminal import PtySize
 from dsec.store.records import SandboxRecord
 
 
@@ -26,7 +27,9 @@ class FakeBackend(Backend):
 
     ``exec`` echoes the argv on stdout (or emits ``chunks`` when set) and exits with ``exit_code``;
     driven live (``io``), it runs as pid 100, 101, ... and behaves like ``cat``: every stdin chunk comes
-    back on stdout until EOF; a signal ends it (``signals`` records them) as that signal would;
+    back on stdout until EOF; a signal ends it (``signals`` records them) as that signal would, and the
+    sandbox's destruction with SandboxGone; one on a terminal (``io.pty``) takes resizes (``resizes``
+    records them);
     files live in a dict per sandbox. ``create_error`` / ``destroy_error`` / ``exec_error`` make those
     calls raise; ``dead`` lists the ids ``alive`` reports as gone.
     """
@@ -48,6 +51,8 @@ class FakeBackend(Backend):
         self.destroyed: list[str] = []
         self.execs: list[ExecRequest] = []
         self.signals: list[tuple[int, int]] = []  # (pid, signal) of live execs
+        self.resizes: list[tuple[int, PtySize]] = []  # (pid, size) of live execs on a terminal
+        self._stopped: dict[str, asyncio.Future[None]] = {}  # sandbox id -> set when destroyed (live execs end)
         self.next_pid = 100
         self.images: dict[str, ImageRef] = {}
         self.started = False
@@ -69,6 +74,9 @@ class FakeBackend(Backend):
 
     async def destroy(self, rec: SandboxRecord) -> None:
         self.destroyed.append(rec.id)
+        stopped = self._stopped.pop(rec.id, None)
+        if stopped is not None and not stopped.done():
+            stopped.set_result(None)
         if self.destroy_error is not None:
             raise self.destroy_error
         self.files.pop(rec.id, None)
@@ -88,7 +96,8 @@ class FakeBackend(Backend):
         if self.exec_error is not None:
             raise self.exec_error
         if io is not None:
-            return await self._live(req, on_output, io)
+            stopped = self._stopped.setdefault(rec.id, asyncio.get_running_loop().create_future())
+            return await self._live(req, on_output, io, stopped)
         chunks = self.chunks
         if chunks is None:
             chunks = [("stdout", (" ".join(req.argv()) + "\n").encode())]
@@ -105,7 +114,9 @@ class FakeBackend(Backend):
             stderr_bytes=len(out["stderr"]),
         )
 
-    async def _live(self, req: ExecRequest, on_output: OutputCallback | None, io: ExecIO) -> ExecResult:
+    async def _live(
+        self, req: ExecRequest, on_output: OutputCallback | None, io: ExecIO, stopped: asyncio.Future[None]
+    ) -> ExecResult:
         pid = self.next_pid
         self.next_pid += 1
         killed: asyncio.Future[int] = asyncio.get_running_loop().create_future()
@@ -115,14 +126,21 @@ class FakeBackend(Backend):
             if not killed.done():
                 killed.set_result(sig)
 
-        io.attach(pid, signal)
+        def resize(size: PtySize) -> None:
+            self.resizes.append((pid, size))
+
+        io.attach(pid, signal, resize if io.pty is not None else None)
         out = b""
         started = time.monotonic()
         try:
             while True:
                 chunk_task = asyncio.ensure_future(io.next_chunk())
                 left = req.timeout - (time.monotonic() - started)
-                done, _ = await asyncio.wait({chunk_task, killed}, timeout=left, return_when=asyncio.FIRST_COMPLETED)
+                waiting = {chunk_task, killed, stopped}
+                done, _ = await asyncio.wait(waiting, timeout=left, return_when=asyncio.FIRST_COMPLETED)
+                if stopped in done:  # as a real kind's exec ends when its sandbox is destroyed
+                    chunk_task.cancel()
+                    raise SandboxGone("the fake sandbox stopped")
                 if killed in done or not done:
                     chunk_task.cancel()
                     sig = killed.result() if killed.done() else 9

@@ -16,7 +16,7 @@ import dsec
 from .conftest import Daemon
 
 e2b = pytest.importorskip("e2b")
-from e2b import PtySize, Sandbox, SandboxQuery  # noqa: E402
+from e2b import Sandbox, SandboxQuery  # noqa: E402
 from e2b.exceptions import (  # noqa: E402
     AuthenticationException,
     SandboxException,
@@ -105,8 +105,6 @@ def test_clear_errors_for_bad_input_and_unsupported_features(e2b_env: dict[str, 
     assert Sandbox.kill("sb-000000000000") is False
     box = Sandbox.create(timeout=120)
     boxes.append(box)
-    with pytest.raises(SandboxException, match="PTY"):
-        box.pty.create(size=PtySize(rows=24, cols=80))
     with pytest.raises(SandboxException, match="cannot be forked"):
         box.fork(count=2)  # a memory snapshot: VM kinds only
     url = e2b_env["E2B_API_URL"]

@@ -1,5 +1,6 @@
-"""Processes started through the process API (the E2B layer's ``commands``): commands that outlive the
-request that started them, can be listed, re-attached to, fed standard input and signalled.
+"""Processes started through the process API (the E2B layer's ``commands`` and ``pty``): commands that
+outlive the request that started them, can be listed, re-attached to, fed standard input and signalled,
+and may run on a pseudo-terminal that can be resized while they run.
 
 Each one is an ordinary exec of the manager (or a trajectory call, for a bound sandbox), so limits,
 output caps, timeouts, logging and the host-side exit status are those of every exec. The table only
@@ -19,6 +20,7 @@ from dataclasses import dataclass, field
 from ..errors import BackendError, DsecError, InvalidState, LimitExceeded, NotFound
 from ..kinds.execio import ExecIO
 from ..protocol.sandbox import ExecRequest, ExecResult
+from ..protocol.terminal import PtySize
 from ..tenancy import Caller
 from .actions import Actions
 from .sandboxes import Sandboxes
@@ -32,7 +34,7 @@ DEFAULT_STREAM_LIMIT = 16 << 20  # bytes of each stream forwarded to subscribers
 
 @dataclass(frozen=True)
 class Output:
-    stream: str  # "stdout" | "stderr"
+    stream: str  # "stdout" | "stderr"; a terminal's one stream is "stdout"
     data: bytes
 
 
@@ -90,6 +92,14 @@ class Process:
     _sent: dict[str, int] = field(default_factory=lambda: {"stdout": 0, "stderr": 0})
     task: asyncio.Task[None] | None = None
 
+    @property
+    def terminal(self) -> bool:
+        return self.io.pty is not None
+
+    def resize(self, size: PtySize) -> None:
+        """A new size for the process's terminal."""
+        self.io.resize(size)
+
     def subscribe(self) -> Subscription:
         if len(self.subscribers) >= MAX_SUBSCRIBERS:
             raise LimitExceeded(f"process {self.pid} already has {MAX_SUBSCRIBERS} streams attached")
@@ -135,25 +145,29 @@ class ProcessTable:
         stdin: bool = False,
         tag: str | None = None,
         seq: int | None = None,
+        pty: PtySize | None = None,
     ) -> tuple[Process, Subscription]:
         """Start a command and return it once it runs, with a subscription that sees all its output.
 
         ``stdin``: the command's standard input stays open for ``send_input`` until ``close_stdin``
-        (else it reads EOF at once). ``seq``: the call's position, for a sandbox bound to a trajectory.
-        A replayed trajectory call never starts: the process comes back already ended (pid 0), its
-        subscription holding the recorded output and result.
+        (else it reads EOF at once). ``pty``: the command runs on a pseudo-terminal of that size, which
+        is its standard input (always open: what is fed is typed on it) and its one output stream.
+        ``seq``: the call's position, for a sandbox bound to a trajectory. A replayed trajectory call
+        never starts: the process comes back already ended (pid 0), its subscription holding the
+        recorded output and result.
         """
         rec = self.sandboxes.get(sandbox_id, caller)
         live = self._live.setdefault(rec.id, {})
         if len(live) >= MAX_PER_SANDBOX:
             raise LimitExceeded(f"sandbox {rec.id} already runs {MAX_PER_SANDBOX} processes started by the API")
-        if rec.trajectory and stdin:
+        if rec.trajectory and (stdin or pty is not None):
+            what = "a terminal's input" if pty is not None else "standard input fed while a command runs"
             raise InvalidState(
-                f"sandbox {rec.id} is bound to a trajectory: standard input fed while a command runs is not "
-                "recorded in the log, so such commands are refused; pass the input in the command instead"
+                f"sandbox {rec.id} is bound to a trajectory: {what} is not recorded in the log, so such "
+                "commands are refused; pass the input in the command instead"
             )
-        io = ExecIO()
-        if not stdin:
+        io = ExecIO(pty=pty)
+        if not stdin and pty is None:
             io.close_stdin()
         proc = Process(rec.id, rec.owner or "", req, tag, io, self.stream_limit)
         sub = proc.subscribe()

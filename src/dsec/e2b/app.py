@@ -27,6 +27,7 @@ from ..web.limits import BodyLimit
 # the services register their routes on envd.router as they are imported
 from . import control, envd, files, fs_service, process_service, templates, volume_content, volumes  # noqa: F401
 from .auth import EnvdTokens, VolumeTokens, load_key
+from .connect import ResettableConnections
 from .errors import control_error, plain_error
 from .ports import E2BPorts
 from .service import E2BOptions, E2BService
@@ -112,4 +113,6 @@ def create_e2b_app(manager: SandboxManager, options: E2BOptions, state_dir: Path
     app.add_middleware(AuditMiddleware, prefix="", unaudited=("/health",), label="e2b ")
     # a sandbox's own traffic (get_host): none of the API's rules
     app.add_middleware(E2BPorts, manager=manager, tokens=tokens, domain=options.domain)
+    # outermost, where the server's own receive callable arrives: a stream cut for a sandbox that died
+    app.add_middleware(ResettableConnections)
     return app

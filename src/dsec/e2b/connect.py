@@ -24,10 +24,13 @@ and ``stream_error_response`` for an error met before the stream exists.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import json
 import logging
 import math
 import re
+import socket
 import struct
 from collections.abc import AsyncIterator, Mapping
 from types import MappingProxyType
@@ -37,7 +40,7 @@ import anyio
 from pydantic import BaseModel, ValidationError
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
-from starlette.types import Receive, Scope, Send
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 log = logging.getLogger("dsec.e2b")
 
@@ -90,6 +93,51 @@ class RpcError(Exception):
 
     def to_json(self) -> dict[str, str]:
         return {"code": self.code, "message": self.message}
+
+
+class StreamCut(BaseException):
+    """Raised by a stream's producer to end the response the way a lost connection ends it: without an
+    end-of-stream message, the connection closed. It is how E2B's clients learn that the sandbox behind a
+    stream died (they then ask the sandbox's health, and report it killed). A BaseException, so that the
+    app's handlers of ordinary errors let it through to the server, which closes the connection."""
+
+
+RESET_KEY = "dsec.e2b.reset"  # in a request's state: makes its TCP connection close with a reset
+
+
+class ResettableConnections:
+    """Gives each request a way to make its TCP connection close with a reset rather than an orderly
+    end (``scope["state"][RESET_KEY]()``): a client reads a reset as the connection lost, an early end as a
+    malformed response. ASGI offers no way to either; uvicorn's receive callable is a method of the
+    connection's protocol object, which holds the asyncio transport. Without one, cuts end orderly."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            transport = getattr(getattr(receive, "__self__", None), "transport", None)
+            if callable(getattr(transport, "get_extra_info", None)):  # asyncio's or uvloop's
+                # in the request's state: middlewares may pass a copy of the scope on, never of its state
+                scope.setdefault("state", {})[RESET_KEY] = functools.partial(_linger_zero, transport)
+        await self.app(scope, receive, send)
+
+
+def _linger_zero(transport: Any) -> None:  # asyncio.BaseTransport, or uvloop's (not a subclass of it)
+    sock = transport.get_extra_info("socket")
+    if sock is not None:
+        with contextlib.suppress(OSError):
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+
+
+class _QuietCuts(logging.Filter):
+    """The server logs what an app raises; a cut is deliberate, not a failure worth a traceback."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.exc_info and isinstance(record.exc_info[1], StreamCut))
+
+
+_QUIET_CUTS = _QuietCuts()
 
 
 class HttpError(Exception):
@@ -289,6 +337,7 @@ class ConnectStreamingResponse(StreamingResponse):
     body_iterator: AsyncIterator[bytes]
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        cut: StreamCut | None = None
         try:
             async with anyio.create_task_group() as group:
 
@@ -301,9 +350,19 @@ class ConnectStreamingResponse(StreamingResponse):
                 group.cancel_scope.cancel()
         except* OSError:
             pass  # ASGI 2.4 servers raise it from send() once the client is gone: there is no one left to tell
+        except* StreamCut as group_of_cuts:
+            first = group_of_cuts.exceptions[0]
+            cut = first if isinstance(first, StreamCut) else StreamCut()
         finally:
             with anyio.CancelScope(shield=True):
                 await _aclose(self.body_iterator)
+        if cut is not None:
+            # the server (uvicorn) closes the connection of an app that raises after its response began
+            logging.getLogger("uvicorn.error").addFilter(_QUIET_CUTS)
+            reset = scope.get("state", {}).get(RESET_KEY)
+            if reset is not None:
+                reset()
+            raise cut
         if self.background is not None:
             await self.background()
 
@@ -322,7 +381,8 @@ def stream_response(
 ) -> StreamingResponse:
     """A server-streaming RPC's response: each event in its envelope, sent as soon as it is produced, then the
     end of the stream: ``{}`` when ``events`` is exhausted, the error when it raises RpcError, ``internal`` when it
-    raises anything else (logged; the client learns only the exception's type). ``timeout_ms`` (the client's
+    raises anything else (logged; the client learns only the exception's type); no end at all, the
+    connection closed, when it raises StreamCut. ``timeout_ms`` (the client's
     ``connect-timeout-ms``) ends the stream with ``deadline_exceeded`` when it runs out.
 
     ``events`` is closed (``aclose``) however the response ends, a client's disconnect included. A disconnect

@@ -1,25 +1,31 @@
-"""envd's ``process.Process`` service (the SDK's ``sbx.commands``) on the core's process table: every
-command is an exec of the core, with its limits, output caps, timeout and host-side exit status; a
-command outlives the stream that started it (background commands), and can be listed, re-attached to,
-fed standard input and signalled."""
+"""envd's ``process.Process`` service (the SDK's ``sbx.commands`` and ``sbx.pty``) on the core's process
+table: every command is an exec of the core, with its limits, output caps, timeout and host-side exit
+status; a command outlives the stream that started it (background commands), and can be listed,
+re-attached to, fed standard input and signalled. A command started with ``pty`` runs on a
+pseudo-terminal the kind makes inside the sandbox: its input and output are the terminal's (``pty``
+bytes both ways) and ``Update`` resizes it."""
 
 from __future__ import annotations
 
+import asyncio
 import signal as signals
 from collections.abc import AsyncIterator
 
 from pydantic import ValidationError
 
 from ..core.processes import Output, Process, Subscription
-from ..errors import InvalidState, validation_message
-from ..protocol.sandbox import MAX_EXEC_TIMEOUT_S, ExecRequest, ExecResult
+from ..errors import InvalidRequest, InvalidState, SandboxGone, SandboxNotFound, validation_message
+from ..protocol.sandbox import MAX_EXEC_TIMEOUT_S, TERMINAL_STATES, ExecRequest, ExecResult
+from ..protocol.terminal import PtySize
 from ..web.audit import note
 from . import envd_models as pm
-from .connect import RpcError
+from .connect import RpcError, StreamCut
 from .envd import Call, client_stream, server_stream, unary
 from .service import E2BService
 
-PTY_UNSUPPORTED = "PTY sessions are not supported by dsec's E2B API (see docs/e2b.md); run commands without a PTY"
+# how long a stream whose sandbox went away waits for the sandbox's end to be on record before it is cut
+SETTLE_S = 10.0
+SETTLE_POLL_S = 0.05
 
 
 def end_event(result: ExecResult) -> pm.EndEvent:
@@ -38,16 +44,41 @@ def end_event(result: ExecResult) -> pm.EndEvent:
     return pm.EndEvent(exit_code=result.exit_code, exited=True, status=f"exit status {result.exit_code}", error=error)
 
 
-async def _events(sub: Subscription, keepalive: float) -> AsyncIterator[pm.ProcessEvent]:
+async def _cut(call: Call) -> StreamCut:
+    """The sandbox went away under a running command: its stream is cut as E2B's is when its sandbox
+    dies, so that the SDK asks the sandbox's health and reports it killed (an error message would be
+    reported as a timeout). The cut waits, a bounded while, until the sandbox's end is on record: the
+    health answer must already say it is gone."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + SETTLE_S
+    while loop.time() < deadline:
+        try:
+            if call.svc.mgr.record(call.sandbox_id).state in TERMINAL_STATES:
+                break
+        except SandboxNotFound:
+            break
+        await asyncio.sleep(SETTLE_POLL_S)
+    return StreamCut()
+
+
+async def _events(call: Call, sub: Subscription) -> AsyncIterator[pm.ProcessEvent]:
     """A process's events from a subscription: output, keepalives while it is quiet, then its end."""
+    keepalive = call.keepalive()
     try:
         while True:
             event = await sub.next(keepalive)
             if event is None:
                 yield pm.ProcessEvent(keepalive=pm.KeepAlive())
             elif isinstance(event, Output):
-                data = pm.DataEvent(stdout=event.data) if event.stream == "stdout" else pm.DataEvent(stderr=event.data)
+                if sub.proc.terminal:
+                    data = pm.DataEvent(pty=event.data)
+                elif event.stream == "stdout":
+                    data = pm.DataEvent(stdout=event.data)
+                else:
+                    data = pm.DataEvent(stderr=event.data)
                 yield pm.ProcessEvent(data=data)
+            elif isinstance(event.error, SandboxGone):
+                raise await _cut(call)
             elif event.error is not None:
                 raise event.error
             elif event.result is not None and event.result.timed_out:
@@ -74,10 +105,16 @@ def _find(call: Call, selector: pm.ProcessSelector) -> Process:
     return call.svc.mgr.processes.find(call.sandbox_id, caller=call.caller, pid=selector.pid, tag=selector.tag)
 
 
+def _size(pty: pm.PTY) -> PtySize:
+    try:
+        return PtySize(rows=pty.size.rows, cols=pty.size.cols)
+    except ValidationError as e:
+        raise RpcError("invalid_argument", f"pty.size: {validation_message(e)}") from None
+
+
 @server_stream("/process.Process/Start", pm.StartRequest)
 async def start(call: Call, req: pm.StartRequest) -> AsyncIterator[pm.StartResponse]:
-    if req.pty is not None:
-        raise RpcError("unimplemented", PTY_UNSUPPORTED)
+    size = _size(req.pty) if req.pty is not None else None
     cfg = req.process
     if not cfg.cmd:
         raise RpcError("invalid_argument", "process.cmd is empty")
@@ -90,18 +127,19 @@ async def start(call: Call, req: pm.StartRequest) -> AsyncIterator[pm.StartRespo
     except ValidationError as e:
         raise RpcError("invalid_argument", validation_message(e)) from None
     stdin = bool(req.stdin)
-    if stdin and call.rec.trajectory:
+    if (stdin or size is not None) and call.rec.trajectory:
+        what = "a terminal" if size is not None else "a command fed standard input while it runs"
         raise InvalidState(
-            f"sandbox {call.sandbox_id} is bound to a trajectory: a command fed standard input while it runs "
-            "cannot be recorded; pass the input in the command (e.g. a here-document) instead"
+            f"sandbox {call.sandbox_id} is bound to a trajectory: {what} cannot be recorded; pass the input "
+            "in the command (e.g. a here-document) instead"
         )
     seq = await svc.position(call.rec)
     proc, sub = await svc.mgr.processes.start(
-        call.sandbox_id, exec_req, caller=call.caller, stdin=stdin, tag=req.tag, seq=seq
+        call.sandbox_id, exec_req, caller=call.caller, stdin=stdin, tag=req.tag, seq=seq, pty=size
     )
     try:
         yield pm.StartResponse(event=pm.ProcessEvent(start=pm.StartEvent(pid=proc.pid)))
-        async for event in _events(sub, call.keepalive()):
+        async for event in _events(call, sub):
             yield pm.StartResponse(event=event)
     finally:
         sub.close()
@@ -113,7 +151,7 @@ async def reconnect(call: Call, req: pm.ConnectRequest) -> AsyncIterator[pm.Conn
     sub = proc.subscribe()
     try:
         yield pm.ConnectResponse(event=pm.ProcessEvent(start=pm.StartEvent(pid=proc.pid)))
-        async for event in _events(sub, call.keepalive()):
+        async for event in _events(call, sub):
             yield pm.ConnectResponse(event=event)
     finally:
         sub.close()
@@ -130,9 +168,11 @@ async def list_processes(call: Call, req: pm.ListRequest) -> pm.ListResponse:
 
 
 def _feed(proc: Process, data: pm.ProcessInput) -> None:
-    if data.pty is not None:
-        raise RpcError("unimplemented", PTY_UNSUPPORTED)
-    proc.io.feed(data.stdin or b"")
+    """Standard input, or a terminal's input: a terminal takes both (typed on it), and a command without
+    one refuses terminal input."""
+    if data.pty is not None and not proc.terminal:
+        raise RpcError("failed_precondition", f"process {proc.pid} does not run on a terminal: send it stdin")
+    proc.io.feed(data.pty if data.pty is not None else data.stdin or b"")
 
 
 @unary("/process.Process/SendInput", pm.SendInputRequest)
@@ -175,4 +215,15 @@ async def close_stdin(call: Call, req: pm.CloseStdinRequest) -> pm.CloseStdinRes
 
 @unary("/process.Process/Update", pm.UpdateRequest)
 async def update(call: Call, req: pm.UpdateRequest) -> pm.UpdateResponse:
-    raise RpcError("unimplemented", PTY_UNSUPPORTED)
+    """A terminal's new size (an update without ``pty`` changes nothing)."""
+    proc = _find(call, req.process)
+    if req.pty is None:
+        return pm.UpdateResponse()
+    size = _size(req.pty)
+    try:
+        proc.resize(size)
+    except InvalidRequest:
+        raise RpcError("failed_precondition", f"process {proc.pid} does not run on a terminal") from None
+    except InvalidState:
+        raise RpcError("not_found", f"process {proc.pid} has ended") from None
+    return pm.UpdateResponse()

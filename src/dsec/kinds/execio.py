@@ -2,6 +2,12 @@
 E2B compatibility layer): standard input fed as it comes, the command's pid once it started, and
 signals sent to its process tree.
 
+With ``pty`` the command runs on a pseudo-terminal of that size instead of pipes: the terminal's slave
+is its controlling terminal and its standard input, output and error, what is fed is typed on the
+terminal, its output (one stream) is reported as ``stdout``, and ``resize`` changes the terminal's size
+while it runs (the kernel sends the command SIGWINCH). The terminal is made inside the sandbox, in its
+own devpts, by the kind's agent.
+
 The core is the producer (``feed``, ``close_stdin``, ``send_signal``); the kind is the consumer
 (``next_chunk``) and reports the start (``attach``) and the end (``detach``). The exit status is still
 observed by the kind on the host side, as for every exec: nothing here comes from inside the sandbox.
@@ -13,7 +19,8 @@ import asyncio
 from collections import deque
 from collections.abc import Callable
 
-from ..errors import InvalidState, LimitExceeded
+from ..errors import InvalidRequest, InvalidState, LimitExceeded
+from ..protocol.terminal import PtySize
 
 # Bytes of stdin that may wait for a command that does not read them: past it, a feed is refused
 # rather than letting a client grow the daemon's memory without bound.
@@ -21,8 +28,9 @@ MAX_PENDING_STDIN = 16 << 20
 
 
 class ExecIO:
-    def __init__(self, max_pending: int = MAX_PENDING_STDIN) -> None:
+    def __init__(self, max_pending: int = MAX_PENDING_STDIN, pty: PtySize | None = None) -> None:
         self.max_pending = max_pending
+        self.pty = pty  # the terminal's size (the latest asked for); None: pipes
         self.pid: int | None = None
         self.started = asyncio.Event()
         self._chunks: deque[bytes] = deque()
@@ -31,6 +39,7 @@ class ExecIO:
         self._wake = asyncio.Event()
         self._taken = asyncio.Event()  # set when the command takes input (or ends): feeders waiting for room
         self._signal: Callable[[int], None] | None = None
+        self._resize: Callable[[PtySize], None] | None = None
         self._ended = False
 
     # ---- the producer's side (the core) -------------------------------------------------------------
@@ -71,6 +80,17 @@ class ExecIO:
             raise InvalidState("the command has not started yet")
         self._signal(sig)
 
+    def resize(self, size: PtySize) -> None:
+        """Give the command's terminal a new size (its foreground process group gets SIGWINCH)."""
+        if self.pty is None:
+            raise InvalidRequest("the command does not run on a terminal")
+        if self._ended:
+            raise InvalidState("the command has ended")
+        if self._resize is None:
+            raise InvalidState("the command has not started yet")
+        self._resize(size)
+        self.pty = size
+
     @property
     def ended(self) -> bool:
         return self._ended
@@ -81,16 +101,19 @@ class ExecIO:
 
     # ---- the kind's side ----------------------------------------------------------------------------
 
-    def attach(self, pid: int, signal: Callable[[int], None]) -> None:
-        """The command runs as ``pid`` (inside the sandbox); ``signal`` delivers a signal to its tree."""
+    def attach(self, pid: int, signal: Callable[[int], None], resize: Callable[[PtySize], None] | None = None) -> None:
+        """The command runs as ``pid`` (inside the sandbox); ``signal`` delivers a signal to its tree;
+        ``resize`` sets its terminal's size (a kind gives it for a command it runs on a terminal)."""
         self.pid = pid
         self._signal = signal
+        self._resize = resize
         self.started.set()
 
     def detach(self) -> None:
         """The command ended: no more signals, and what was queued for it is dropped."""
         self._ended = True
         self._signal = None
+        self._resize = None
         self._chunks.clear()
         self._pending = 0
         self._wake.set()

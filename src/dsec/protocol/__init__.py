@@ -9,5 +9,6 @@ alone and the daemon never loads the client to know its own contract. Modules:
 - ``network``: the network policy a client states; ``build``: image build specs; ``residue``: scrub
   rules and canaries;
 - ``node``, ``run``, ``grade``, ``trajectory``: the node's, one-shot runs', grading's and trajectories' models;
+- ``terminal``: the size of a command's pseudo-terminal;
 - ``version``: ``__version__``.
 """

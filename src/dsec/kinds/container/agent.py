@@ -7,18 +7,22 @@ import asyncio
 import contextlib
 import ctypes
 import errno
+import fcntl
 import hashlib
 import itertools
 import logging
 import os
 import shutil
 import socket
+import stat
 import struct
 import subprocess
+from collections import deque
 from pathlib import Path
 from typing import Any
 
 from ...errors import BackendError, KindUnavailable, LimitExceeded, SandboxGone
+from ...protocol.terminal import PtySize
 
 log = logging.getLogger("dsec.container.agent")
 
@@ -29,6 +33,12 @@ _REPLY = struct.Struct("<cIq")
 # claims more than this is no agent's: the channel is dropped rather than buffering what it claims. The
 # agent runs inside the sandbox, where a process of the sandbox's root could speak in its place.
 MAX_FRAME = 1 << 12
+# Descriptors the agent sent that no 'M' frame has claimed yet: a frame's descriptor arrives with its
+# first byte, so at most a few wait at once; past this the agent is not behaving, and they are closed.
+MAX_WAITING_FDS = 8
+_FD_SPACE = socket.CMSG_SPACE(MAX_WAITING_FDS * 4)
+PTMX = (5, 2)  # the device number of every devpts instance's ptmx (TTYAUX_MAJOR, 2)
+TIOCGPTN = 0x80045430  # _IOR('T', 0x30, unsigned int): a master's terminal number (Python's termios lacks it)
 _SYS_PIDFD_GETFD = 438
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.syscall.restype = ctypes.c_long
@@ -76,6 +86,19 @@ def steal_parked_end(pid: int) -> socket.socket:
 SPAWN_RETRY_S = 2.0
 
 
+def terminal_master(fd: int) -> bool:
+    """Whether ``fd`` (from the agent: the sandbox's word) is a pseudo-terminal's master, the only kind
+    of descriptor the daemon takes from a sandbox: a character device that is ptmx and answers TIOCGPTN."""
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISCHR(st.st_mode) or (os.major(st.st_rdev), os.minor(st.st_rdev)) != PTMX:
+            return False
+        fcntl.ioctl(fd, TIOCGPTN, b"\0\0\0\0")
+    except OSError:
+        return False
+    return True
+
+
 class ProcessLimit(LimitExceeded):
     """The agent could not fork: the sandbox is at its process limit."""
 
@@ -102,6 +125,11 @@ class AgentChannel:
         self._ready: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._started: dict[int, asyncio.Future[int]] = {}
         self._exited: dict[int, asyncio.Future[int]] = {}
+        self._masters: dict[int, int] = {}  # exec id -> its terminal's master, between its 'M' and 'S'
+        # execs asked for on a terminal and not started yet: only while there are some are descriptors
+        # read from the socket (recvmsg costs ~1 us more per read; plain reads make the kernel drop them)
+        self._terminals: set[int] = set()
+        self._fds: deque[int] = deque()  # descriptors received and not yet claimed by an 'M' frame
         self._buf = bytearray()
         self.closed = False
         # replies are read by the event loop's reader callback, not a task: each reply then resolves its
@@ -119,14 +147,34 @@ class AgentChannel:
     async def spawn(
         self, argv: list[str], env: list[str], cwd: str, fds: list[int], user: tuple[int, int] | None = None
     ) -> tuple[int, asyncio.Future[int]]:
-        """Start a command (as root, or as ``user`` = (uid, gid)); returns its pid in the sandbox and a
-        future of its raw wait status. A fork the pids limit refuses is tried again for SPAWN_RETRY_S."""
+        """Start a command (as root, or as ``user`` = (uid, gid)) with ``fds`` = [stdin, stdout, stderr,
+        cgroup.procs]; returns its pid in the sandbox and a future of its raw wait status. A fork the
+        pids limit refuses is tried again for SPAWN_RETRY_S."""
+        pid, exited, _ = await self._spawn(argv, env, cwd, fds, user, None)
+        return pid, exited
+
+    async def spawn_terminal(
+        self, argv: list[str], env: list[str], cwd: str, procs_fd: int, size: PtySize, user: tuple[int, int] | None
+    ) -> tuple[int, asyncio.Future[int], int]:
+        """``spawn`` on a new pseudo-terminal the agent makes in the sandbox: returns also the terminal's
+        master (the caller's to close), the command's stdin, stdout and stderr."""
+        return await self._spawn(argv, env, cwd, [procs_fd], user, size)
+
+    async def _spawn(
+        self,
+        argv: list[str],
+        env: list[str],
+        cwd: str,
+        fds: list[int],
+        user: tuple[int, int] | None,
+        size: PtySize | None,
+    ) -> tuple[int, asyncio.Future[int], int]:
         strings = b"".join(s.encode() + b"\0" for s in [cwd, *argv, *env])
         deadline = asyncio.get_running_loop().time() + SPAWN_RETRY_S
         pause = 0.01
         while True:
             try:
-                return await self._spawn_once(len(argv), len(env), strings, fds, user)
+                return await self._spawn_once(len(argv), len(env), strings, fds, user, size)
             except ProcessLimit:
                 if asyncio.get_running_loop().time() + pause > deadline:
                     raise
@@ -134,12 +182,21 @@ class AgentChannel:
             pause = min(pause * 2, 0.25)
 
     async def _spawn_once(
-        self, argc: int, envc: int, strings: bytes, fds: list[int], user: tuple[int, int] | None
-    ) -> tuple[int, asyncio.Future[int]]:
+        self,
+        argc: int,
+        envc: int,
+        strings: bytes,
+        fds: list[int],
+        user: tuple[int, int] | None,
+        size: PtySize | None,
+    ) -> tuple[int, asyncio.Future[int], int]:
         if self.closed:
             raise SandboxGone("the sandbox's agent is gone")
         exec_id = next(self._ids)
-        if user is None or user == (0, 0):
+        if size is not None:
+            uid, gid = user or (0, 0)
+            body = struct.pack("<cIIIIIII", b"T", exec_id, argc, envc, uid, gid, size.rows, size.cols) + strings
+        elif user is None or user == (0, 0):
             body = struct.pack("<cIII", b"E", exec_id, argc, envc) + strings
         else:
             body = struct.pack("<cIIIII", b"U", exec_id, argc, envc, *user) + strings
@@ -148,15 +205,24 @@ class AgentChannel:
         exited: asyncio.Future[int] = loop.create_future()
         self._started[exec_id] = started
         self._exited[exec_id] = exited
+        if size is not None:
+            self._terminals.add(exec_id)
         try:
             await self._send(struct.pack("<I", len(body)) + body, fds)
             pid = await started
+            master = self._masters.pop(exec_id, -1)
         except BaseException:
             self._exited.pop(exec_id, None)
             raise
         finally:
             self._started.pop(exec_id, None)
-        return pid, exited
+            self._terminals.discard(exec_id)
+            _close(self._masters.pop(exec_id, -1))
+        if size is not None and master < 0:
+            if self.closed:
+                raise SandboxGone("the sandbox's agent went away (the sandbox stopped)")
+            raise BackendError("the sandbox's agent started the command without sending its terminal")
+        return pid, exited, master
 
     async def _send(self, data: bytes, fds: list[int]) -> None:
         loop = asyncio.get_running_loop()
@@ -183,7 +249,11 @@ class AgentChannel:
         try:
             while True:
                 try:
-                    data = self._sock.recv(65536)
+                    if self._terminals:
+                        data, ancillary, _, _ = self._sock.recvmsg(65536, _FD_SPACE, socket.MSG_CMSG_CLOEXEC)
+                        self._take_fds(ancillary)
+                    else:
+                        data = self._sock.recv(65536)
                 except BlockingIOError:
                     return
                 if not data:
@@ -205,6 +275,18 @@ class AgentChannel:
         self._stop_reading()
         self._fail_all()
 
+    def _take_fds(self, ancillary: list[tuple[int, int, bytes]]) -> None:
+        for level, kind, data in ancillary:
+            if level != socket.SOL_SOCKET or kind != socket.SCM_RIGHTS:
+                continue
+            fds = array.array("i")
+            fds.frombytes(data[: len(data) - len(data) % fds.itemsize])
+            for fd in fds:
+                if len(self._fds) >= MAX_WAITING_FDS:
+                    _close(fd)
+                else:
+                    self._fds.append(fd)
+
     def _stop_reading(self) -> None:
         if self._reading:
             self._reading = False
@@ -217,6 +299,12 @@ class AgentChannel:
         if kind == b"R":
             if not self._ready.done():
                 self._ready.set_result(None)
+        elif kind == b"M":
+            fd = self._fds.popleft() if self._fds else -1
+            if exec_id in self._terminals and exec_id not in self._masters and terminal_master(fd):
+                self._masters[exec_id] = fd
+            else:
+                _close(fd)
         elif kind == b"S":
             fut = self._started.get(exec_id)
             if fut and not fut.done():
@@ -240,6 +328,10 @@ class AgentChannel:
                 fut.exception()  # consumed: nobody may be waiting any more
         self._started.clear()
         self._exited.clear()
+        for fd in [*self._masters.values(), *self._fds]:
+            _close(fd)
+        self._masters.clear()
+        self._fds.clear()
 
     async def aclose(self) -> None:
         # The reader must have unregistered the socket from the event loop before the fd is closed:
@@ -249,3 +341,9 @@ class AgentChannel:
         self._fail_all()  # an exec still waiting for its start or exit learns the sandbox is gone
         with contextlib.suppress(OSError):
             self._sock.close()
+
+
+def _close(fd: int) -> None:
+    if fd >= 0:
+        with contextlib.suppress(OSError):
+            os.close(fd)

@@ -12,21 +12,27 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import fcntl
+import logging
 import os
 import resource
+import struct
+import termios
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ...errors import BackendError, LimitExceeded, SandboxGone
+from ...errors import BackendError, KindUnavailable, LimitExceeded, SandboxGone
 from ...isolation import cgroups
 from ...proc import FdReader, empty_input, read_line, spawn, wait, write_all
 from ...protocol.sandbox import ExecResult
+from ...protocol.terminal import PtySize
 from ..base import MAX_ARCHIVE, OutputCallback
 from ..execio import ExecIO
 from ..output import CappedBuffer, Deadlines, exec_result
 from .agent import AgentChannel
+
+log = logging.getLogger("dsec.container.exec")
 
 # After the main process exits, how long to keep reading output that background children still write.
 DRAIN_GRACE = 0.2
@@ -63,15 +69,25 @@ class _Capture:
     def __init__(self, plan: ExecPlan) -> None:
         self.plan = plan
         self.caps = {"stdout": CappedBuffer(plan.limit), "stderr": CappedBuffer(plan.limit)}
-        self.out_r, self.out_w = _big_pipe()
-        self.err_r, self.err_w = _big_pipe()
-        if plan.stdin is not None or plan.io is not None:
-            self.in_r, self.in_w = os.pipe()
+        self.terminal = plan.io is not None and plan.io.pty is not None
+        if self.terminal:  # the agent makes the terminal; its master comes with the start (use_terminal)
+            self.out_r = self.out_w = self.err_r = self.err_w = self.in_r = self.in_w = -1
         else:
-            self.in_r, self.in_w = empty_input(), -1
+            self.out_r, self.out_w = _big_pipe()
+            self.err_r, self.err_w = _big_pipe()
+            if plan.stdin is not None or plan.io is not None:
+                self.in_r, self.in_w = os.pipe()
+            else:
+                self.in_r, self.in_w = empty_input(), -1
         self.tasks: list[asyncio.Future[None]] = []  # the readers' ``done``, then a stdin feeder's task
         self.readers: list[FdReader] = []
         self.clock = Deadlines(time.monotonic(), plan.timeout, plan.idle_timeout)
+
+    def use_terminal(self, master: int) -> None:
+        """The command's terminal: its output is read from the master, and input written to a second
+        descriptor of it (each is closed once, as the pipes are)."""
+        self.out_r = master
+        self.in_w = os.dup(master)
 
     def child_fds(self) -> list[int]:
         return [self.in_r, self.out_w, self.err_w]
@@ -117,8 +133,10 @@ class _Capture:
         return feed
 
     def start(self) -> None:
-        self.readers = [FdReader(self.out_r, self._feeder("stdout"), PIPE_SIZE)]
-        self.readers.append(FdReader(self.err_r, self._feeder("stderr"), PIPE_SIZE))
+        # a terminal's master reads EIO once every descriptor of its slave is closed: its end of file
+        self.readers = [FdReader(self.out_r, self._feeder("stdout"), PIPE_SIZE, eio_is_eof=self.terminal)]
+        if self.err_r >= 0:
+            self.readers.append(FdReader(self.err_r, self._feeder("stderr"), PIPE_SIZE))
         self.tasks = [reader.done for reader in self.readers]
         if self.plan.stdin is not None:
             self.tasks.append(asyncio.ensure_future(self._feed_stdin(self.plan.stdin)))
@@ -131,24 +149,39 @@ class _Capture:
         self.in_w = -1
 
     async def _pump_stdin(self, io: ExecIO) -> None:
-        while (chunk := await io.next_chunk()) is not None:
-            await write_all(self.in_w, chunk)
+        try:
+            while (chunk := await io.next_chunk()) is not None:
+                await write_all(self.in_w, chunk)
+        except OSError as e:  # a terminal whose slave side is all closed refuses input (EIO)
+            if not self.terminal:
+                raise
+            log.debug("input for a terminal was dropped: %s", e)
+        # for a terminal only this descriptor goes: the master stays open for the output
         _close(self.in_w)
         self.in_w = -1
 
     def attach(self, pid: int, group: Path) -> None:
-        """Report the started command to a live caller: its pid, and signals for its exec cgroup."""
-        if self.plan.io is not None:
-            self.plan.io.attach(pid, lambda sig: cgroups.signal_group(group, sig))
+        """Report the started command to a live caller: its pid, signals for its exec cgroup, and the
+        size of its terminal (set on the master: the kernel signals the terminal's foreground group)."""
+        if self.plan.io is None:
+            return
+        resize = None
+        if self.terminal:
+            master = self.out_r
+
+            def resize(size: PtySize) -> None:
+                fcntl.ioctl(master, termios.TIOCSWINSZ, struct.pack("HHHH", size.rows, size.cols, 0, 0))
+
+        self.plan.io.attach(pid, lambda sig: cgroups.signal_group(group, sig), resize)
 
     async def finish(self) -> None:
-        readers = self.tasks[:2]
+        readers = self.tasks[: len(self.readers)]
         if not all(task.done() for task in readers):  # (waiting on done ones costs a loop turn)
             await asyncio.wait(readers, timeout=DRAIN_GRACE)
         for reader in self.readers:
             if not reader.done.done():
                 reader.close()
-        for task in self.tasks[2:]:
+        for task in self.tasks[len(self.readers) :]:
             task.cancel()
         for task in readers:
             if task.done() and not task.cancelled() and (exc := task.exception()) is not None:
@@ -209,7 +242,12 @@ async def run_via_agent(
         oom_before = layout.oom_kills(cg_path)
         started = time.monotonic()
         cap.clock = Deadlines(started, plan.timeout, plan.idle_timeout)
-        pid, exited = await chan.spawn(plan.argv, env, plan.cwd or default_cwd, [*cap.child_fds(), procs_fd], plan.user)
+        cwd = plan.cwd or default_cwd
+        if plan.io is not None and plan.io.pty is not None:
+            pid, exited, master = await chan.spawn_terminal(plan.argv, env, cwd, procs_fd, plan.io.pty, plan.user)
+            cap.use_terminal(master)
+        else:
+            pid, exited = await chan.spawn(plan.argv, env, cwd, [*cap.child_fds(), procs_fd], plan.user)
         _close(procs_fd)
         procs_fd = -1
         cap.close_child_ends()
@@ -238,6 +276,11 @@ async def run_via_runtime(
     name: str,
     alive: Callable[[], Awaitable[bool]],
 ) -> ExecResult:
+    if plan.io is not None and plan.io.pty is not None:
+        raise KindUnavailable(
+            "a command on a terminal needs the sandbox's agent, and this sandbox runs its commands through "
+            "the OCI runtime's exec (its agent could not be built or re-attached)"
+        )
     group = _make_group(layout, cg_path, name)
     cap = _Capture(plan)
     go_r, go_w = os.pipe()

@@ -16,7 +16,7 @@
 #error "the wire format is little endian and frames are copied as native integers"
 #endif
 
-#define AGENT_VERSION "dsec-guest-agent/1"
+#define AGENT_VERSION "dsec-guest-agent/2" /* 2: terminals (FLAG_PTY, 'W') */
 #define PORT_NAME "dsec.agent"
 #define PORTS_DIR "/sys/class/virtio-ports"
 #define HDR 9u
@@ -37,6 +37,7 @@
 #define PRIVATE_CGROUP "/dev/.dsec-cgroup" /* beside an init that mounts no cgroup2 (kind vm) */
 #define FLAG_STDIN 1u
 #define FLAG_RLIMITS 2u /* u64 RLIMIT_NOFILE, u64 RLIMIT_FSIZE follow the exec header */
+#define FLAG_PTY 4u     /* u32 rows, u32 cols follow (after the limits): the command runs on a terminal */
 #define SHM_SIZE "67108864" /* /dev/shm of a microvm, as a container's */
 
 struct buf {
@@ -49,7 +50,8 @@ struct exec {
     uint32_t id;
     pid_t pid;  /* 0 once reaped */
     pid_t pgid; /* kept after the reap: background members may still run */
-    int in_fd, out_fd, err_fd;
+    int in_fd, out_fd, err_fd; /* on a terminal: in_fd and out_fd are its master (two descriptors) */
+    int terminal;
     struct buf in;
     int in_eof;
     int reaped, status;
@@ -113,6 +115,7 @@ void maybe_finish(struct exec *x);
 void pump(struct exec *x, int *fd, char type, size_t budget);
 void write_stdin(struct exec *x);
 void stdin_data(uint32_t id, const char *p, size_t n);
+void resize_terminal(uint32_t id, const char *p, size_t n);
 void start_exec(uint32_t id, char *p, size_t n);
 void reap(void);
 void shutdown_and_exit(int code) __attribute__((noreturn));

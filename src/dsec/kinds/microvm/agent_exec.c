@@ -8,11 +8,13 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/ioctl.h>
 #include <sys/mount.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
 #include <sys/statfs.h>
 #include <sys/wait.h>
+#include <termios.h>
 #include <unistd.h>
 
 extern char **environ;
@@ -211,13 +213,46 @@ void stdin_data(uint32_t id, const char *p, size_t n) {
     write_stdin(x);
 }
 
-static void child(const char *procs, int in_fd, int out_fd, int err_fd, uint32_t uid, uint32_t gid, const char *cwd,
-                  char **argv, char **envp, const uint64_t *limits) {
+void resize_terminal(uint32_t id, const char *p, size_t n) {
+    struct exec *x = find_exec(id);
+    uint32_t size[2];
+    if (!x || !x->terminal || n < sizeof size) return;
+    memcpy(size, p, sizeof size);
+    struct winsize ws = {.ws_row = (unsigned short)size[0], .ws_col = (unsigned short)size[1]};
+    int fd = x->out_fd >= 0 ? x->out_fd : x->in_fd;
+    if (fd >= 0) (void)ioctl(fd, TIOCSWINSZ, &ws); /* the kernel sends the foreground group SIGWINCH */
+}
+
+/* A new pseudo-terminal, unlocked and sized: returns the master and puts the slave (opened from the
+ * master, no path involved) in *slave; -1 with errno on failure. */
+static int open_terminal(uint32_t rows, uint32_t cols, uint32_t uid, int *slave) {
+    int master = open("/dev/ptmx", O_RDWR | O_NOCTTY | O_CLOEXEC | O_NONBLOCK);
+    if (master < 0) return -1;
+    int unlock = 0;
+    struct winsize ws = {.ws_row = (unsigned short)rows, .ws_col = (unsigned short)cols};
+    if (ioctl(master, TIOCSPTLCK, &unlock) < 0 || ioctl(master, TIOCSWINSZ, &ws) < 0 ||
+        (*slave = ioctl(master, TIOCGPTPEER, O_RDWR | O_NOCTTY | O_CLOEXEC)) < 0) {
+        int err = errno;
+        close(master);
+        errno = err;
+        return -1;
+    }
+    if (uid) (void)!fchown(*slave, uid, (gid_t)-1); /* the account's terminal, as login(1) makes it */
+    return master;
+}
+
+/* terminal: in_fd (= out_fd = err_fd) is a terminal's slave, to become the controlling terminal */
+static void child(const char *procs, int in_fd, int out_fd, int err_fd, int terminal, uint32_t uid, uint32_t gid,
+                  const char *cwd, char **argv, char **envp, const uint64_t *limits) {
     for (int s = 1; s < NSIG; s++) signal(s, SIG_DFL); /* ignored dispositions would survive exec */
     sigset_t none;
     sigemptyset(&none);
     sigprocmask(SIG_SETMASK, &none, NULL);
     setsid();
+    if (terminal && ioctl(in_fd, TIOCSCTTY, 0) < 0) {
+        dprintf(err_fd, "dsec: cannot take the terminal: %s\n", strerror(errno));
+        _exit(125);
+    }
     if (procs) { /* best effort: without it the process group still reaches the tree */
         int fd = open(procs, O_WRONLY | O_CLOEXEC);
         if (fd >= 0) {
@@ -277,6 +312,7 @@ void start_exec(uint32_t id, char *p, size_t n) {
     memcpy(hdr, p, sizeof hdr);
     uint32_t argc = hdr[0], envc = hdr[1], flags = hdr[2], uid = hdr[3], gid = hdr[4];
     uint64_t limits[2];
+    uint32_t size[2] = {0, 0};
     size_t skip = sizeof hdr;
     if (flags & FLAG_RLIMITS) {
         if (n < sizeof hdr + sizeof limits) {
@@ -285,6 +321,14 @@ void start_exec(uint32_t id, char *p, size_t n) {
         }
         memcpy(limits, p + sizeof hdr, sizeof limits);
         skip += sizeof limits;
+    }
+    if (flags & FLAG_PTY) {
+        if (n < skip + sizeof size) {
+            send_failure(id, EINVAL, "malformed exec request (terminal size)");
+            return;
+        }
+        memcpy(size, p + skip, sizeof size);
+        skip += sizeof size;
     }
     if (argc == 0 || (uint64_t)argc + envc > n - skip) { /* each string takes at least its NUL */
         send_failure(id, EINVAL, "malformed exec request (argc %u, envc %u)", argc, envc);
@@ -309,14 +353,30 @@ void start_exec(uint32_t id, char *p, size_t n) {
     int ok = argv && envp && cwd;
     for (uint32_t i = 0; ok && i < argc; i++) ok = (argv[i] = next_str(&s, end)) != NULL;
     for (uint32_t i = 0; ok && i < envc; i++) ok = (envp[i] = next_str(&s, end)) != NULL;
+    /* pipes as pipe2 makes them; a terminal: in[0] its slave (the child's), out[0] and in[1] its master */
     int in[2] = {-1, -1}, out[2] = {-1, -1}, err[2] = {-1, -1};
+    int terminal = (flags & FLAG_PTY) != 0;
     char group[4096];
     int has_group = 0;
     if (!ok) {
         send_failure(id, argv && envp ? EINVAL : ENOMEM, "malformed exec request");
         goto done;
     }
-    if (((flags & 1) && pipe2(in, O_CLOEXEC) < 0) || pipe2(out, O_CLOEXEC) < 0 || pipe2(err, O_CLOEXEC) < 0) {
+    if (terminal) {
+        int slave = -1, master = open_terminal(size[0], size[1], uid, &slave);
+        if (master < 0) {
+            send_failure(id, errno, "cannot make a terminal: %s", strerror(errno));
+            goto done;
+        }
+        in[0] = slave;
+        out[0] = master;
+        in[1] = fcntl(master, F_DUPFD_CLOEXEC, 0);
+        if (in[1] < 0) {
+            send_failure(id, errno, "cannot make a terminal: %s", strerror(errno));
+            goto done;
+        }
+    } else if (((flags & FLAG_STDIN) && pipe2(in, O_CLOEXEC) < 0) || pipe2(out, O_CLOEXEC) < 0 ||
+               pipe2(err, O_CLOEXEC) < 0) {
         send_failure(id, errno, "cannot create pipes: %s", strerror(errno));
         goto done;
     }
@@ -324,9 +384,12 @@ void start_exec(uint32_t id, char *p, size_t n) {
         has_group = group_path(group, sizeof group, id, "cgroup.procs") == 0;
     uint64_t oom_start = oom_kills();
     pid_t pid = fork();
-    if (pid == 0)
-        child(has_group ? group : NULL, in[0], out[1], err[1], uid, gid, cwd, argv, envp,
+    if (pid == 0) {
+        if (terminal) child(has_group ? group : NULL, in[0], in[0], in[0], 1, uid, gid, cwd, argv, envp,
+                            (flags & FLAG_RLIMITS) ? limits : NULL);
+        child(has_group ? group : NULL, in[0], out[1], err[1], 0, uid, gid, cwd, argv, envp,
               (flags & FLAG_RLIMITS) ? limits : NULL);
+    }
     if (pid < 0) {
         send_failure(id, errno, "cannot fork: %s", strerror(errno));
         if (has_group) rmdir_group(id);
@@ -337,6 +400,7 @@ void start_exec(uint32_t id, char *p, size_t n) {
     x->id = id;
     x->pid = x->pgid = pid;
     x->oom_start = oom_start;
+    x->terminal = terminal;
     x->in_fd = in[1];
     x->out_fd = out[0];
     x->err_fd = err[0];

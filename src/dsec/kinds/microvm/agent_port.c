@@ -169,6 +169,9 @@ static void handle_frame(char type, uint32_t id, char *p, size_t n) {
     case 'I':
         stdin_data(id, p, n);
         break;
+    case 'W':
+        resize_terminal(id, p, n);
+        break;
     case 'K':
         if (n < 4) break;
         memcpy(&sig, p, 4);

@@ -20,8 +20,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ...errors import BackendError, InvalidRequest, LimitExceeded, SandboxGone, SandboxTimeout
+from ...errors import BackendError, InvalidRequest, KindUnavailable, LimitExceeded, SandboxGone, SandboxTimeout
 from ...protocol.sandbox import ExecResult
+from ...protocol.terminal import PtySize
 from ..base import MAX_ARCHIVE, OutputCallback
 from ..execio import ExecIO
 from ..output import CappedBuffer, Deadlines, exec_result
@@ -40,11 +41,20 @@ HELPER_ENV = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/
 HELPER_STDERR = 64 << 10
 FLAG_STDIN = 1
 FLAG_RLIMITS = 2  # u64 RLIMIT_NOFILE, u64 RLIMIT_FSIZE follow the header, set by the agent before exec
+FLAG_PTY = 4  # u32 rows, u32 cols follow (after the limits): the agent runs the command on a new terminal
+PTY_PROTOCOL = 2  # the agent's protocol number since which it runs commands on terminals
 
 _HEADER = struct.Struct("<IcI")
 _EXEC = struct.Struct("<IIIII")
 _RLIMITS = struct.Struct("<QQ")
+_WINSIZE = struct.Struct("<II")
 _STREAMS = {b"O": "stdout", b"e": "stderr"}
+
+
+def _protocol(version: str | None) -> int:
+    """The protocol number of an agent's version ("dsec-guest-agent/2"); 0 when it says none."""
+    number = (version or "").rpartition("/")[2]
+    return int(number) if number.isdigit() else 0
 
 
 def _frame(kind: bytes, ident: int, payload: bytes = b"") -> bytes:
@@ -163,7 +173,9 @@ class GuestChannel:
 
         ``idle_timeout``: seconds without output before the command's tree is killed, as on a timeout.
         ``rlimits``: (RLIMIT_NOFILE, RLIMIT_FSIZE) the command starts with; None: the agent's own.
-        ``io``: standard input fed while the command runs (``stdin`` is then None), its pid and signals."""
+        ``io``: standard input fed while the command runs (``stdin`` is then None), its pid and signals;
+        with ``io.pty`` the command runs on a terminal the agent makes in the guest, its one output
+        stream reported as stdout."""
         if not argv:
             raise InvalidRequest("the command is empty")
         if self.closed:
@@ -171,13 +183,8 @@ class GuestChannel:
         if not self._ready.done():
             await self.wait_ready(READY_TIMEOUT)
         exec_id = next(self._ids)
-        envs = [f"{k}={v}" for k, v in env.items()]
-        strings = b"".join(s.encode() + b"\0" for s in [cwd, *argv, *envs])
-        uid, gid = user if user is not None else (0, 0)
         live_stdin = stdin is not None or io is not None
-        flags = (FLAG_STDIN if live_stdin else 0) | (FLAG_RLIMITS if rlimits is not None else 0)
-        extra = _RLIMITS.pack(*rlimits) if rlimits is not None else b""
-        payload = _EXEC.pack(len(argv), len(envs), flags, uid, gid) + extra + strings
+        payload = self._exec_payload(argv, env, cwd, user, live_stdin, rlimits, io.pty if io is not None else None)
         if 5 + len(payload) > MAX_FRAME:
             raise InvalidRequest(f"the command line and environment exceed {MAX_FRAME} bytes")
         ex = _Exec(
@@ -226,6 +233,32 @@ class GuestChannel:
                 with contextlib.suppress(asyncio.CancelledError, SandboxGone):
                     await ex.stdin_task
 
+    def _exec_payload(
+        self,
+        argv: list[str],
+        env: dict[str, str],
+        cwd: str,
+        user: tuple[int, int] | None,
+        live_stdin: bool,
+        rlimits: tuple[int, int] | None,
+        pty: PtySize | None,
+    ) -> bytes:
+        """An 'E' frame's payload: the header, the limits and the terminal's size if any, the strings."""
+        envs = [f"{k}={v}" for k, v in env.items()]
+        strings = b"".join(s.encode() + b"\0" for s in [cwd, *argv, *envs])
+        uid, gid = user if user is not None else (0, 0)
+        flags = (FLAG_STDIN if live_stdin else 0) | (FLAG_RLIMITS if rlimits is not None else 0)
+        extra = _RLIMITS.pack(*rlimits) if rlimits is not None else b""
+        if pty is not None:
+            if _protocol(self.version) < PTY_PROTOCOL:
+                # an agent restored from an older memory snapshot would run it on pipes without a word
+                raise KindUnavailable(
+                    f"the guest agent ({self.version}) predates terminals; a sandbox made afresh has one that runs them"
+                )
+            flags |= FLAG_PTY
+            extra += _WINSIZE.pack(pty.rows, pty.cols)
+        return _EXEC.pack(len(argv), len(envs), flags, uid, gid) + extra + strings
+
     async def run_bytes(
         self, argv: list[str], stdin: bytes | None, timeout: float, user: tuple[int, int] | None = None
     ) -> tuple[int, bytes, str]:
@@ -267,6 +300,13 @@ class GuestChannel:
             await self._writer.drain()
         except (ConnectionError, OSError) as e:
             raise SandboxGone(f"the guest agent's channel broke: {e}") from None
+
+    def _resize_nowait(self, exec_id: int, size: PtySize) -> None:
+        """The agent sets the exec's terminal's size (the guest kernel sends SIGWINCH)."""
+        if self.closed or self._writer.is_closing():
+            return
+        with contextlib.suppress(ConnectionError, OSError):
+            self._writer.write(_frame(b"W", exec_id, _WINSIZE.pack(size.rows, size.cols)))
 
     def _kill_nowait(self, exec_id: int) -> None:
         self._signal_nowait(exec_id, SIGKILL)
@@ -326,7 +366,8 @@ class GuestChannel:
         elif kind == b"S" and len(payload) >= 8:
             (ex.pid,) = struct.unpack_from("<q", payload)
             if ex.io is not None:
-                ex.io.attach(ex.pid, lambda sig: self._signal_nowait(ident, sig))
+                resize = None if ex.io.pty is None else lambda size: self._resize_nowait(ident, size)
+                ex.io.attach(ex.pid, lambda sig: self._signal_nowait(ident, sig), resize)
         elif kind == b"X" and len(payload) >= 4:
             ex.oom = len(payload) >= 5 and bool(payload[4] & 1)  # agents before the flag sent 4 bytes
             if not ex.exited.done():

@@ -23,7 +23,11 @@
  *                                flags bit 0: stdin follows as 'I' frames (else stdin is /dev/null)
  *                                flags bit 1: u64 RLIMIT_NOFILE u64 RLIMIT_FSIZE follow the five u32s
  *                                (before the strings); the command starts with them
+ *                                flags bit 2: u32 rows u32 cols follow (after the limits): the command
+ *                                runs on a new pseudo-terminal of that size, its controlling terminal and
+ *                                stdio; its input comes as 'I' frames, its output as 'O'
  *                  'I' stdin     bytes; an empty payload closes the command's stdin
+ *                  'W' winsize   u32 rows u32 cols: the exec's terminal's new size (SIGWINCH follows)
  *                  'K' kill      u32 signal, for the exec's whole tree (its cgroup, else its process group)
  *                  'P' ping      any payload, echoed back as 'p'
  *                  'H' hello     re-announce: a VM restored from a memory snapshot may still believe it
