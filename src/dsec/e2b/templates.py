@@ -20,10 +20,10 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from ..errors import ImageExists, ImageInUse, InvalidRequest
 from ..tenancy import Caller
 from ..web.auth import CALLER
-from . import control
 from . import template_models as tm
-from .control import Svc, Who, json_answer, parse
+from .control_common import Svc, Who, json_answer, parse
 from .control_doc import doc
+from .control_snapshots import delete_snapshot
 from .errors import control_error
 from .service import DEFAULT_TEMPLATE, E2BService
 from .template_builds import TemplateBuilds
@@ -224,7 +224,7 @@ async def delete_template(template_id: TemplateId, tpl: Tpl, svc: Svc, caller: W
     """A template and its builds' images (refused while a sandbox or another template's build uses one);
     any other name is a snapshot's, deleted as control.py deletes them."""
     if tpl.store.find(template_id) is None:
-        return await control.delete_snapshot(template_id, svc, caller)
+        return await delete_snapshot(template_id, svc, caller)
     template, _ = tpl.store.own(template_id, caller)
     if any(b.id in tpl.builds.tasks for b in template.builds.values()):
         raise InvalidRequest(f"template {template.name!r} is being built; delete it when the build ends")
