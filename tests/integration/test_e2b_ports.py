@@ -1,6 +1,7 @@
 """E2B's ``sandbox.get_host(port)`` through dsec's E2B API, with the unmodified ``e2b`` SDK: a server in the
 sandbox reached at the host the SDK names (``PORT-ID.DOMAIN``, here sent as the Host header to the E2B
-listener, as wildcard DNS would send it) with the sandbox's traffic access token, HTTP and WebSocket."""
+listener, as wildcard DNS would send it) with the sandbox's traffic access token, or without one for a sandbox
+made with allowPublicTraffic=true; HTTP and WebSocket."""
 
 from __future__ import annotations
 
@@ -58,8 +59,22 @@ def test_a_port_needs_the_sandbox_s_traffic_token(box: Sandbox, e2b_env: dict[st
         assert fetch(listener, host, "/hi.txt", token).status_code == 403, token
     other = host.replace(box.sandbox_id, "sb-000000000000")
     assert fetch(listener, other, "/hi.txt", box.traffic_access_token).status_code == 403  # the token is per sandbox
-    with pytest.raises(SandboxException, match="allowPublicTraffic"):
-        Sandbox.create(network={"allow_public_traffic": True})
+
+
+def test_allow_public_traffic_opens_that_sandbox_s_ports_only(box: Sandbox, e2b_env: dict[str, str]) -> None:
+    """E2B's allowPublicTraffic=true (what the SDK sends with any network config): its ports need no token;
+    every other sandbox's still do, and its own metadata cannot forge the flag."""
+    listener = e2b_env["E2B_SANDBOX_URL"]
+    public = Sandbox.create(timeout=120, network={"allow_public_traffic": True, "deny_out": ["192.0.2.0/24"]})
+    try:
+        serve(public)
+        assert fetch(listener, public.get_host(8000), "/hi.txt", None).text == "hello from inside\n"
+        assert fetch(listener, box.get_host(8000), "/hi.txt", None).status_code == 403
+    finally:
+        public.kill()
+    assert fetch(listener, public.get_host(8000), "/hi.txt", None, patient=False).status_code == 403  # gone: no flag
+    with pytest.raises(SandboxException, match="dsec's own"):
+        Sandbox.create(metadata={"dsec.e2b.public-traffic": "true"})
 
 
 def test_websockets_through_get_host(box: Sandbox, e2b_env: dict[str, str]) -> None:

@@ -37,7 +37,7 @@ from .control_lifecycle import META_AUTO_RESUME, lifecycle_of, on_timeout
 from .control_network import network_spec as network_spec
 from .control_snapshots import list_snapshots as list_snapshots  # its routes register on the router
 from .errors import plain_error
-from .hosts import META_MASK_HOST, check_mask
+from .hosts import META_MASK_HOST, META_PUBLIC_TRAFFIC, check_mask
 from .service import (
     META_CPU,
     META_DISK,
@@ -69,17 +69,11 @@ def _limits(metadata: dict[str, str]) -> Limits:
 def _refuse_unsupported(body: m.NewSandbox) -> None:
     if reserved := [k for k in body.metadata if k.startswith(META_E2B)]:
         raise InvalidRequest(f"metadata key {reserved[0][:80]!r}: keys {META_E2B}* are dsec's own")
-    if len(body.metadata) > MAX_LABELS - 3:
-        raise InvalidRequest(f"metadata: at most {MAX_LABELS - 3} keys")
+    if len(body.metadata) > MAX_LABELS - 4:
+        raise InvalidRequest(f"metadata: at most {MAX_LABELS - 4} keys")
     for value, what in ((body.mcp, "mcp"), (body.iam, "iam")):
         if value:
             raise InvalidRequest(f"{what} {UNSUPPORTED}")
-    if body.network is not None and body.network.allow_public_traffic:
-        raise InvalidRequest(
-            f"network.allowPublicTraffic=true {UNSUPPORTED}: a sandbox's ports are reached with its "
-            "trafficAccessToken in the e2b-traffic-access-token header (the e2b SDK sends allowPublicTraffic=true "
-            "with every network config unless given allow_public_traffic=False)"
-        )
 
 
 def volumes_of(mounts: list[m.VolumeMount] | None) -> dict[str, str | tuple[str, Mode]]:
@@ -132,6 +126,8 @@ async def _create(svc: E2BService, caller: Caller, raw: Any, idempotency_key: st
         labels[META_AUTO_RESUME] = "true"
     if body.network is not None and body.network.mask_request_host:
         labels[META_MASK_HOST] = check_mask(body.network.mask_request_host)
+    if body.network is not None and body.network.allow_public_traffic:
+        labels[META_PUBLIC_TRAFFIC] = "true"  # the caller asked for ports open to whoever knows the id, as on E2B
     try:
         req = CreateSandbox(
             image=image,

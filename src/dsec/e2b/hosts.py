@@ -21,6 +21,8 @@ ACCESS_HEADER = b"x-access-token"  # envd's: the sandbox's access token
 ROUTING = frozenset({SANDBOX_HEADER, PORT_HEADER, TRAFFIC_HEADER})  # end at the proxy, never reach the server
 # E2B's maskRequestHost, kept as a label of the sandbox: the Host its servers are told, ${PORT} the port
 META_MASK_HOST = "dsec.e2b.mask-host"
+# E2B's allowPublicTraffic=true, kept as a label: the sandbox's ports answer without its traffic token
+META_PUBLIC_TRAFFIC = "dsec.e2b.public-traffic"
 MASK_HOST = r"^(?:[A-Za-z0-9-]{1,63}\.)*[A-Za-z0-9-]{1,63}(?::(?:[0-9]{1,5}|\$\{PORT\}))?$"
 MAX_MASK_HOST = 200
 

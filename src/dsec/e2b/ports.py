@@ -26,7 +26,15 @@ from .auth import EnvdTokens
 from .control_lifecycle import auto_resumes
 from .control_models import DEFAULT_TIMEOUT
 from .errors import GONE_TEMPLATE
-from .hosts import ACCESS_HEADER, ROUTING, SANDBOX_HEADER, TRAFFIC_HEADER, masked_host, sandbox_port
+from .hosts import (
+    ACCESS_HEADER,
+    META_PUBLIC_TRAFFIC,
+    ROUTING,
+    SANDBOX_HEADER,
+    TRAFFIC_HEADER,
+    masked_host,
+    sandbox_port,
+)
 
 
 def e2b_error(e: DsecError) -> tuple[int, bytes]:
@@ -78,12 +86,13 @@ class E2BPorts:
         except DsecError as e:
             await refuse(scope, send, *e2b_error(e))
             return
+        rec = self.manager.sandboxes.find_live(sandbox_id)
         token = next((v for k, v in headers if k == TRAFFIC_HEADER), b"").decode("latin-1").strip()
-        if not self.tokens.check_traffic(sandbox_id, token):
+        public = rec is not None and rec.labels.get(META_PUBLIC_TRAFFIC) == "true"
+        if not public and not self.tokens.check_traffic(sandbox_id, token):
             message = "a sandbox's ports need its traffic access token (trafficAccessToken) in e2b-traffic-access-token"
             await refuse(scope, send, *_body(403, message))
             return
-        rec = self.manager.sandboxes.find_live(sandbox_id)
         hop = Hop(port, target, drop=ROUTING, host=masked_host(rec.labels if rec else {}, port))
         try:
             if rec is not None and auto_resumes(rec):  # traffic wakes it, as E2B's autoResume does
