@@ -38,3 +38,18 @@ def test_write_beyond_disk_limit(make_sandbox: Callable[..., dsec.Sandbox]) -> N
     sb.exec("rm -f /fill /big.bin")
     sb.files.write("/small", b"ok")
     assert sb.files.read("/small") == b"ok"
+
+
+def test_proc_and_sys_are_read_as_the_sandbox_sees_them(sb: dsec.Sandbox) -> None:
+    """/proc and /sys are not in the root filesystem the host reads: they are read inside the sandbox, as
+    its account, so they show its own kernel views (its pid 1, its cgroup limits), never the host's."""
+    boot_id = sb.files.read("/proc/sys/kernel/random/boot_id")
+    assert boot_id == sb.exec("cat /proc/sys/kernel/random/boot_id").stdout.encode() and len(boot_id) == 37
+    init = sb.files.read("/proc/1/cmdline").split(b"\0")[0]
+    assert init == sb.exec("tr '\\0' '\\n' < /proc/1/cmdline | head -1").stdout.strip().encode()
+    assert sb.files.read("/proc/self/../1/comm") == sb.files.read("/proc/1/comm")
+    assert sb.files.read("/proc/1/comm") != Path("/proc/1/comm").read_bytes()  # its pid 1, not the host's
+    with pytest.raises(dsec.FileNotFoundInSandbox):
+        sb.files.read("/proc/no-such-entry")
+    with pytest.raises(dsec.FileNotFoundInSandbox):
+        sb.files.read("/sys/no/such/entry")

@@ -1,7 +1,8 @@
 """The file API of container sandboxes. Files are read and written on the host, in the sandbox's
 overlay root (or a named volume's host mount, for paths in it), confined to it by openat2
 (isolation/rootpath.py); nothing inside the sandbox is asked.
-Archives are the exception: the helper busybox packs and unpacks them inside the sandbox."""
+Archives are the exception: the helper busybox packs and unpacks them inside the sandbox; and so are
+reads of /proc and /sys, which exist only in the sandbox's own namespaces."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import posixpath
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ...errors import InvalidRequest
+from ...errors import FileNotFoundInSandbox, InvalidRequest
 from ...isolation import inotify, rootpath_meta
 from ...isolation.idmap import RANGE
 from ...isolation.rootpath import RootFS, clean_path
@@ -68,8 +69,29 @@ class ContainerFiles:
             raise InvalidRequest(f"{path} is where volume {volume.name!r} is mounted: it cannot be removed or moved")
 
     async def read_file(self, rec: SandboxRecord, path: str) -> bytes:
+        if _kernel_view(rec, path):
+            return await self._read_inside(rec, path)
         fs, path = self._fs(rec, path)
         return await asyncio.to_thread(fs.read, path, MAX_FILE_READ)
+
+    async def _read_inside(self, rec: SandboxRecord, path: str) -> bytes:
+        """A file of the sandbox's /proc or /sys, which exist only in its own namespaces (not in the root
+        filesystem the host reads): read there by the helper busybox, as the sandbox's account."""
+        target = _absolute(path)
+        bb = f"{spec.HELPER_MOUNT}/busybox"
+        argv = [bb, "head", "-c", str(MAX_FILE_READ + 1), "--", target]
+        plan = ExecPlan(argv=argv, stdin=None, timeout=30, limit=1 << 16, raw=bytearray())
+        plan.user = ContainerState(rec).user
+        res = await self._run(rec, plan)
+        if res.exit_code != 0:
+            why = res.stderr.strip()[-300:]
+            if "No such file" in why:
+                raise FileNotFoundInSandbox(f"no such file or directory in the sandbox: {target}")
+            raise InvalidRequest(f"cannot read {target}: {why or f'exit code {res.exit_code}'}")
+        assert plan.raw is not None
+        if len(plan.raw) > MAX_FILE_READ:
+            raise InvalidRequest(f"{target} is larger than {MAX_FILE_READ >> 20} MiB")
+        return bytes(plan.raw)
 
     async def write_file(self, rec: SandboxRecord, path: str, data: bytes, mode: int = 0o644) -> None:
         fs, path = self._fs(rec, path, writing=True)
@@ -184,6 +206,13 @@ def _absolute(path: str) -> str:
     """``path`` made clean and absolute (a name at the root may start with a dot: /.config)."""
     clean = clean_path(path)
     return "/" if clean == "." else "/" + clean
+
+
+def _kernel_view(rec: SandboxRecord, path: str) -> bool:
+    """A path in the sandbox's /proc or /sys (unless a volume is mounted there)."""
+    clean = clean_path(path)
+    top = clean.split("/", 1)[0]
+    return top in ("proc", "sys") and _volume_of(rec, clean) is None
 
 
 def _unshift(host_id: int, base: int) -> int:
