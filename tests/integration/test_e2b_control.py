@@ -202,3 +202,13 @@ def test_deny_lists_are_set_at_creation_and_changed_while_running(daemon: Daemon
     with pytest.raises(SandboxException, match="not a name"):
         box.update_network({"deny_out": ["example.com"]})
     assert native.network_status().policy == "full"
+
+
+def test_an_mcp_config_reaches_the_sdk_s_gateway_and_its_failure_leaves_nothing(e2b_env: dict[str, str]) -> None:
+    """The server takes ``mcp`` as E2B's does; the SDK then starts ``mcp-gateway`` in the sandbox, which
+    the default image does not hold: the SDK kills the sandbox and says so, and none is left running."""
+    tag = {"mcp-test": secrets.token_hex(4)}
+    with pytest.raises(SandboxException, match="Failed to start MCP gateway"):
+        Sandbox.create("base", timeout=60, metadata=tag, mcp={"exa": {"apiKey": "x"}})  # type: ignore[arg-type]
+    running = Sandbox.list(query=SandboxQuery(state=[SandboxState.RUNNING], metadata=tag)).next_items()
+    assert running == []

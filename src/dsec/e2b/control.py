@@ -71,9 +71,8 @@ def _refuse_unsupported(body: m.NewSandbox) -> None:
         raise InvalidRequest(f"metadata key {reserved[0][:80]!r}: keys {META_E2B}* are dsec's own")
     if len(body.metadata) > MAX_LABELS - 4:
         raise InvalidRequest(f"metadata: at most {MAX_LABELS - 4} keys")
-    for value, what in ((body.mcp, "mcp"), (body.iam, "iam")):
-        if value:
-            raise InvalidRequest(f"{what} {UNSUPPORTED}")
+    if body.iam:
+        raise InvalidRequest(f"iam {UNSUPPORTED}")
 
 
 def volumes_of(mounts: list[m.VolumeMount] | None) -> dict[str, str | tuple[str, Mode]]:

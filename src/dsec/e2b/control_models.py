@@ -183,7 +183,9 @@ class NewSandbox(_In):
     network: NetworkConfig | None = None
     metadata: Metadata = Field(default_factory=dict)
     env_vars: Env = Field(default_factory=dict, alias="envVars")
-    mcp: Annotated[Any, UNSUPPORTED] = None
+    # the SDK itself starts E2B's mcp-gateway in the sandbox with this configuration after the creation;
+    # the server has nothing to do with it (the image must hold the gateway, as E2B's mcp template does)
+    mcp: dict[str, Any] | None = Field(None, description="MCP servers for the SDK's mcp-gateway in the sandbox.")
     iam: Annotated[Any, UNSUPPORTED] = None
     volume_mounts: list[VolumeMount] | None = Field(None, alias="volumeMounts", max_length=MAX_VOLUMES)
     lifecycle: Lifecycle | None = None
