@@ -34,8 +34,40 @@ PINS = HERE / "e2b-conformance.txt"
 SDK = Path("packages/python-sdk")
 OUTCOMES = ("passed", "failed", "error", "skipped")
 
-# test id prefix -> why it needs more than this node: counted apart, never silently dropped
-INTERNET: dict[str, str] = {}
+# test id prefix -> why it needs the public internet: run, but counted apart, each with its reason
+_HUB = "its template builds FROM ubuntu:22.04, pulled from Docker Hub"
+_PUBLIC_IPS = "curls https://1.1.1.1 and https://8.8.8.8 from the sandbox"
+INTERNET: dict[str, str] = {
+    f"tests/{mode}/{path}": why
+    for mode, tpl in (("sync", "template_sync"), ("async", "template_async"))
+    for path, why in {
+        f"{tpl}/methods/test_make_symlink.py::": _HUB,
+        f"{tpl}/methods/test_run_cmd.py::": _HUB,
+        f"{tpl}/test_build.py::test_build_template_with_symlinks": _HUB,
+        f"{tpl}/test_build.py::test_build_template_with_resolve_symlinks": _HUB,
+        f"{tpl}/test_build.py::test_build_template_with_skip_cache": _HUB,
+        f"{mode}_sandbox/test_internet_access.py::test_internet_access_enabled": _PUBLIC_IPS,
+        f"{mode}_sandbox/test_internet_access.py::test_internet_access_default": _PUBLIC_IPS,
+        f"{mode}_sandbox/test_network.py::test_allow_specific_ip_with_deny_all": _PUBLIC_IPS,
+        f"{mode}_sandbox/test_network.py::test_deny_specific_ip": _PUBLIC_IPS,
+        f"{mode}_sandbox/test_network.py::test_allow_takes_precedence_over_deny": _PUBLIC_IPS,
+        f"{mode}_sandbox/test_network.py::test_update_network_applies_restrictions": _PUBLIC_IPS,
+        f"{mode}_sandbox/test_network.py::test_update_network_clears_existing_rules": _PUBLIC_IPS,
+    }.items()
+}
+# Tests of the SDK alone (no server: E2B's API is mocked in them, or not called) that assert what the SDK
+# makes of its environment when nothing is set. They run in a second pass without the E2B_* variables that
+# point the other tests at dsec, as E2B's CI runs them.
+SDK_ONLY = [
+    "tests/test_connection_config.py",
+    "tests/test_sandbox_urls.py",
+    "tests/test_validate_api_key.py",
+    "tests/test_volume_connection_config.py",
+    "tests/sync/sandbox_sync/test_config_propagation.py::test_connect_sets_stable_host_routing_headers",
+    "tests/async/sandbox_async/test_config_propagation.py::test_connect_sets_stable_host_routing_headers",
+    "tests/sync/volume_sync/test_volume.py::test_create_volume_uses_byoc_domain",
+    "tests/async/volume_async/test_volume.py::test_create_volume_uses_byoc_domain",
+]
 
 
 def _free_port() -> int:
@@ -108,21 +140,34 @@ class Daemon:
                 self.proc.wait()
 
 
-def run_suite(py: Path, repo: Path, daemon: Daemon, paths: list[str], workers: int, junit: Path) -> int:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("E2B_", "DSEC_", "PYTHON"))}
-    env |= {
+def _pytest(py: Path, repo: Path, env: dict[str, str], args: list[str], workers: int, junit: Path) -> None:
+    argv = [str(py), "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "junit_family=xunit1"]
+    argv += [f"--junitxml={junit}", "-rN", "--tb=line"]
+    if workers > 1:
+        argv += ["-n", str(workers)]
+    subprocess.run([*argv, *args], cwd=repo / SDK, env=env, stdin=subprocess.DEVNULL)
+
+
+def run_suite(py: Path, repo: Path, daemon: Daemon, paths: list[str], workers: int, out: Path) -> list[Path]:
+    """The suite against the daemon, then (for a whole run) the SDK-only tests without its variables; the
+    two junit reports."""
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("E2B_", "DSEC_", "PYTHON"))}
+    env = clean | {
         "E2B_API_URL": daemon.url,
         "E2B_SANDBOX_URL": daemon.url,
         "E2B_VOLUME_API_URL": daemon.url,
         "E2B_API_KEY": daemon.token(),
         "E2B_VALIDATE_API_KEY": "false",  # a dsec token is not of E2B's e2b_<hex> form
     }
-    argv = [str(py), "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "junit_family=xunit1"]
-    argv += [f"--junitxml={junit}", "-rN", "--tb=line"]
-    if workers > 1:
-        argv += ["-n", str(workers)]
-    argv += paths or ["tests"]
-    return subprocess.run(argv, cwd=repo / SDK, env=env, stdin=subprocess.DEVNULL).returncode
+    whole = not paths
+    first = paths or ["tests", *(f"--deselect={t}" for t in SDK_ONLY if "::" in t)]
+    first += [f"--ignore={t}" for t in SDK_ONLY if whole and "::" not in t]
+    reports = [out / "against-dsec.xml"]
+    _pytest(py, repo, env, first, workers, reports[0])
+    if whole:
+        reports.append(out / "sdk-only.xml")
+        _pytest(py, repo, clean, SDK_ONLY, 1, reports[1])
+    return [r for r in reports if r.exists()]
 
 
 def outcome(case: ET.Element) -> tuple[str, str]:
@@ -136,12 +181,13 @@ def outcome(case: ET.Element) -> tuple[str, str]:
     return "passed", ""
 
 
-def collate(junit: Path) -> dict[str, Any]:
+def collate(reports: list[Path]) -> dict[str, Any]:
     """Per file counts, the counted totals, and the internet-bound tests apart."""
     per_file: dict[str, Counter[str]] = defaultdict(Counter)
     internet: list[dict[str, str]] = []
     failures: list[dict[str, str]] = []
-    for case in ET.parse(junit).getroot().iter("testcase"):
+    cases = (case for junit in reports for case in ET.parse(junit).getroot().iter("testcase"))
+    for case in cases:
         path = case.get("file") or case.get("classname", "").replace(".", "/") + ".py"
         test_id = f"{path}::{case.get('name')}"
         result, why = outcome(case)
@@ -197,12 +243,11 @@ def main() -> int:
         _say("building the image of the `base` template if this node has not (about a minute the first time)")
         daemon.dsec("image", "build", "dsec/debian:12")
         with tempfile.TemporaryDirectory() as tmp:
-            junit = Path(tmp) / "junit.xml"
             started = time.monotonic()
-            run_suite(py, args.repo.resolve(), daemon, args.paths, args.workers, junit)
-            if not junit.exists():
+            reports = run_suite(py, args.repo.resolve(), daemon, args.paths, args.workers, Path(tmp))
+            if not reports:
                 raise SystemExit("pytest wrote no report: see its output above")
-            result = collate(junit)
+            result = collate(reports)
             result["seconds"] = round(time.monotonic() - started, 1)
     finally:
         daemon.stop()
