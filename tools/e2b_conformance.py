@@ -37,6 +37,7 @@ OUTCOMES = ("passed", "failed", "error", "skipped")
 # test id prefix -> why it needs the public internet: run, but counted apart, each with its reason
 _HUB = "its template builds FROM ubuntu:22.04, pulled from Docker Hub"
 _PUBLIC_IPS = "curls https://1.1.1.1 and https://8.8.8.8 from the sandbox"
+_HTTPBIN = "its sidecar is E2B's httpbin template (go-httpbin, from Docker Hub)"
 INTERNET: dict[str, str] = {
     f"tests/{mode}/{path}": why
     for mode, tpl in (("sync", "template_sync"), ("async", "template_async"))
@@ -46,13 +47,14 @@ INTERNET: dict[str, str] = {
         f"{tpl}/test_build.py::test_build_template_with_symlinks": _HUB,
         f"{tpl}/test_build.py::test_build_template_with_resolve_symlinks": _HUB,
         f"{tpl}/test_build.py::test_build_template_with_skip_cache": _HUB,
-        f"{mode}_sandbox/test_internet_access.py::test_internet_access_enabled": _PUBLIC_IPS,
-        f"{mode}_sandbox/test_internet_access.py::test_internet_access_default": _PUBLIC_IPS,
-        f"{mode}_sandbox/test_network.py::test_allow_specific_ip_with_deny_all": _PUBLIC_IPS,
-        f"{mode}_sandbox/test_network.py::test_deny_specific_ip": _PUBLIC_IPS,
-        f"{mode}_sandbox/test_network.py::test_allow_takes_precedence_over_deny": _PUBLIC_IPS,
-        f"{mode}_sandbox/test_network.py::test_update_network_applies_restrictions": _PUBLIC_IPS,
-        f"{mode}_sandbox/test_network.py::test_update_network_clears_existing_rules": _PUBLIC_IPS,
+        f"sandbox_{mode}/test_internet_access.py::test_internet_access_enabled": _PUBLIC_IPS,
+        f"sandbox_{mode}/test_internet_access.py::test_internet_access_default": _PUBLIC_IPS,
+        f"sandbox_{mode}/test_network.py::test_allow_specific_ip_with_deny_all": _PUBLIC_IPS,
+        f"sandbox_{mode}/test_network.py::test_deny_specific_ip": _PUBLIC_IPS,
+        f"sandbox_{mode}/test_network.py::test_allow_takes_precedence_over_deny": _PUBLIC_IPS,
+        f"sandbox_{mode}/test_network.py::test_update_network_applies_restrictions": _PUBLIC_IPS,
+        f"sandbox_{mode}/test_network.py::test_update_network_clears_existing_rules": _PUBLIC_IPS,
+        f"sandbox_{mode}/test_network.py::test_firewall_transform_injects_headers": _HTTPBIN,
     }.items()
 }
 # Tests of the SDK alone (no server: E2B's API is mocked in them, or not called) that assert what the SDK
