@@ -47,11 +47,26 @@ class CodeRunner:
         self.lifecycle = lifecycle
         self.files = files
 
-    async def run(self, sandbox_id: str, req: CodeRequest, *, caller: Caller) -> CodeResult:
+    async def run(
+        self,
+        sandbox_id: str,
+        req: CodeRequest,
+        *,
+        caller: Caller,
+        env: dict[str, str] | None = None,
+        quiet: bool = False,
+    ) -> CodeResult:
+        """``env``: environment variables for this cell only; ``quiet``: a setup cell of the caller's (the E2B
+        API's context cwd), not counted among the context's cells."""
         if req.language != "python":
-            return await self.once(sandbox_id, req, caller=caller)
+            return await self.once(sandbox_id, req, caller=caller, env=env)
         context = req.context or DEFAULT_CONTEXT
-        body = json.dumps({"op": "run", "code": req.code, "timeout": req.timeout})
+        request: dict[str, Any] = {"op": "run", "code": req.code, "timeout": req.timeout}
+        if env:
+            request["env"] = env
+        if quiet:
+            request["quiet"] = True
+        body = json.dumps(request)
         started = time.monotonic()
         res = await self._exec(
             sandbox_id, "call", context, body, min(req.timeout + START_BUDGET, MAX_EXEC_TIMEOUT_S), caller
@@ -72,7 +87,9 @@ class CodeRunner:
                 f"(stderr: {res.stderr[-500:]!r})"
             ) from None
 
-    async def once(self, sandbox_id: str, req: CodeRequest, *, caller: Caller) -> CodeResult:
+    async def once(
+        self, sandbox_id: str, req: CodeRequest, *, caller: Caller, env: dict[str, str] | None = None
+    ) -> CodeResult:
         """Another language: compiled (if it is) and run once, in a directory of its own; no state is kept."""
         if req.context is not None:
             raise InvalidRequest(f"only python keeps a context; {req.language} code runs once (leave context unset)")
@@ -89,6 +106,7 @@ class CodeRunner:
                 compile_timeout=req.timeout,
                 run_timeout=req.timeout,
                 cwd=where,
+                env=env,
                 output_limit=STREAM_CAP,
                 caller=caller,
             )
@@ -107,6 +125,13 @@ class CodeRunner:
         res = await self._exec(sandbox_id, "call", context, json.dumps({"op": "stop"}), 60.0, caller)
         stopped: bool = json.loads(res.stdout).get("stopped", False)
         return stopped
+
+    async def interrupt(self, sandbox_id: str, context: str, *, caller: Caller) -> bool:
+        """Interrupt the cell the context is running (as Jupyter's interrupt button); False if none could be
+        told. Its caller gets the cell's answer with the error ``KeyboardInterrupt``; its variables are kept."""
+        res = await self._exec(sandbox_id, "interrupt", context, "", 60.0, caller)
+        sent: bool = json.loads(res.stdout).get("interrupted", False)
+        return sent
 
     async def _exec(
         self, sandbox_id: str, op: str, context: str, stdin: str, timeout: float, caller: Caller
