@@ -25,14 +25,17 @@ from ..web.idempotency import Idempotency, Memory
 from ..web.limits import BodyLimit
 
 # the services register their routes on envd.router as they are imported
-from . import control, envd, files, fs_service, process_service, volume_content, volumes  # noqa: F401
+from . import code_interpreter, control, envd, files, fs_service, process_service, volume_content, volumes  # noqa: F401
 from .auth import EnvdTokens, VolumeTokens, load_key
+from .code_interpreter_port import CodeInterpreterPort
 from .errors import control_error, plain_error
 from .ports import E2BPorts
 from .service import E2BOptions, E2BService
 
 log = logging.getLogger("dsec.e2b")
 STREAMED = re.compile(r"^/volumecontent/[^/]+/file$")
+# /health, /process.Process/*, ...; /files; the control API; volumes and their contents; port 49999's API
+ROUTERS = (envd.router, files.router, control.router, volumes.router, volume_content.router, code_interpreter.router)
 
 
 def create_e2b_app(manager: SandboxManager, options: E2BOptions, state_dir: Path, operator_token: str) -> FastAPI:
@@ -48,6 +51,7 @@ def create_e2b_app(manager: SandboxManager, options: E2BOptions, state_dir: Path
     app.state.token = operator_token
     key = load_key(state_dir)
     tokens = EnvdTokens(key)
+    options = code_interpreter.with_template(options)
     app.state.e2b = E2BService(manager, options, tokens, operator_token, VolumeTokens(key))
 
     @app.exception_handler(DsecError)
@@ -74,9 +78,7 @@ def create_e2b_app(manager: SandboxManager, options: E2BOptions, state_dir: Path
         log.exception("internal error in the E2B API")
         return plain_error(500, f"internal error: {type(exc).__name__}: {exc}")
 
-    # /health, /process.Process/*, ...; /files; the control API; volumes and their contents
-    routers = (envd.router, files.router, control.router, volumes.router, volume_content.router)
-    for router in routers:
+    for router in ROUTERS:
         app.include_router(router)
 
     def allowed(request: Request) -> list[str]:
@@ -84,7 +86,7 @@ def create_e2b_app(manager: SandboxManager, options: E2BOptions, state_dir: Path
         return sorted(
             {
                 method
-                for router in routers
+                for router in ROUTERS
                 for route in router.routes
                 if isinstance(route, APIRoute) and route.matches(request.scope)[0] != Match.NONE
                 for method in route.methods or ()
@@ -109,4 +111,6 @@ def create_e2b_app(manager: SandboxManager, options: E2BOptions, state_dir: Path
     app.add_middleware(AuditMiddleware, prefix="", unaudited=("/health",), label="e2b ")
     # a sandbox's own traffic (get_host): none of the API's rules
     app.add_middleware(E2BPorts, manager=manager, tokens=tokens, domain=options.domain)
+    # port 49999, the e2b-code-interpreter package's server: dsec's code contexts answer it (outermost)
+    app.add_middleware(CodeInterpreterPort, tokens=tokens, domain=options.domain)
     return app

@@ -1,0 +1,125 @@
+"""The unmodified ``e2b-code-interpreter`` package (PyPI, pinned in pyproject.toml) against a live daemon:
+``Sandbox.run_code`` and its contexts, answered on port 49999 by dsec's code contexts (docs/e2b.md)."""
+
+from __future__ import annotations
+
+import base64
+import time
+from collections.abc import Iterator
+
+import httpx
+import pytest
+
+from dsec.e2b.code_interpreter import IMAGE
+
+from .conftest import Daemon
+
+pytest.importorskip("e2b")
+e2b_ci = pytest.importorskip("e2b_code_interpreter")
+from e2b import NotFoundException, SandboxException, TimeoutException  # noqa: E402
+from e2b_code_interpreter import Sandbox  # noqa: E402
+
+pytestmark = pytest.mark.timeout(900)
+
+
+@pytest.fixture(scope="module")
+def sbx(e2b_env: dict[str, str], daemon: Daemon) -> Iterator[Sandbox]:
+    """The package's own template (code-interpreter-v1): dsec/e2b-code-interpreter:1, built first (from
+    dsec/code:1, which takes minutes the first time) so the create is within the SDK's request timeout."""
+    assert daemon.client().build_image(IMAGE).ready
+    box = Sandbox.create(timeout=900)
+    yield box
+    box.kill()
+
+
+def test_cells_keep_state_and_answer_as_jupyter_does(sbx: Sandbox) -> None:
+    seen: list[str] = []
+    first = sbx.run_code("x = 6 * 7\nprint('hello')\nx", on_stdout=lambda m: seen.append(m.line))
+    assert (first.text, first.logs.stdout, seen, first.error) == ("42", ["hello\n"], ["hello\n"], None)
+    second = sbx.run_code("import os, sys\nprint('err', file=sys.stderr)\n(x + 1, os.getcwd(), os.getuid())")
+    assert second.text == "(43, '/home/user', 1000)" and second.logs.stderr == ["err\n"]
+    assert second.execution_count == first.execution_count + 1
+    failed = sbx.run_code("def f():\n    return 1 / 0\nf()")
+    assert failed.error is not None and (failed.error.name, failed.error.value) == (
+        "ZeroDivisionError",
+        "division by zero",
+    )
+    assert "return 1 / 0" in failed.error.traceback and "\x1b[" not in failed.error.traceback
+
+
+def test_rich_results_displays_and_scoped_environment(sbx: Sandbox) -> None:
+    shown = sbx.run_code(
+        "import matplotlib.pyplot as plt, pandas as pd\nplt.plot([1, 2, 3])\nplt.show()\npd.DataFrame({'a': [1, 2]})"
+    )
+    figure, frame = shown.results
+    assert not figure.is_main_result and base64.b64decode(figure.png)[:8] == b"\x89PNG\r\n\x1a\n"
+    assert frame.is_main_result and "<table" in frame.html
+    scoped = sbx.run_code("import os\nos.environ.get('E2B_X')", envs={"E2B_X": "set"})
+    assert scoped.text == "'set'"
+    assert sbx.run_code("os.environ.get('E2B_X')").text is None  # for that cell only
+
+
+def test_contexts_are_separate_listed_restarted_and_removed(sbx: Sandbox) -> None:
+    ctx = sbx.create_code_context(cwd="/tmp")
+    assert (ctx.language, ctx.cwd) == ("python", "/tmp")
+    before = sbx.run_code("y = 1\nimport os\nos.getcwd()", context=ctx)
+    assert before.text == "'/tmp'" and before.execution_count == 1  # the setup cell is not counted
+    assert sbx.run_code("'y' in globals()").text == "False"  # the default context is another
+    assert ctx.id in [c.id for c in sbx.list_code_contexts()]
+    sbx.restart_code_context(ctx)
+    after = sbx.run_code("import os\n('y' in globals(), os.getcwd())", context=ctx)
+    assert after.text == "(False, '/tmp')"
+    sbx.remove_code_context(ctx.id)
+    assert ctx.id not in [c.id for c in sbx.list_code_contexts()]
+    with pytest.raises(NotFoundException):
+        sbx.run_code("1", context=ctx)
+    with pytest.raises(NotFoundException):
+        sbx.remove_code_context(ctx.id)
+    with pytest.raises(SandboxException, match=r"400.*the context cannot start in '/nonexistent'"):
+        sbx.create_code_context(cwd="/nonexistent")
+
+
+def test_a_cell_past_its_timeout_is_interrupted_and_the_context_goes_on(sbx: Sandbox) -> None:
+    sbx.run_code("kept = 'still here'")
+    started = time.monotonic()
+    with pytest.raises(TimeoutException):
+        sbx.run_code("import time\nwhile True:\n    time.sleep(0.1)", timeout=2)
+    assert time.monotonic() - started < 30
+    # the next cell does not wait behind the loop: it was interrupted when the client gave up
+    started = time.monotonic()
+    assert sbx.run_code("kept", timeout=60).text == "'still here'"
+    assert time.monotonic() - started < 20
+
+
+def test_other_languages_run_once_and_unknown_ones_are_refused(sbx: Sandbox) -> None:
+    js = sbx.run_code("console.log(6 * 7)", language="javascript")
+    assert js.logs.stdout == ["42\n"] and js.execution_count is None
+    sh = sbx.run_code('echo "$GREETING"; exit 3', language="bash", envs={"GREETING": "hi"})
+    assert sh.logs.stdout == ["hi\n"] and sh.error is not None and sh.error.name == "ExitError"
+    with pytest.raises(SandboxException, match=r"400.*'typescript' is not one dsec runs"):
+        sbx.run_code("let a: number = 1", language="typescript")
+    with pytest.raises(SandboxException, match=r"400.*only python keeps a context"):
+        sbx.create_code_context(language="javascript")
+
+
+def test_port_49999_needs_the_traffic_token_and_the_routes_a_sandbox(sbx: Sandbox, e2b_env: dict[str, str]) -> None:
+    url = e2b_env["E2B_SANDBOX_URL"]
+    headers = {"E2b-Sandbox-Id": sbx.sandbox_id, "E2b-Sandbox-Port": "49999"}
+    denied = httpx.get(f"{url}/contexts", headers={**headers, "E2B-Traffic-Access-Token": "wrong"})
+    assert denied.status_code == 403 and "traffic access token" in denied.text
+    # dsec's routes behind the port name no sandbox of their own: called directly they are not found
+    direct = httpx.post(f"{url}/code-interpreter/execute", json={"code": "1"}, headers={"X-API-Key": "x"})
+    assert direct.status_code == 404
+
+
+def test_the_plain_interpreter_answers_where_the_image_has_no_kernel(e2b_env: dict[str, str]) -> None:
+    """dsec/e2b-base:1 has python3 but no Jupyter: dsec's own interpreter keeps the state."""
+    with Sandbox.create("dsec/e2b-base:1", timeout=300) as box:
+        assert box.run_code("z = 5\nz * 2").text == "10"
+        later = box.run_code("import os\n(z, os.environ.get('Q'))", envs={"Q": "1"})
+        assert later.text == "(5, '1')" and later.execution_count == 2
+        assert box.run_code("os.environ.get('Q')").text is None
+        started = time.monotonic()
+        with pytest.raises(TimeoutException):
+            box.run_code("while True:\n    pass", timeout=2)
+        assert box.run_code("z", timeout=60).text == "5" and time.monotonic() - started < 30
