@@ -123,3 +123,6 @@ def test_the_plain_interpreter_answers_where_the_image_has_no_kernel(e2b_env: di
         with pytest.raises(TimeoutException):
             box.run_code("while True:\n    pass", timeout=2)
         assert box.run_code("z", timeout=60).text == "5" and time.monotonic() - started < 30
+        ctx = box.create_code_context(cwd="/tmp")
+        first = box.run_code("import os\nos.getcwd()", context=ctx)
+        assert (first.text, first.execution_count) == ("'/tmp'", 1)  # the setup cell is not counted here either
