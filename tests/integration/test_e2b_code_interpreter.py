@@ -59,6 +59,17 @@ def test_rich_results_displays_and_scoped_environment(sbx: Sandbox) -> None:
     assert sbx.run_code("os.environ.get('E2B_X')").text is None  # for that cell only
 
 
+def test_a_package_pip_installed_by_a_command_is_importable_in_the_kernel(sbx: Sandbox) -> None:
+    """E2B's pattern: ``commands.run("pip install ...")`` as the account, then ``run_code("import ...")``
+    in the kernel that was already running (a local package: the test needs no index)."""
+    setup = "from setuptools import setup\nsetup(name='dsecprobe', version='1', packages=['dsecprobe'])\n"
+    sbx.files.write("probe/setup.py", setup)
+    sbx.files.write("probe/dsecprobe/__init__.py", "VALUE = 7\n")
+    assert sbx.run_code("1").error is None  # the kernel runs before the install
+    sbx.commands.run("cd probe && pip install --no-deps --no-build-isolation --no-index .")
+    assert sbx.run_code("import dsecprobe\ndsecprobe.VALUE").text == "7"
+
+
 def test_contexts_are_separate_listed_restarted_and_removed(sbx: Sandbox) -> None:
     ctx = sbx.create_code_context(cwd="/tmp")
     assert (ctx.language, ctx.cwd) == ("python", "/tmp")
