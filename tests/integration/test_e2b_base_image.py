@@ -11,8 +11,8 @@ import pytest
 from .conftest import Daemon
 
 pytest.importorskip("e2b")
-from e2b import Sandbox  # noqa: E402
-from e2b.sandbox.commands.command_handle import CommandExitException  # noqa: E402
+from e2b import Sandbox
+from e2b.sandbox.commands.command_handle import CommandExitException
 
 IMAGE = "dsec/e2b-base:1"
 
