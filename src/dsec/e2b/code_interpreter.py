@@ -203,6 +203,7 @@ async def execute(body: ExecuteBody, request: Request) -> Response:
             raise NotFound(f"no code context {body.context_id!r} in sandbox {t.id}")
         context, lang = body.context_id, "python"
     req = CodeRequest(code=body.code, language=lang, context=context, timeout=MAX_EXEC_TIMEOUT_S)
+    note(request.scope, command=f"run_code[{(context or DEFAULT_CONTEXT) if lang == 'python' else lang}]")
     env = check_env(body.env_vars)
     run = asyncio.create_task(t.svc.mgr.code.run(t.id, req, caller=t.caller, env=env))
     left = asyncio.create_task(_disconnected(request))
