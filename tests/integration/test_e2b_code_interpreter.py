@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import base64
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import httpx
 import pytest
@@ -17,7 +17,7 @@ from .conftest import Daemon
 pytest.importorskip("e2b")
 e2b_ci = pytest.importorskip("e2b_code_interpreter")
 from e2b import NotFoundException, SandboxException, TimeoutException  # noqa: E402
-from e2b_code_interpreter import Sandbox  # noqa: E402
+from e2b_code_interpreter import OutputMessage, Sandbox  # noqa: E402
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -45,6 +45,21 @@ def test_cells_keep_state_and_answer_as_jupyter_does(sbx: Sandbox) -> None:
         "division by zero",
     )
     assert "return 1 / 0" in failed.error.traceback and "\x1b[" not in failed.error.traceback
+
+
+def test_output_arrives_while_the_cell_runs(sbx: Sandbox) -> None:
+    started = time.monotonic()
+    seen: list[tuple[str, str, float]] = []
+
+    def at(kind: str) -> Callable[[OutputMessage], None]:
+        return lambda m: seen.append((kind, m.line, time.monotonic() - started))
+
+    code = "import sys, time\nprint('early')\ntime.sleep(3)\nprint('late', file=sys.stderr)\n'done'"
+    done = sbx.run_code(code, on_stdout=at("out"), on_stderr=at("err"))
+    ended = time.monotonic() - started
+    assert [(k, line) for k, line, _ in seen] == [("out", "early\n"), ("err", "late\n")]
+    assert seen[0][2] < ended - 2.5  # before the cell's end, not with it
+    assert (done.text, done.logs.stdout, done.logs.stderr) == ("'done'", ["early\n"], ["late\n"])
 
 
 def test_rich_results_displays_and_scoped_environment(sbx: Sandbox) -> None:
@@ -126,7 +141,9 @@ def test_port_49999_needs_the_traffic_token_and_the_routes_a_sandbox(sbx: Sandbo
 def test_the_plain_interpreter_answers_where_the_image_has_no_kernel(e2b_env: dict[str, str]) -> None:
     """dsec/e2b-base:1 has python3 but no Jupyter: dsec's own interpreter keeps the state."""
     with Sandbox.create("dsec/e2b-base:1", timeout=300) as box:
-        assert box.run_code("z = 5\nz * 2").text == "10"
+        lines: list[str] = []
+        assert box.run_code("z = 5\nprint('a', 'b')\nz * 2", on_stdout=lambda m: lines.append(m.line)).text == "10"
+        assert lines == ["a b\n"]  # print's pieces sent as one line, as Jupyter does
         later = box.run_code("import os\n(z, os.environ.get('Q'))", envs={"Q": "1"})
         assert later.text == "(5, '1')" and later.execution_count == 2
         assert box.run_code("os.environ.get('Q')").text is None

@@ -34,6 +34,7 @@ from ..web.audit import note
 from ..web.auth import name_caller
 from .auth import owner_caller
 from .code_interpreter_port import MARK, PREFIX
+from .code_interpreter_stream import CellStream, Output, disconnected
 from .code_interpreter_wire import ContextOut, CreateContextBody, ExecuteBody, check_env, execution_lines, language
 from .errors import GONE_TEMPLATE
 from .service import E2BOptions, E2BService
@@ -203,25 +204,31 @@ async def execute(body: ExecuteBody, request: Request) -> Response:
             raise NotFound(f"no code context {body.context_id!r} in sandbox {t.id}")
         context, lang = body.context_id, "python"
     req = CodeRequest(code=body.code, language=lang, context=context, timeout=MAX_EXEC_TIMEOUT_S)
-    note(request.scope, command=f"run_code[{(context or DEFAULT_CONTEXT) if lang == 'python' else lang}]")
+    stateful = lang == "python"
+    note(request.scope, command=f"run_code[{(context or DEFAULT_CONTEXT) if stateful else lang}]")
     env = check_env(body.env_vars)
-    run = asyncio.create_task(t.svc.mgr.code.run(t.id, req, caller=t.caller, env=env))
-    left = asyncio.create_task(_disconnected(request))
+    output: Output = asyncio.Queue()
+    loop = asyncio.get_running_loop()
+
+    def live(stream: str, text: str) -> None:
+        loop.call_soon_threadsafe(output.put_nowait, (stream, text))
+
+    run = asyncio.create_task(t.svc.mgr.code.run(t.id, req, caller=t.caller, env=env, live=live))
+    first = asyncio.ensure_future(output.get())
+    left = asyncio.create_task(disconnected(request.receive))
     try:
-        await asyncio.wait({run, left}, return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait({run, first, left}, return_when=asyncio.FIRST_COMPLETED)
     finally:
         left.cancel()
-    if not run.done():  # the client gave up (its timeout): interrupt the cell; the answer is nobody's
-        await _abandon(t, run, (context or DEFAULT_CONTEXT) if lang == "python" else None)
-        return Response(status_code=499)
-    res: CodeResult = run.result()
-    return Response(execution_lines(res, stateful=lang == "python"), media_type="application/x-ndjson")
-
-
-async def _disconnected(request: Request) -> None:
-    """Returns when the client closes the connection (the body was read already)."""
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
+        if not first.done() or run.done():
+            first.cancel()
+    stopping = (context or DEFAULT_CONTEXT) if stateful else None
+    if run.done():  # an error of the call is the answer's status; its output is in the result
+        return Response(execution_lines(run.result(), stateful), media_type="application/x-ndjson")
+    if first.done():  # the cell writes while it runs: its lines go out as they come
+        return CellStream(first.result(), output, run, lambda: _abandon(t, run, stopping))
+    await _abandon(t, run, stopping)  # the client gave up (its timeout): the answer is nobody's
+    return Response(status_code=499)
 
 
 async def _abandon(t: Target, run: asyncio.Task[CodeResult], context: str | None) -> None:

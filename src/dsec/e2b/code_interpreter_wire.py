@@ -106,12 +106,12 @@ def result_line(bundle: MimeBundle, main: bool) -> dict[str, Any]:
     return line
 
 
-def execution_lines(res: CodeResult, stateful: bool) -> bytes:
-    """A cell's outcome as the JSON lines ``/execute`` streams: its output, displays, value, error and count.
-    dsec answers when the cell is done, so the lines come together at its end."""
+def execution_lines(res: CodeResult, stateful: bool, streamed: bool = False) -> bytes:
+    """A cell's outcome as the JSON lines ``/execute`` streams: its output (unless ``streamed`` already, as
+    it was written), displays, value, error and count."""
     now = time.time_ns()
     lines: list[dict[str, Any]] = []
-    for stream in ("stdout", "stderr"):
+    for stream in () if streamed else ("stdout", "stderr"):
         text: str = getattr(res, stream)
         if text:
             lines.append({"type": stream, "text": text, "timestamp": now})

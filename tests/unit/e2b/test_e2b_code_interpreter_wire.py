@@ -62,6 +62,8 @@ def test_an_error_carries_its_traceback_as_one_text_and_a_run_once_has_no_count(
     assert execution.execution_count is None
     assert "dropped" in execution.logs.stderr[0]  # truncation is said, not silent
     assert json.loads(raw.splitlines()[-1]) == {"type": "end_of_execution"}
+    streamed = parsed(execution_lines(res.model_copy(update={"stdout": "x"}), stateful=False, streamed=True))
+    assert streamed.logs.stdout == [] and streamed.error is not None  # sent as written: not again at the end
 
 
 def test_languages_map_to_dsecs_and_others_are_refused_by_name() -> None:

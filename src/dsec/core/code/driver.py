@@ -8,7 +8,8 @@ server is started by the first call and outlives it (a session of its own), so a
 in the sandbox and survives the daemon restarting. ``serve CONTEXT``: that server. It runs the code in a
 Jupyter kernel when ``ipykernel`` and ``jupyter_client`` import, else in its own persistent namespace.
 ``interrupt CONTEXT``: interrupt the cell the server is running (its caller went away), by a signal,
-since the server answers one connection at a time.
+since the server answers one connection at a time. A request with ``live`` gets the cell's output as it is
+written, a JSON line ``{"stream": NAME, "text": TEXT}`` each, before the answer's own line.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import subprocess
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from typing import Any
 
 STREAM_CAP = 1 << 20  # bytes kept of stdout and of stderr per call
@@ -48,7 +50,9 @@ def home() -> str:
 class Collector:
     """One call's output, bounded."""
 
-    def __init__(self) -> None:
+    def __init__(self, live: Callable[[str, str], None] | None = None) -> None:
+        self.live = live  # the caller's, for output as it is written: whole lines, as Jupyter sends them
+        self.pending = {"stdout": "", "stderr": ""}
         self.streams = {"stdout": io.StringIO(), "stderr": io.StringIO()}
         self.result: dict[str, str] | None = None
         self.outputs: list[dict[str, str]] = []
@@ -63,6 +67,19 @@ class Collector:
             self.truncated = True
             text = text[: max(room, 0)]
         buf.write(text)
+        if self.live is not None and text:
+            stream = "stderr" if name == "stderr" else "stdout"
+            done, newline, rest = (self.pending[stream] + text).rpartition("\n")
+            self.pending[stream] = rest
+            if newline:
+                self.live(stream, done + newline)
+
+    def flush(self) -> None:
+        """What is left of a line without its end, when the cell is done."""
+        for stream, text in self.pending.items():
+            if self.live is not None and text:
+                self.live(stream, text)
+            self.pending[stream] = ""
 
     def bundle(self, data: dict[str, Any]) -> dict[str, str] | None:
         out = {}
@@ -76,6 +93,7 @@ class Collector:
         return out or None
 
     def answer(self, engine: str, count: int) -> dict[str, Any]:
+        self.flush()
         return {
             "stdout": self.streams["stdout"].getvalue(),
             "stderr": self.streams["stderr"].getvalue(),
@@ -140,6 +158,7 @@ class KernelEngine:
         self.km, self.kc = start_new_kernel(kernel_name="python3", startup_timeout=START_TIMEOUT)
         self.count = 0
         self.cut = False  # set by INTERRUPT
+        self.live: Callable[[str, str], None] | None = None
 
     def interrupt(self, signum: int, frame: object) -> None:
         self.cut = True
@@ -162,7 +181,7 @@ class KernelEngine:
 
     def cell(self, code: str, timeout: float, quiet: bool) -> dict[str, Any]:
         count = self.count
-        out = Collector()
+        out = Collector(None if quiet else self.live)
         msg_id = self.kc.execute(code, store_history=not quiet, allow_stdin=False, stop_on_error=False)
         deadline = time.monotonic() + timeout
         interrupted = cut = False
@@ -251,6 +270,7 @@ class PlainEngine:
         self.ns: dict[str, Any] = {"__name__": "__main__", "__builtins__": __builtins__}
         self.count = 0
         self.running = False
+        self.live: Callable[[str, str], None] | None = None
 
     def interrupt(self, signum: int, frame: object) -> None:
         if self.running:
@@ -259,7 +279,7 @@ class PlainEngine:
     def run(self, code: str, timeout: float, env: dict[str, str] | None = None, quiet: bool = False) -> dict[str, Any]:
         if not quiet:
             self.count += 1
-        out = Collector()
+        out = Collector(None if quiet else self.live)
         label = f"<cell {self.count}>"
         saved = sys.stdout, sys.stderr
         sink = Sink(out)
@@ -405,13 +425,31 @@ def serve(context: str) -> int:
                 if isinstance(runner, KernelEngine):
                     runner.km.shutdown_kernel(now=True)
                 return 0
+            runner.live = Frames(conn).send if request.get("live") else None
             answer = runner.run(
                 request["code"], float(request["timeout"]), request.get("env"), bool(request.get("quiet"))
             )
+            runner.live = None
             try:
-                conn.sendall(json.dumps(answer).encode())
+                conn.sendall(json.dumps(answer).encode() + b"\n")
             except OSError:  # the caller is gone (its exec was killed): the context lives on
                 pass
+
+
+class Frames:
+    """A cell's output to its caller as it is written (a live request); a caller gone is not the cell's
+    concern: the rest is dropped."""
+
+    def __init__(self, conn: socket.socket) -> None:
+        self.conn: socket.socket | None = conn
+
+    def send(self, name: str, text: str) -> None:
+        if self.conn is None:
+            return
+        try:
+            self.conn.sendall(json.dumps({"stream": name, "text": text}).encode() + b"\n")
+        except OSError:
+            self.conn = None
 
 
 def receive(conn: socket.socket) -> bytes:
@@ -479,11 +517,16 @@ def call(context: str, source: str, most: int) -> int:
     if sock is None:
         sys.stdout.write(json.dumps({"stopped": False}))
         return 0
+    out = sys.stdout.buffer
     with sock:
         sock.sendall(request)
         sock.shutdown(socket.SHUT_WR)
-        answer = receive(sock)
-    sys.stdout.write(answer.decode())
+        while True:  # passed on as it comes: a live request's output lines reach the daemon at once
+            chunk = sock.recv(1 << 16)
+            if not chunk:
+                break
+            out.write(chunk)
+            out.flush()
     return 0
 
 

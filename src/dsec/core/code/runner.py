@@ -13,6 +13,7 @@ import contextlib
 import json
 import secrets
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +30,7 @@ from ..files import FileActions
 from ..lifecycle import Lifecycle
 
 DRIVER = (Path(__file__).parent / "driver.py").read_text()
+Live = Callable[[str, str], None]  # (stream name, text) of a cell's output as it is written
 BOOT = "import sys; exec(sys.argv[1])"
 START_BUDGET = 240.0  # the driver waits up to 180 s for a kernel to start; the rest is the exec's own cost
 NO_SERVER, TOO_MANY = 3, 4  # the driver's exit statuses
@@ -55,9 +57,11 @@ class CodeRunner:
         caller: Caller,
         env: dict[str, str] | None = None,
         quiet: bool = False,
+        live: Live | None = None,
     ) -> CodeResult:
         """``env``: environment variables for this cell only; ``quiet``: a setup cell of the caller's (the E2B
-        API's context cwd), not counted among the context's cells."""
+        API's context cwd), not counted among the context's cells; ``live``: called with each piece of the
+        cell's output (stream name, text) as the cell writes it (python only; the result has it all too)."""
         if req.language != "python":
             return await self.once(sandbox_id, req, caller=caller, env=env)
         context = req.context or DEFAULT_CONTEXT
@@ -66,13 +70,16 @@ class CodeRunner:
             request["env"] = env
         if quiet:
             request["quiet"] = True
+        if live is not None:
+            request["live"] = True
         body = json.dumps(request)
         started = time.monotonic()
-        res = await self._exec(
-            sandbox_id, "call", context, body, min(req.timeout + START_BUDGET, MAX_EXEC_TIMEOUT_S), caller
-        )
+        timeout = min(req.timeout + START_BUDGET, MAX_EXEC_TIMEOUT_S)
+        lines = None if live is None else LiveLines(live)
+        res = await self._exec(sandbox_id, "call", context, body, timeout, caller, lines)
         try:
-            answer: dict[str, Any] = json.loads(res.stdout)
+            # the answer is the last line (a live request's output lines come before it)
+            answer: dict[str, Any] = json.loads(res.stdout.rstrip("\n").rpartition("\n")[2])
             error = answer.pop("error")
             return CodeResult(
                 **answer,
@@ -134,11 +141,19 @@ class CodeRunner:
         return sent
 
     async def _exec(
-        self, sandbox_id: str, op: str, context: str, stdin: str, timeout: float, caller: Caller
+        self,
+        sandbox_id: str,
+        op: str,
+        context: str,
+        stdin: str,
+        timeout: float,
+        caller: Caller,
+        lines: LiveLines | None = None,
     ) -> ExecResult:
         req = ExecRequest(cmd=_argv(op, context), stdin=stdin, timeout=timeout, output_limit=MAX_OUTPUT_CAP)
+        on_output = None if lines is None else lines.take
         res: ExecResult
-        res, _ = await self.actions.call(sandbox_id, "exec", req, seq=None, caller=caller)
+        res, _ = await self.actions.call(sandbox_id, "exec", req, seq=None, caller=caller, on_output=on_output)
         if res.exit_code == 0:
             return res
         if res.exit_code == NOT_FOUND:
@@ -152,6 +167,31 @@ class CodeRunner:
         if res.exit_code == NO_SERVER:
             raise BackendError(f"the code context {context!r} could not start: {detail}")
         raise BackendError(f"run_code's driver ended with status {res.exit_code} (signal {res.signal}): {detail}")
+
+
+class LiveLines:
+    """The driver's stdout as it arrives, cut into lines: each output line (``{"stream", "text"}``) goes to
+    ``live``; the answer's line is read from the exec's result."""
+
+    def __init__(self, live: Live) -> None:
+        self.live = live
+        self.partial: list[bytes] = []  # pieces of a line not ended yet (the answer's may be megabytes)
+
+    def take(self, stream: str, chunk: bytes) -> None:
+        if stream != "stdout":
+            return
+        if b"\n" not in chunk:
+            self.partial.append(chunk)
+            return
+        *complete, rest = (b"".join(self.partial) + chunk).split(b"\n")
+        self.partial = [rest]
+        for line in complete:
+            try:
+                frame = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(frame, dict) and isinstance(frame.get("stream"), str) and isinstance(frame.get("text"), str):
+                self.live(frame["stream"], frame["text"])
 
 
 def once_result(done: CompileRunResult, timeout: float, duration: float) -> CodeResult:
