@@ -115,6 +115,12 @@ def test_a_cell_past_its_timeout_is_interrupted_and_the_context_goes_on(sbx: San
     started = time.monotonic()
     assert sbx.run_code("kept", timeout=60).text == "'still here'"
     assert time.monotonic() - started < 20
+    # the same when the answer had begun (output streamed before the loop)
+    with pytest.raises(TimeoutException):
+        sbx.run_code("print('looping', flush=True)\nwhile True:\n    time.sleep(0.1)", timeout=2)
+    started = time.monotonic()
+    assert sbx.run_code("kept", timeout=60).text == "'still here'"
+    assert time.monotonic() - started < 20
 
 
 def test_other_languages_run_once_and_unknown_ones_are_refused(sbx: Sandbox) -> None:
