@@ -37,7 +37,8 @@ def test_cells_keep_state_and_answer_as_jupyter_does(sbx: Sandbox) -> None:
     first = sbx.run_code("x = 6 * 7\nprint('hello')\nx", on_stdout=lambda m: seen.append(m.line))
     assert (first.text, first.logs.stdout, seen, first.error) == ("42", ["hello\n"], ["hello\n"], None)
     second = sbx.run_code("import os, sys\nprint('err', file=sys.stderr)\n(x + 1, os.getcwd(), os.getuid())")
-    assert second.text == "(43, '/home/user', 1000)" and second.logs.stderr == ["err\n"]
+    # the kernel runs as root, as E2B's does, in the home of the image's account
+    assert second.text == "(43, '/home/user', 0)" and second.logs.stderr == ["err\n"]
     assert second.execution_count == first.execution_count + 1
     failed = sbx.run_code("def f():\n    return 1 / 0\nf()")
     assert failed.error is not None and (failed.error.name, failed.error.value) == (
@@ -59,7 +60,7 @@ def test_output_arrives_while_the_cell_runs(sbx: Sandbox) -> None:
     ended = time.monotonic() - started
     assert [(k, line) for k, line, _ in seen] == [("out", "early\n"), ("err", "late\n")]
     assert seen[0][2] < ended - 2.5  # before the cell's end, not with it
-    assert (done.text, done.logs.stdout, done.logs.stderr) == ("'done'", ["early\n"], ["late\n"])
+    assert (done.text, done.logs.stdout, done.logs.stderr) == ("done", ["early\n"], ["late\n"])
 
 
 def test_rich_results_displays_and_scoped_environment(sbx: Sandbox) -> None:
@@ -70,7 +71,7 @@ def test_rich_results_displays_and_scoped_environment(sbx: Sandbox) -> None:
     assert not figure.is_main_result and base64.b64decode(figure.png)[:8] == b"\x89PNG\r\n\x1a\n"
     assert frame.is_main_result and "<table" in frame.html
     scoped = sbx.run_code("import os\nos.environ.get('E2B_X')", envs={"E2B_X": "set"})
-    assert scoped.text == "'set'"
+    assert scoped.text == "set"  # a string's value without its quotes, as E2B gives it
     assert sbx.run_code("os.environ.get('E2B_X')").text is None  # for that cell only
 
 
@@ -89,9 +90,10 @@ def test_contexts_are_separate_listed_restarted_and_removed(sbx: Sandbox) -> Non
     ctx = sbx.create_code_context(cwd="/tmp")
     assert (ctx.language, ctx.cwd) == ("python", "/tmp")
     before = sbx.run_code("y = 1\nimport os\nos.getcwd()", context=ctx)
-    assert before.text == "'/tmp'" and before.execution_count == 1  # the setup cell is not counted
+    assert before.text == "/tmp" and before.execution_count == 1  # the setup cell is not counted
     assert sbx.run_code("'y' in globals()").text == "False"  # the default context is another
-    assert ctx.id in [c.id for c in sbx.list_code_contexts()]
+    listed = sbx.list_code_contexts()  # the default one first (there before its first cell), the newest last
+    assert (listed[0].id, listed[0].language, listed[-1].id, listed[-1].cwd) == ("default", "python", ctx.id, "/tmp")
     sbx.restart_code_context(ctx)
     after = sbx.run_code("import os\n('y' in globals(), os.getcwd())", context=ctx)
     assert after.text == "(False, '/tmp')"
@@ -101,6 +103,9 @@ def test_contexts_are_separate_listed_restarted_and_removed(sbx: Sandbox) -> Non
         sbx.run_code("1", context=ctx)
     with pytest.raises(NotFoundException):
         sbx.remove_code_context(ctx.id)
+    in_root = sbx.create_code_context(cwd="/root")  # root's home: the kernel is root's
+    assert sbx.run_code("import os\nos.getcwd()", context=in_root).text == "/root"
+    sbx.remove_code_context(in_root)
     with pytest.raises(SandboxException, match=r"400.*the context cannot start in '/nonexistent'"):
         sbx.create_code_context(cwd="/nonexistent")
 
@@ -113,13 +118,13 @@ def test_a_cell_past_its_timeout_is_interrupted_and_the_context_goes_on(sbx: San
     assert time.monotonic() - started < 30
     # the next cell does not wait behind the loop: it was interrupted when the client gave up
     started = time.monotonic()
-    assert sbx.run_code("kept", timeout=60).text == "'still here'"
+    assert sbx.run_code("kept", timeout=60).text == "still here"
     assert time.monotonic() - started < 20
     # the same when the answer had begun (output streamed before the loop)
     with pytest.raises(TimeoutException):
         sbx.run_code("print('looping', flush=True)\nwhile True:\n    time.sleep(0.1)", timeout=2)
     started = time.monotonic()
-    assert sbx.run_code("kept", timeout=60).text == "'still here'"
+    assert sbx.run_code("kept", timeout=60).text == "still here"
     assert time.monotonic() - started < 20
 
 
@@ -159,4 +164,4 @@ def test_the_plain_interpreter_answers_where_the_image_has_no_kernel(e2b_env: di
         assert box.run_code("z", timeout=60).text == "5" and time.monotonic() - started < 30
         ctx = box.create_code_context(cwd="/tmp")
         first = box.run_code("import os\nos.getcwd()", context=ctx)
-        assert (first.text, first.execution_count) == ("'/tmp'", 1)  # the setup cell is not counted here either
+        assert (first.text, first.execution_count) == ("/tmp", 1)  # the setup cell is not counted here either

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from fastapi import APIRouter, Request, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from ..core.code import CodeRunner
 from ..errors import DsecError, InvalidRequest, NotFound, SandboxNotFound
 from ..protocol.code import CONTEXT_PATTERN, DEFAULT_CONTEXT, CodeRequest, CodeResult
 from ..protocol.sandbox import MAX_EXEC_TIMEOUT_S, TERMINAL_STATES
@@ -42,6 +43,7 @@ from .service import E2BOptions, E2BService
 TEMPLATE = "code-interpreter-v1"  # e2b_code_interpreter.constants.DEFAULT_TEMPLATE
 IMAGE = "dsec/e2b-code-interpreter:1"
 TEMPLATES: dict[str, tuple[str, str | None]] = {TEMPLATE: (IMAGE, None)}
+ACCOUNT = "root"  # E2B's Jupyter server and its kernels run as root, whatever account commands default to
 SETUP_TIMEOUT = 60.0
 INTERRUPTED_GRACE = 15.0  # seconds an interrupted cell has to end before its exec is cancelled
 CONTEXT_NAME = re.compile(CONTEXT_PATTERN)
@@ -69,6 +71,10 @@ class Target:
     def id(self) -> str:
         return self.rec.id
 
+    @property
+    def code(self) -> CodeRunner:
+        return self.svc.mgr.code.as_account(ACCOUNT)
+
 
 class Contexts:
     """What E2B says of a context that dsec's contexts do not hold (its language, its directory), per
@@ -84,6 +90,10 @@ class Contexts:
         for sid in [s for s in self._by_sandbox if not svc.mgr.is_live(s)]:
             del self._by_sandbox[sid]
         self._by_sandbox.setdefault(sandbox_id, {})[context_id] = ctx
+
+    def ids(self, sandbox_id: str) -> list[str]:
+        """The sandbox's contexts made through this API, oldest first."""
+        return list(self._by_sandbox.get(sandbox_id, {}))
 
     def drop(self, sandbox_id: str, context_id: str) -> bool:
         return self._by_sandbox.get(sandbox_id, {}).pop(context_id, None) is not None
@@ -129,17 +139,17 @@ async def _known(t: Target, contexts: Contexts, context_id: str) -> bool:
     """The context is one of the sandbox's: made through this API, or running there."""
     if contexts.get(t.id, _check_id(context_id)) is not None:
         return True
-    return context_id in await t.svc.mgr.code.contexts(t.id, caller=t.caller)
+    return context_id in await t.code.contexts(t.id, caller=t.caller)
 
 
 async def _start(t: Target, context_id: str, cwd: str) -> None:
     """Start the context in ``cwd`` (a setup cell that is not counted among its cells)."""
     code = f"__import__('os').chdir({cwd!r})"
     req = CodeRequest(code=code, context=context_id, timeout=SETUP_TIMEOUT)
-    res = await t.svc.mgr.code.run(t.id, req, caller=t.caller, quiet=True)
+    res = await t.code.run(t.id, req, caller=t.caller, quiet=True)
     if res.error is not None:
         with contextlib.suppress(DsecError):
-            await t.svc.mgr.code.remove(t.id, context_id, caller=t.caller)
+            await t.code.remove(t.id, context_id, caller=t.caller)
         raise InvalidRequest(f"the context cannot start in {cwd!r}: {res.error.name}: {res.error.value}")
 
 
@@ -160,10 +170,14 @@ async def create_context(body: CreateContextBody, request: Request) -> ContextOu
 
 @router.get("/contexts")
 async def list_contexts(request: Request) -> list[ContextOut]:
+    """The default context first (it is there before its first cell, as E2B's are), then those made
+    through this API in the order they were made, then any others the sandbox runs."""
     t = _target(request)
     contexts = _contexts(request)
-    names = await t.svc.mgr.code.contexts(t.id, caller=t.caller)
-    default = await _default_cwd(t) if names else ""
+    live = set(await t.code.contexts(t.id, caller=t.caller))
+    default = await _default_cwd(t)
+    made = [c for c in contexts.ids(t.id) if c in live]
+    names = [DEFAULT_CONTEXT, *made, *sorted(live - {DEFAULT_CONTEXT, *made})]
     out = []
     for name in names:
         ctx = contexts.get(t.id, name) or Context("python", default)
@@ -174,7 +188,7 @@ async def list_contexts(request: Request) -> list[ContextOut]:
 @router.delete("/contexts/{context_id}")
 async def remove_context(context_id: str, request: Request) -> Response:
     t = _target(request)
-    stopped = await t.svc.mgr.code.remove(t.id, _check_id(context_id), caller=t.caller)
+    stopped = await t.code.remove(t.id, _check_id(context_id), caller=t.caller)
     if not _contexts(request).drop(t.id, context_id) and not stopped:
         raise NotFound(f"no code context {context_id!r} in sandbox {t.id}")
     return Response(status_code=204)
@@ -186,7 +200,7 @@ async def restart_context(context_id: str, request: Request) -> Response:
     t = _target(request)
     contexts = _contexts(request)
     known = contexts.get(t.id, _check_id(context_id))
-    stopped = await t.svc.mgr.code.remove(t.id, context_id, caller=t.caller)
+    stopped = await t.code.remove(t.id, context_id, caller=t.caller)
     if known is None and not stopped:
         raise NotFound(f"no code context {context_id!r} in sandbox {t.id}")
     if context_id != DEFAULT_CONTEXT:  # the default one starts again on its next cell, where it started
@@ -213,7 +227,7 @@ async def execute(body: ExecuteBody, request: Request) -> Response:
     def live(stream: str, text: str) -> None:
         loop.call_soon_threadsafe(output.put_nowait, (stream, text))
 
-    run = asyncio.create_task(t.svc.mgr.code.run(t.id, req, caller=t.caller, env=env, live=live))
+    run = asyncio.create_task(t.code.run(t.id, req, caller=t.caller, env=env, live=live))
     first = asyncio.ensure_future(output.get())
     left = asyncio.create_task(disconnected(request.receive))
     try:
@@ -238,6 +252,6 @@ async def _abandon(t: Target, run: asyncio.Task[CodeResult], context: str | None
         run.cancel()
     else:
         with contextlib.suppress(DsecError):
-            await t.svc.mgr.code.interrupt(t.id, context, caller=t.caller)
+            await t.code.interrupt(t.id, context, caller=t.caller)
     with contextlib.suppress(asyncio.CancelledError, DsecError, TimeoutError):
         await asyncio.wait_for(run, INTERRUPTED_GRACE)

@@ -94,6 +94,8 @@ def result_line(bundle: MimeBundle, main: bool) -> dict[str, Any]:
         field = MIME_FIELDS.get(mime)
         if field is None:
             extra[mime] = value
+        elif field == "text":
+            line[field] = unquoted(value)
         elif field == "json":
             try:
                 line[field] = json.loads(value)
@@ -104,6 +106,13 @@ def result_line(bundle: MimeBundle, main: bool) -> dict[str, Any]:
     if extra:
         line["extra"] = extra
     return line
+
+
+def unquoted(text: str) -> str:
+    """A string's value as E2B's server gives it: without the quotes of its repr (``'x'`` is ``x``)."""
+    if len(text) >= 2 and text[0] == text[-1] and text[0] in "'\"":
+        return text[1:-1]
+    return text
 
 
 def execution_lines(res: CodeResult, stateful: bool, streamed: bool = False) -> bytes:

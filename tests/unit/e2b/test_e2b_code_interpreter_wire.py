@@ -89,5 +89,15 @@ def test_bodies_and_environment_are_checked() -> None:
             check_env(bad)
 
 
+def test_a_strings_value_is_given_without_its_quotes_as_e2b_does() -> None:
+    assert [result_line({"text/plain": t}, main=True)["text"] for t in ("'a'", '"b"', "'", "'c\"", "d")] == [
+        "a",
+        "b",
+        "'",
+        "'c\"",
+        "d",
+    ]
+
+
 def test_a_json_value_that_is_not_json_stays_text() -> None:
     assert result_line({"application/json": "not json"}, main=True)["json"] == "not json"

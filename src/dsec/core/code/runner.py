@@ -10,6 +10,7 @@ daemon restart; the exec goes through the sandbox's one action path, so a trajec
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import secrets
 import time
@@ -48,6 +49,13 @@ class CodeRunner:
         self.actions = actions
         self.lifecycle = lifecycle
         self.files = files
+        self.user: str | None = None  # the account the code runs as; None: the image's
+
+    def as_account(self, user: str | None) -> CodeRunner:
+        """This runner, running code as ``user`` (each account's contexts are its own)."""
+        other = copy.copy(self)
+        other.user = user
+        return other
 
     async def run(
         self,
@@ -114,6 +122,7 @@ class CodeRunner:
                 run_timeout=req.timeout,
                 cwd=where,
                 env=env,
+                user=self.user,
                 output_limit=STREAM_CAP,
                 caller=caller,
             )
@@ -150,7 +159,9 @@ class CodeRunner:
         caller: Caller,
         lines: LiveLines | None = None,
     ) -> ExecResult:
-        req = ExecRequest(cmd=_argv(op, context), stdin=stdin, timeout=timeout, output_limit=MAX_OUTPUT_CAP)
+        req = ExecRequest(
+            cmd=_argv(op, context), stdin=stdin, timeout=timeout, output_limit=MAX_OUTPUT_CAP, user=self.user
+        )
         on_output = None if lines is None else lines.take
         res: ExecResult
         res, _ = await self.actions.call(sandbox_id, "exec", req, seq=None, caller=caller, on_output=on_output)
