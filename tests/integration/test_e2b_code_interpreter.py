@@ -70,6 +70,7 @@ def test_rich_results_displays_and_scoped_environment(sbx: Sandbox) -> None:
     figure, frame = shown.results
     assert not figure.is_main_result and base64.b64decode(figure.png)[:8] == b"\x89PNG\r\n\x1a\n"
     assert frame.is_main_result and "<table" in frame.html
+    assert frame.data == {"a": [1, 2]}  # the columns, as E2B's kernel gives a DataFrame
     scoped = sbx.run_code("import os\nos.environ.get('E2B_X')", envs={"E2B_X": "set"})
     assert scoped.text == "set"  # a string's value without its quotes, as E2B gives it
     assert sbx.run_code("os.environ.get('E2B_X')").text is None  # for that cell only

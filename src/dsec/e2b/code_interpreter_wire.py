@@ -40,7 +40,10 @@ MIME_FIELDS = {
     "text/latex": "latex",
     "application/json": "json",
     "application/javascript": "javascript",
+    "e2b/data": "data",  # a DataFrame's columns (dsec/e2b-code-interpreter:1's kernel sends it, as E2B's does)
+    "e2b/chart": "chart",
 }
+JSON_FIELDS = frozenset({"json", "data", "chart"})
 MAX_ENV = 256
 
 
@@ -96,7 +99,7 @@ def result_line(bundle: MimeBundle, main: bool) -> dict[str, Any]:
             extra[mime] = value
         elif field == "text":
             line[field] = unquoted(value)
-        elif field == "json":
+        elif field in JSON_FIELDS:
             try:
                 line[field] = json.loads(value)
             except ValueError:
