@@ -134,6 +134,7 @@ def test_other_languages_run_once_and_unknown_ones_are_refused(sbx: Sandbox) -> 
     assert js.logs.stdout == ["42\n"] and js.execution_count is None
     sh = sbx.run_code('echo "$GREETING"; exit 3', language="bash", envs={"GREETING": "hi"})
     assert sh.logs.stdout == ["hi\n"] and sh.error is not None and sh.error.name == "ExitError"
+    assert sbx.run_code("pwd; id -un", language="bash").logs.stdout == ["/home/user\nroot\n"]
     with pytest.raises(SandboxException, match=r"400.*'typescript' is not one dsec runs"):
         sbx.run_code("let a: number = 1", language="typescript")
     with pytest.raises(SandboxException, match=r"400.*only python keeps a context"):

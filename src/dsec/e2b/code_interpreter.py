@@ -26,9 +26,9 @@ from fastapi import APIRouter, Request, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..core.code import CodeRunner
-from ..errors import DsecError, InvalidRequest, NotFound, SandboxNotFound
-from ..protocol.code import CONTEXT_PATTERN, DEFAULT_CONTEXT, CodeRequest, CodeResult
-from ..protocol.sandbox import MAX_EXEC_TIMEOUT_S, TERMINAL_STATES
+from ..errors import DsecError, InvalidRequest, InvalidState, NotFound, SandboxNotFound
+from ..protocol.code import CONTEXT_PATTERN, DEFAULT_CONTEXT, CodeError, CodeRequest, CodeResult
+from ..protocol.sandbox import MAX_EXEC_TIMEOUT_S, TERMINAL_STATES, ExecRequest, ExecResult
 from ..store.records import SandboxRecord
 from ..tenancy import Caller
 from ..web.audit import note
@@ -45,7 +45,8 @@ IMAGE = "dsec/e2b-code-interpreter:1"
 TEMPLATES: dict[str, tuple[str, str | None]] = {TEMPLATE: (IMAGE, None)}
 ACCOUNT = "root"  # E2B's Jupyter server and its kernels run as root, whatever account commands default to
 SETUP_TIMEOUT = 60.0
-INTERRUPTED_GRACE = 15.0  # seconds an interrupted cell has to end before its exec is cancelled
+INTERRUPTED_GRACE = 15.0
+SHELLS = ("bash", "sh")  # seconds an interrupted cell has to end before its exec is cancelled
 CONTEXT_NAME = re.compile(CONTEXT_PATTERN)
 router = APIRouter(prefix=PREFIX, include_in_schema=False)
 
@@ -227,7 +228,11 @@ async def execute(body: ExecuteBody, request: Request) -> Response:
     def live(stream: str, text: str) -> None:
         loop.call_soon_threadsafe(output.put_nowait, (stream, text))
 
-    run = asyncio.create_task(t.code.run(t.id, req, caller=t.caller, env=env, live=live))
+    if lang in SHELLS:
+        cwd = await _default_cwd(t)
+        run = asyncio.create_task(_shell(t, lang, body.code, env, cwd))
+    else:
+        run = asyncio.create_task(t.code.run(t.id, req, caller=t.caller, env=env, live=live))
     first = asyncio.ensure_future(output.get())
     left = asyncio.create_task(disconnected(request.receive))
     try:
@@ -243,6 +248,25 @@ async def execute(body: ExecuteBody, request: Request) -> Response:
         return CellStream(first.result(), output, run, lambda: _abandon(t, run, stopping))
     await _abandon(t, run, stopping)  # the client gave up (its timeout): the answer is nobody's
     return Response(status_code=499)
+
+
+async def _shell(t: Target, shell: str, code: str, env: dict[str, str] | None, cwd: str) -> CodeResult:
+    """bash or sh code: run once, as E2B's bash runs, in the context's directory (the account's home)."""
+    req = ExecRequest(
+        cmd=[shell, "-c", code], env=env or {}, cwd=cwd, user=ACCOUNT, timeout=MAX_EXEC_TIMEOUT_S, output_limit=1 << 20
+    )
+    res: ExecResult
+    res, _ = await t.svc.mgr.actions.call(t.id, "exec", req, seq=None, caller=t.caller)
+    if res.exit_code == 127 and not res.stdout and f"{shell}: not found" in res.stderr:
+        raise InvalidState(f"the sandbox's image has no {shell}")
+    error = None
+    if res.exit_code != 0:
+        how = f"status {res.exit_code}" if res.exit_code is not None else f"signal {res.signal}"
+        tb = res.stderr.splitlines()[-50:]
+        error = CodeError(name="ExitError", value=f"the command ended with {how}", traceback=tb)
+    return CodeResult(
+        stdout=res.stdout, stderr=res.stderr, error=error, context="", engine="process", truncated=res.truncated
+    )
 
 
 async def _abandon(t: Target, run: asyncio.Task[CodeResult], context: str | None) -> None:
