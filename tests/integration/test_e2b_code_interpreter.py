@@ -146,6 +146,11 @@ def test_port_49999_needs_the_traffic_token_and_the_routes_a_sandbox(sbx: Sandbo
     headers = {"E2b-Sandbox-Id": sbx.sandbox_id, "E2b-Sandbox-Port": "49999"}
     denied = httpx.get(f"{url}/contexts", headers={**headers, "E2B-Traffic-Access-Token": "wrong"})
     assert denied.status_code == 403 and "traffic access token" in denied.text
+    # a sandbox's token opens its own port only
+    token = {"E2B-Traffic-Access-Token": str(sbx.traffic_access_token)}
+    other = httpx.get(f"{url}/contexts", headers={**headers, "E2b-Sandbox-Id": "sb-000000000000", **token})
+    assert other.status_code == 403
+    assert httpx.get(f"{url}/contexts", headers={**headers, **token}).status_code == 200
     # dsec's routes behind the port name no sandbox of their own: called directly they are not found
     direct = httpx.post(f"{url}/code-interpreter/execute", json={"code": "1"}, headers={"X-API-Key": "x"})
     assert direct.status_code == 404
