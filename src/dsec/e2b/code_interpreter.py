@@ -45,8 +45,8 @@ IMAGE = "dsec/e2b-code-interpreter:1"
 TEMPLATES: dict[str, tuple[str, str | None]] = {TEMPLATE: (IMAGE, None)}
 ACCOUNT = "root"  # E2B's Jupyter server and its kernels run as root, whatever account commands default to
 SETUP_TIMEOUT = 60.0
-INTERRUPTED_GRACE = 15.0
-SHELLS = ("bash", "sh")  # seconds an interrupted cell has to end before its exec is cancelled
+INTERRUPTED_GRACE = 15.0  # seconds an interrupted cell has to end before its exec is cancelled
+SHELLS = ("bash", "sh")  # run as commands in the context's directory, not in a directory of their own
 CONTEXT_NAME = re.compile(CONTEXT_PATTERN)
 router = APIRouter(prefix=PREFIX, include_in_schema=False)
 
