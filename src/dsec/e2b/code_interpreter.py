@@ -11,6 +11,8 @@ context that lives in the sandbox, as ``sb.run_code`` does; nothing of E2B's run
 - A context's id is a dsec context name (a UUID); its language and working directory are kept here, per
   daemon; a context the daemon does not know (after a restart) is listed as python in the default
   directory, which is the home of the image's default account.
+- The code runs as root, as E2B's Jupyter server runs its kernels: the API's caller may run anything as
+  root in the sandbox already (``user="root"``), so this gives no one more.
 """
 
 from __future__ import annotations
