@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import base64
+import threading
 import time
 from collections.abc import Callable, Iterator
 
@@ -172,3 +173,18 @@ def test_the_plain_interpreter_answers_where_the_image_has_no_kernel(e2b_env: di
         ctx = box.create_code_context(cwd="/tmp")
         first = box.run_code("import os\nos.getcwd()", context=ctx)
         assert (first.text, first.execution_count) == ("/tmp", 1)  # the setup cell is not counted here either
+
+
+@pytest.mark.parametrize("first", ["", "print('started', flush=True)\n"])
+def test_a_sandbox_killed_mid_cell_drops_the_answer_as_e2b_does(e2b_env: dict[str, str], first: str) -> None:
+    """The connection drops (before or after output began), so the package finds the sandbox gone and
+    says so, rather than a 404 of the sandbox's agent."""
+    box = Sandbox.create("dsec/e2b-base:1", timeout=300)
+    killer = threading.Timer(2.0, box.kill)
+    killer.start()
+    try:
+        with pytest.raises(TimeoutException, match="killed while the request was in progress"):
+            box.run_code(first + "import time\ntime.sleep(120)", timeout=60)
+    finally:
+        killer.cancel()
+        box.kill()

@@ -28,7 +28,7 @@ from fastapi import APIRouter, Request, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..core.code import CodeRunner
-from ..errors import DsecError, InvalidRequest, InvalidState, NotFound, SandboxNotFound
+from ..errors import DsecError, InvalidRequest, InvalidState, NotFound, SandboxGone, SandboxNotFound
 from ..protocol.code import CONTEXT_PATTERN, DEFAULT_CONTEXT, CodeError, CodeRequest, CodeResult
 from ..protocol.sandbox import MAX_EXEC_TIMEOUT_S, TERMINAL_STATES, ExecRequest, ExecResult
 from ..store.records import SandboxRecord
@@ -37,7 +37,7 @@ from ..web.audit import note
 from ..web.auth import name_caller
 from .auth import owner_caller
 from .code_interpreter_port import MARK, PREFIX
-from .code_interpreter_stream import CellStream, Output, disconnected
+from .code_interpreter_stream import CellStream, Dropped, Output, disconnected
 from .code_interpreter_wire import ContextOut, CreateContextBody, ExecuteBody, check_env, execution_lines, language
 from .errors import GONE_TEMPLATE
 from .service import E2BOptions, E2BService
@@ -48,6 +48,7 @@ TEMPLATES: dict[str, tuple[str, str | None]] = {TEMPLATE: (IMAGE, None)}
 ACCOUNT = "root"  # E2B's Jupyter server and its kernels run as root, whatever account commands default to
 SETUP_TIMEOUT = 60.0
 INTERRUPTED_GRACE = 15.0  # seconds an interrupted cell has to end before its exec is cancelled
+ENDED_POLLS = 100  # tenths of a second a gone sandbox's teardown may take before its calls' answers drop
 SHELLS = ("bash", "sh")  # run as commands in the context's directory, not in a directory of their own
 CONTEXT_NAME = re.compile(CONTEXT_PATTERN)
 router = APIRouter(prefix=PREFIX, include_in_schema=False)
@@ -244,12 +245,25 @@ async def execute(body: ExecuteBody, request: Request) -> Response:
         if not first.done() or run.done():
             first.cancel()
     stopping = (context or DEFAULT_CONTEXT) if stateful else None
+    if run.done() and isinstance(run.exception(), SandboxGone):
+        return Dropped(lambda: _ended(t))
     if run.done():  # an error of the call is the answer's status; its output is in the result
         return Response(execution_lines(run.result(), stateful), media_type="application/x-ndjson")
     if first.done():  # the cell writes while it runs: its lines go out as they come
-        return CellStream(first.result(), output, run, lambda: _abandon(t, run, stopping))
+        return CellStream(first.result(), output, run, lambda: _abandon(t, run, stopping), lambda: _ended(t))
     await _abandon(t, run, stopping)  # the client gave up (its timeout): the answer is nobody's
     return Response(status_code=499)
+
+
+async def _ended(t: Target) -> None:
+    """Until the sandbox's record says it is over (a kill's teardown runs on after its agent is gone)."""
+    for _ in range(ENDED_POLLS):
+        try:
+            if t.svc.mgr.record(t.id).state in TERMINAL_STATES:
+                return
+        except SandboxNotFound:
+            return
+        await asyncio.sleep(0.1)
 
 
 async def _shell(t: Target, shell: str, code: str, env: dict[str, str] | None, cwd: str) -> CodeResult:

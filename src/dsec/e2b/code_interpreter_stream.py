@@ -13,10 +13,11 @@ from typing import Any
 from fastapi import Response
 from starlette.types import Receive, Scope, Send
 
-from ..errors import DsecError
+from ..errors import DsecError, SandboxGone
 from ..protocol.code import CodeResult
 from .code_interpreter_wire import execution_lines
 
+NDJSON = b"application/x-ndjson"
 Output = asyncio.Queue[tuple[str, str]]  # (stream, text) pieces of the cell's output, in order
 
 
@@ -37,6 +38,20 @@ async def disconnected(receive: Receive) -> None:
         pass
 
 
+class Dropped(Response):
+    """The sandbox went away mid-cell: the answer is begun and never ended, so the connection drops, as it
+    does through E2B's proxy when a sandbox dies; the package then finds the sandbox gone (``settled``
+    waits for its record to say so) and says that it was killed while the request was in progress."""
+
+    def __init__(self, settled: Callable[[], Awaitable[None]]) -> None:
+        super().__init__(media_type="application/x-ndjson")
+        self.settled = settled
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await self.settled()
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", NDJSON)]})
+
+
 class CellStream(Response):
     def __init__(
         self,
@@ -44,28 +59,33 @@ class CellStream(Response):
         output: Output,
         run: asyncio.Task[CodeResult],
         abandon: Callable[[], Awaitable[None]],
+        ended: Callable[[], Awaitable[None]],
     ) -> None:
         super().__init__(media_type="application/x-ndjson")
         self.first = first
         self.output = output
         self.run = run
         self.abandon = abandon
+        self.ended = ended
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        headers = [(b"content-type", b"application/x-ndjson")]
-        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", NDJSON)]})
         await self._body(send, output_line(*self.first))
         left = asyncio.create_task(disconnected(receive))
         try:
-            if not await self._follow(send, left):
-                await self.abandon()
-                return
+            outcome = await self._follow(send, left)
         finally:
             left.cancel()
-        await send({"type": "http.response.body", "body": b"", "more_body": False})
+        if outcome == "left":
+            await self.abandon()
+        elif outcome == "done":
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        else:  # the sandbox is gone: the answer stays unfinished, as Dropped's
+            await self.ended()
 
-    async def _follow(self, send: Send, left: asyncio.Task[None]) -> bool:
-        """Output lines until the cell is done, then its outcome; False if the client left first."""
+    async def _follow(self, send: Send, left: asyncio.Task[None]) -> str:
+        """Output lines until the cell is done, then its outcome: "done"; "left" if the client left first;
+        "gone" if the sandbox did."""
         while True:
             piece = asyncio.ensure_future(self.output.get())
             await asyncio.wait({piece, self.run, left}, return_when=asyncio.FIRST_COMPLETED)
@@ -74,14 +94,16 @@ class CellStream(Response):
                 continue
             piece.cancel()
             if left.done():
-                return False
+                return "left"
             await asyncio.sleep(0)  # output handed over just before the end is queued by now
             while not self.output.empty():
                 await self._body(send, output_line(*self.output.get_nowait()))
             error = self.run.exception()
+            if isinstance(error, SandboxGone):
+                return "gone"
             tail = failure_line(error) if error is not None else execution_lines(self.run.result(), True, True)
             await self._body(send, tail)
-            return True
+            return "done"
 
     @staticmethod
     async def _body(send: Send, data: bytes) -> None:
