@@ -23,7 +23,7 @@ system-deps:
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -c constraints.txt -e '.[dev,bench,cluster,minisweagent,swerex,openenv,harbor,fusion]'
+	$(PY) -m pip install -q -c constraints.txt -e '.[dev,bench,cluster,minisweagent,swerex,openenv,harbor,fusion,e2bcode]'
 	touch $(STAMP)
 
 demo: install

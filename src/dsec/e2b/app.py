@@ -25,8 +25,19 @@ from ..web.idempotency import Idempotency, Memory
 from ..web.limits import BodyLimit
 
 # the services register their routes on envd.router as they are imported
-from . import control, envd, files, fs_service, process_service, templates, volume_content, volumes  # noqa: F401
+from . import (  # noqa: F401
+    code_interpreter,
+    control,
+    envd,
+    files,
+    fs_service,
+    process_service,
+    templates,
+    volume_content,
+    volumes,
+)
 from .auth import EnvdTokens, VolumeTokens, load_key
+from .code_interpreter_port import CodeInterpreterPort
 from .connect import ResettableConnections
 from .errors import control_error, plain_error
 from .ports import E2BPorts
@@ -34,6 +45,17 @@ from .service import E2BOptions, E2BService
 
 log = logging.getLogger("dsec.e2b")
 STREAMED = re.compile(r"^/volumecontent/[^/]+/file$")
+# /health, /process.Process/*, ...; /files; the control API; volumes and their contents; port 49999's API
+# templates before control: its catch-all DELETE /templates/{id} must not take /templates/tags
+ROUTERS = (
+    envd.router,
+    files.router,
+    templates.router,
+    control.router,
+    volumes.router,
+    volume_content.router,
+    code_interpreter.router,
+)
 
 
 def create_e2b_app(manager: SandboxManager, options: E2BOptions, state_dir: Path, operator_token: str) -> FastAPI:
@@ -49,6 +71,7 @@ def create_e2b_app(manager: SandboxManager, options: E2BOptions, state_dir: Path
     app.state.token = operator_token
     key = load_key(state_dir)
     tokens = EnvdTokens(key)
+    options = code_interpreter.with_template(options)
     app.state.e2b = E2BService(manager, options, tokens, operator_token, VolumeTokens(key))
     app.state.e2b_templates = templates.E2BTemplates(app.state.e2b, state_dir, key)
 
@@ -77,9 +100,7 @@ def create_e2b_app(manager: SandboxManager, options: E2BOptions, state_dir: Path
         return plain_error(500, f"internal error: {type(exc).__name__}: {exc}")
 
     # /health, /process.Process/*, ...; /files; the control API; volumes and their contents
-    # templates before control: its catch-all DELETE /templates/{id} must not take /templates/tags
-    routers = (envd.router, files.router, templates.router, control.router, volumes.router, volume_content.router)
-    for router in routers:
+    for router in ROUTERS:
         app.include_router(router)
 
     def allowed(request: Request) -> list[str]:
@@ -87,7 +108,7 @@ def create_e2b_app(manager: SandboxManager, options: E2BOptions, state_dir: Path
         return sorted(
             {
                 method
-                for router in routers
+                for router in ROUTERS
                 for route in router.routes
                 if isinstance(route, APIRoute) and route.matches(request.scope)[0] != Match.NONE
                 for method in route.methods or ()
@@ -113,6 +134,8 @@ def create_e2b_app(manager: SandboxManager, options: E2BOptions, state_dir: Path
     app.add_middleware(AuditMiddleware, prefix="", unaudited=("/health",), label="e2b ")
     # a sandbox's own traffic (get_host): none of the API's rules
     app.add_middleware(E2BPorts, manager=manager, tokens=tokens, domain=options.domain)
+    # port 49999, the e2b-code-interpreter package's server: dsec's code contexts answer it
+    app.add_middleware(CodeInterpreterPort, tokens=tokens, domain=options.domain)
     # outermost, where the server's own receive callable arrives: a stream cut for a sandbox that died
     app.add_middleware(ResettableConnections)
     return app

@@ -75,6 +75,16 @@ RECIPES: dict[str, tuple[str, Path]] = {
         "Python 3.11 with a Jupyter kernel, numpy, pandas, matplotlib; gcc/g++, Go, a JDK, Node.js (for run_code)",
         Path(__file__).parent / "code" / "Dockerfile",
     ),
+    "dsec/e2b-base:1": (
+        "E2B's base template: the account user (/home/user) by default; bash, python3, git, curl, procps; "
+        "a sudo for root only (no_new_privs)",
+        Path(__file__).parent / "e2b-base" / "Dockerfile",
+    ),
+    "dsec/e2b-code-interpreter:1": (
+        "dsec/code:1 shaped like dsec/e2b-base:1 (the account user, curl, procps): the e2b-code-interpreter "
+        "package's template",
+        Path(__file__).parent / "e2b-code-interpreter" / "Dockerfile",
+    ),
 }
 
 BUILTIN: dict[str, tuple[str, Builder]] = {

@@ -8,12 +8,14 @@ import json
 import secrets
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 
-from dsec.core.code.runner import BOOT, DRIVER, CodeRunner
+from dsec.core.code.runner import BOOT, DRIVER, CodeRunner, LiveLines
 from dsec.errors import BackendError, InvalidState, QuotaExceeded
 from dsec.protocol.code import CodeRequest
 from dsec.protocol.sandbox import ExecRequest, ExecResult
@@ -113,6 +115,65 @@ def test_contexts_are_separate_and_bounded(context: str) -> None:
     finally:
         call(other, {"op": "stop"})
     assert call(other, {"op": "stop"})[1] == {"stopped": False}
+
+
+def test_a_cells_environment_is_its_own_and_a_quiet_cell_is_not_counted(context: str) -> None:
+    run(context, "import os")
+    status, out, err = call(
+        context, {"op": "run", "code": "os.environ['DSEC_T']", "timeout": 5, "env": {"DSEC_T": "1"}}
+    )
+    assert status == 0 and out["result"] == {"text/plain": "'1'"}, err
+    before = run(context, "os.environ.get('DSEC_T')")
+    assert before["result"] is None  # put back after the cell
+    status, quiet, _ = call(context, {"op": "run", "code": "q = 1", "timeout": 5, "quiet": True})
+    assert status == 0 and quiet["execution_count"] == before["execution_count"]
+    assert run(context, "q")["execution_count"] == before["execution_count"] + 1
+
+
+def test_a_live_request_gets_its_output_lines_before_the_answer(context: str) -> None:
+    request = {"op": "run", "code": "print('a', 'b')\nprint('c', end='')\n1", "timeout": 5, "live": True}
+    p = subprocess.run(
+        [sys.executable, "-c", BOOT, DRIVER, "call", context, "16"],
+        input=json.dumps(request).encode(),
+        capture_output=True,
+        timeout=30,
+    )
+    *frames, answer = [json.loads(line) for line in p.stdout.splitlines()]
+    assert frames == [{"stream": "stdout", "text": "a b\n"}, {"stream": "stdout", "text": "c"}]
+    assert answer["stdout"] == "a b\nc" and answer["result"] == {"text/plain": "1"}
+
+
+def test_an_interrupt_stops_the_running_cell_and_keeps_the_state(context: str, tmp_path: Path) -> None:
+    started = tmp_path / "started"
+    run(context, "n = 0")
+    argv = [sys.executable, "-c", BOOT, DRIVER, "call", context, "16"]
+    cell = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    assert cell.stdin is not None and cell.stdout is not None
+    code = f"open({str(started)!r}, 'w').close()\nwhile True:\n    n += 1"
+    cell.stdin.write(json.dumps({"op": "run", "code": code, "timeout": 30}).encode())
+    cell.stdin.close()
+    for _ in range(200):  # an interrupt is for a running cell: one that comes before it is not kept
+        if started.exists():
+            break
+        time.sleep(0.05)
+    sent = subprocess.run([sys.executable, "-c", BOOT, DRIVER, "interrupt", context], capture_output=True)
+    assert json.loads(sent.stdout) == {"interrupted": True}
+    assert cell.wait(timeout=20) == 0
+    assert json.loads(cell.stdout.read())["error"]["name"] == "KeyboardInterrupt"
+    assert int(run(context, "n")["result"]["text/plain"]) > 0
+    gone = subprocess.run([sys.executable, "-c", BOOT, DRIVER, "interrupt", "unit-no-such"], capture_output=True)
+    assert json.loads(gone.stdout) == {"interrupted": False}
+
+
+def test_live_lines_pass_on_whole_output_lines_only() -> None:
+    got: list[tuple[str, str]] = []
+    lines = LiveLines(lambda stream, text: got.append((stream, text)))
+    frame = json.dumps({"stream": "stdout", "text": "hi\n"}).encode() + b"\n"
+    lines.take("stdout", frame[:5])
+    lines.take("stderr", b"ignored\n")
+    lines.take("stdout", frame[5:] + b'{"stdout": "an answer", "result": null}')
+    lines.take("stdout", b"\nnot json\n")
+    assert got == [("stdout", "hi\n")]
 
 
 class Exec:

@@ -7,6 +7,9 @@ any Python >= 3.8 with the standard library alone, and uses ``jupyter_client`` w
 server is started by the first call and outlives it (a session of its own), so a context's state lives
 in the sandbox and survives the daemon restarting. ``serve CONTEXT``: that server. It runs the code in a
 Jupyter kernel when ``ipykernel`` and ``jupyter_client`` import, else in its own persistent namespace.
+``interrupt CONTEXT``: interrupt the cell the server is running (its caller went away), by a signal,
+since the server answers one connection at a time. A request with ``live`` gets the cell's output as it is
+written, a JSON line ``{"stream": NAME, "text": TEXT}`` each, before the answer's own line.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import subprocess
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from typing import Any
 
 STREAM_CAP = 1 << 20  # bytes kept of stdout and of stderr per call
@@ -34,6 +38,7 @@ BOOT = "import sys; exec(sys.argv[1])"  # how this source is run: python3 -c BOO
 ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 NO_SERVER = 3  # exit status: the context's server could not start
 TOO_MANY = 4  # exit status: the sandbox holds its most contexts already
+INTERRUPT = signal.SIGUSR1  # to a context's server: interrupt the running cell
 
 
 def home() -> str:
@@ -45,7 +50,9 @@ def home() -> str:
 class Collector:
     """One call's output, bounded."""
 
-    def __init__(self) -> None:
+    def __init__(self, live: Callable[[str, str], None] | None = None) -> None:
+        self.live = live  # the caller's, for output as it is written: whole lines, as Jupyter sends them
+        self.pending = {"stdout": "", "stderr": ""}
         self.streams = {"stdout": io.StringIO(), "stderr": io.StringIO()}
         self.result: dict[str, str] | None = None
         self.outputs: list[dict[str, str]] = []
@@ -60,6 +67,19 @@ class Collector:
             self.truncated = True
             text = text[: max(room, 0)]
         buf.write(text)
+        if self.live is not None and text:
+            stream = "stderr" if name == "stderr" else "stdout"
+            done, newline, rest = (self.pending[stream] + text).rpartition("\n")
+            self.pending[stream] = rest
+            if newline:
+                self.live(stream, done + newline)
+
+    def flush(self) -> None:
+        """What is left of a line without its end, when the cell is done."""
+        for stream, text in self.pending.items():
+            if self.live is not None and text:
+                self.live(stream, text)
+            self.pending[stream] = ""
 
     def bundle(self, data: dict[str, Any]) -> dict[str, str] | None:
         out = {}
@@ -73,6 +93,7 @@ class Collector:
         return out or None
 
     def answer(self, engine: str, count: int) -> dict[str, Any]:
+        self.flush()
         return {
             "stdout": self.streams["stdout"].getvalue(),
             "stderr": self.streams["stderr"].getvalue(),
@@ -94,6 +115,35 @@ def timeout_error(timeout: float, kept: bool) -> dict[str, Any]:
     }
 
 
+def interrupted_error() -> dict[str, Any]:
+    return {
+        "name": "KeyboardInterrupt",
+        "value": "the code was interrupted: its caller went away; its variables are kept",
+        "traceback": [],
+    }
+
+
+def env_code(env: dict[str, str]) -> tuple[str, str]:
+    """Code that sets ``env`` in os.environ for one cell, and code that puts back what was there."""
+    keys = sorted(env)
+    apply = (
+        "import os as _dsec_os\n"
+        f"_dsec_env = {{k: _dsec_os.environ.get(k) for k in {keys!r}}}\n"
+        f"_dsec_os.environ.update({env!r})\n"
+        "del _dsec_os\n"
+    )
+    restore = (
+        "import os as _dsec_os\n"
+        "for _dsec_k, _dsec_v in _dsec_env.items():\n"
+        "    if _dsec_v is None:\n"
+        "        _dsec_os.environ.pop(_dsec_k, None)\n"
+        "    else:\n"
+        "        _dsec_os.environ[_dsec_k] = _dsec_v\n"
+        "del _dsec_os, _dsec_env, _dsec_k, _dsec_v\n"
+    )
+    return apply, restore
+
+
 class KernelEngine:
     """A Jupyter kernel (the image's ``python3`` kernel spec), driven over its own protocol."""
 
@@ -107,17 +157,39 @@ class KernelEngine:
         os.environ.setdefault("IPYTHONDIR", os.path.join(home(), "ipython"))
         self.km, self.kc = start_new_kernel(kernel_name="python3", startup_timeout=START_TIMEOUT)
         self.count = 0
+        self.cut = False  # set by INTERRUPT
+        self.live: Callable[[str, str], None] | None = None
+
+    def interrupt(self, signum: int, frame: object) -> None:
+        self.cut = True
 
     def restart(self) -> None:
         self.km.restart_kernel(now=True)
         self.kc.wait_for_ready(timeout=START_TIMEOUT)
 
-    def run(self, code: str, timeout: float) -> dict[str, Any]:
-        out = Collector()
-        msg_id = self.kc.execute(code, store_history=True, allow_stdin=False, stop_on_error=False)
+    def run(self, code: str, timeout: float, env: dict[str, str] | None = None, quiet: bool = False) -> dict[str, Any]:
+        """One cell; ``env``: environment variables for this cell only; ``quiet``: a cell of the caller's own
+        (a context's setup), which does not count as one of the context's cells."""
+        self.cut = False
+        if env:
+            apply, restore = env_code(env)
+            self.cell(apply, timeout, quiet=True)
+        answer = self.cell(code, timeout, quiet)
+        if env:
+            self.cell(restore, timeout, quiet=True)
+        return answer
+
+    def cell(self, code: str, timeout: float, quiet: bool) -> dict[str, Any]:
+        count = self.count
+        out = Collector(None if quiet else self.live)
+        msg_id = self.kc.execute(code, store_history=not quiet, allow_stdin=False, stop_on_error=False)
         deadline = time.monotonic() + timeout
-        interrupted = False
+        interrupted = cut = False
         while True:
+            if self.cut and not interrupted:  # the caller went away: as when the time is up, but at once
+                self.km.interrupt_kernel()
+                interrupted = cut = True
+                deadline = time.monotonic() + INTERRUPT_GRACE
             left = deadline - time.monotonic()
             if left <= 0:
                 if interrupted:  # the kernel did not come back from the interrupt
@@ -145,10 +217,10 @@ class KernelEngine:
             if self.take(msg, out):
                 break
         self.drain(msg_id)
-        if interrupted and out.error is not None and out.error["name"] == "KeyboardInterrupt":
-            out.error = timeout_error(timeout, kept=True)
-        elif interrupted and out.error is None:
-            out.error = timeout_error(timeout, kept=True)
+        if interrupted and (out.error is None or out.error["name"] == "KeyboardInterrupt"):
+            out.error = interrupted_error() if cut else timeout_error(timeout, kept=True)
+        if quiet:  # the kernel numbers only cells kept in its history; what it said of this one is not ours
+            self.count = count
         return out.answer(self.name, self.count)
 
     def take(self, msg: dict[str, Any], out: Collector) -> bool:
@@ -197,14 +269,23 @@ class PlainEngine:
     def __init__(self) -> None:
         self.ns: dict[str, Any] = {"__name__": "__main__", "__builtins__": __builtins__}
         self.count = 0
+        self.running = False
+        self.live: Callable[[str, str], None] | None = None
 
-    def run(self, code: str, timeout: float) -> dict[str, Any]:
-        self.count += 1
-        out = Collector()
+    def interrupt(self, signum: int, frame: object) -> None:
+        if self.running:
+            raise Interrupted("caller")
+
+    def run(self, code: str, timeout: float, env: dict[str, str] | None = None, quiet: bool = False) -> dict[str, Any]:
+        if not quiet:
+            self.count += 1
+        out = Collector(None if quiet else self.live)
         label = f"<cell {self.count}>"
         saved = sys.stdout, sys.stderr
         sink = Sink(out)
         sys.stdout, sys.stderr = sink.stdout, sink.stderr
+        before = {k: os.environ.get(k) for k in env or {}}
+        os.environ.update(env or {})
 
         def expire(signum: int, frame: object) -> None:
             raise Interrupted()
@@ -212,19 +293,26 @@ class PlainEngine:
         previous = signal.signal(signal.SIGALRM, expire)
         signal.setitimer(signal.ITIMER_REAL, timeout)
         try:
+            self.running = True
             value = self.execute(code, label)
             if value is not None:
                 self.ns["_"] = value
                 out.result = out.bundle(represent(value))
             self.figures(out)
-        except Interrupted:
-            out.error = timeout_error(timeout, kept=True)
+        except Interrupted as e:
+            out.error = interrupted_error() if e.args else timeout_error(timeout, kept=True)
         except BaseException as e:  # the code's own error, SystemExit included: the context lives on
             out.error = describe(e, label)
         finally:
+            self.running = False
             signal.setitimer(signal.ITIMER_REAL, 0)
             signal.signal(signal.SIGALRM, previous)
             sys.stdout, sys.stderr = saved
+            for k, v in before.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
         return out.answer(self.name, self.count)
 
     def execute(self, code: str, label: str) -> object:
@@ -315,6 +403,9 @@ def serve(context: str) -> int:
     except OSError:
         return 0  # another call started this context's server first
     runner = engine()  # before listening: a call that connects finds the kernel ready
+    signal.signal(INTERRUPT, runner.interrupt)
+    with open(base + ".pid", "w") as f:
+        f.write(str(os.getpid()))
     path = base + ".sock"
     if os.path.exists(path):
         os.unlink(path)
@@ -334,8 +425,31 @@ def serve(context: str) -> int:
                 if isinstance(runner, KernelEngine):
                     runner.km.shutdown_kernel(now=True)
                 return 0
-            answer = runner.run(request["code"], float(request["timeout"]))
-            conn.sendall(json.dumps(answer).encode())
+            runner.live = Frames(conn).send if request.get("live") else None
+            answer = runner.run(
+                request["code"], float(request["timeout"]), request.get("env"), bool(request.get("quiet"))
+            )
+            runner.live = None
+            try:
+                conn.sendall(json.dumps(answer).encode() + b"\n")
+            except OSError:  # the caller is gone (its exec was killed): the context lives on
+                pass
+
+
+class Frames:
+    """A cell's output to its caller as it is written (a live request); a caller gone is not the cell's
+    concern: the rest is dropped."""
+
+    def __init__(self, conn: socket.socket) -> None:
+        self.conn: socket.socket | None = conn
+
+    def send(self, name: str, text: str) -> None:
+        if self.conn is None:
+            return
+        try:
+            self.conn.sendall(json.dumps({"stream": name, "text": text}).encode() + b"\n")
+        except OSError:
+            self.conn = None
 
 
 def receive(conn: socket.socket) -> bytes:
@@ -403,11 +517,34 @@ def call(context: str, source: str, most: int) -> int:
     if sock is None:
         sys.stdout.write(json.dumps({"stopped": False}))
         return 0
+    out = sys.stdout.buffer
     with sock:
         sock.sendall(request)
         sock.shutdown(socket.SHUT_WR)
-        answer = receive(sock)
-    sys.stdout.write(answer.decode())
+        while True:  # passed on as it comes: a live request's output lines reach the daemon at once
+            chunk = sock.recv(1 << 16)
+            if not chunk:
+                break
+            out.write(chunk)
+            out.flush()
+    return 0
+
+
+def interrupt(context: str) -> int:
+    """Signal the context's server to interrupt its cell; a pid file left by a server that is gone names
+    another process, so the process must be that server (its command line ends ``serve CONTEXT``)."""
+    base = os.path.join(home(), context)
+    try:
+        with open(base + ".pid") as f:
+            pid = int(f.read())
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            tail = f.read().rstrip(b"\0").split(b"\0")[-2:]
+    except (OSError, ValueError):
+        tail = []
+    sent = tail == [b"serve", context.encode()]
+    if sent:
+        os.kill(pid, INTERRUPT)
+    sys.stdout.write(json.dumps({"interrupted": sent}))
     return 0
 
 
@@ -415,6 +552,8 @@ def main(argv: list[str]) -> int:
     source, op, context = argv[0], argv[1], argv[2]
     if op == "serve":
         return serve(context)
+    if op == "interrupt":
+        return interrupt(context)
     if op == "list":
         sys.stdout.write(json.dumps(live()))
         return 0

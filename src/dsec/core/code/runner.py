@@ -10,9 +10,11 @@ daemon restart; the exec goes through the sandbox's one action path, so a trajec
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import secrets
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +31,7 @@ from ..files import FileActions
 from ..lifecycle import Lifecycle
 
 DRIVER = (Path(__file__).parent / "driver.py").read_text()
+Live = Callable[[str, str], None]  # (stream name, text) of a cell's output as it is written
 BOOT = "import sys; exec(sys.argv[1])"
 START_BUDGET = 240.0  # the driver waits up to 180 s for a kernel to start; the rest is the exec's own cost
 NO_SERVER, TOO_MANY = 3, 4  # the driver's exit statuses
@@ -46,18 +49,45 @@ class CodeRunner:
         self.actions = actions
         self.lifecycle = lifecycle
         self.files = files
+        self.user: str | None = None  # the account the code runs as; None: the image's
 
-    async def run(self, sandbox_id: str, req: CodeRequest, *, caller: Caller) -> CodeResult:
+    def as_account(self, user: str | None) -> CodeRunner:
+        """This runner, running code as ``user`` (each account's contexts are its own)."""
+        other = copy.copy(self)
+        other.user = user
+        return other
+
+    async def run(
+        self,
+        sandbox_id: str,
+        req: CodeRequest,
+        *,
+        caller: Caller,
+        env: dict[str, str] | None = None,
+        quiet: bool = False,
+        live: Live | None = None,
+    ) -> CodeResult:
+        """``env``: environment variables for this cell only; ``quiet``: a setup cell of the caller's (the E2B
+        API's context cwd), not counted among the context's cells; ``live``: called with each piece of the
+        cell's output (stream name, text) as the cell writes it (python only; the result has it all too)."""
         if req.language != "python":
-            return await self.once(sandbox_id, req, caller=caller)
+            return await self.once(sandbox_id, req, caller=caller, env=env)
         context = req.context or DEFAULT_CONTEXT
-        body = json.dumps({"op": "run", "code": req.code, "timeout": req.timeout})
+        request: dict[str, Any] = {"op": "run", "code": req.code, "timeout": req.timeout}
+        if env:
+            request["env"] = env
+        if quiet:
+            request["quiet"] = True
+        if live is not None:
+            request["live"] = True
+        body = json.dumps(request)
         started = time.monotonic()
-        res = await self._exec(
-            sandbox_id, "call", context, body, min(req.timeout + START_BUDGET, MAX_EXEC_TIMEOUT_S), caller
-        )
+        timeout = min(req.timeout + START_BUDGET, MAX_EXEC_TIMEOUT_S)
+        lines = None if live is None else LiveLines(live)
+        res = await self._exec(sandbox_id, "call", context, body, timeout, caller, lines)
         try:
-            answer: dict[str, Any] = json.loads(res.stdout)
+            # the answer is the last line (a live request's output lines come before it)
+            answer: dict[str, Any] = json.loads(res.stdout.rstrip("\n").rpartition("\n")[2])
             error = answer.pop("error")
             return CodeResult(
                 **answer,
@@ -72,7 +102,9 @@ class CodeRunner:
                 f"(stderr: {res.stderr[-500:]!r})"
             ) from None
 
-    async def once(self, sandbox_id: str, req: CodeRequest, *, caller: Caller) -> CodeResult:
+    async def once(
+        self, sandbox_id: str, req: CodeRequest, *, caller: Caller, env: dict[str, str] | None = None
+    ) -> CodeResult:
         """Another language: compiled (if it is) and run once, in a directory of its own; no state is kept."""
         if req.context is not None:
             raise InvalidRequest(f"only python keeps a context; {req.language} code runs once (leave context unset)")
@@ -89,6 +121,8 @@ class CodeRunner:
                 compile_timeout=req.timeout,
                 run_timeout=req.timeout,
                 cwd=where,
+                env=env,
+                user=self.user,
                 output_limit=STREAM_CAP,
                 caller=caller,
             )
@@ -108,12 +142,29 @@ class CodeRunner:
         stopped: bool = json.loads(res.stdout).get("stopped", False)
         return stopped
 
+    async def interrupt(self, sandbox_id: str, context: str, *, caller: Caller) -> bool:
+        """Interrupt the cell the context is running (as Jupyter's interrupt button); False if none could be
+        told. Its caller gets the cell's answer with the error ``KeyboardInterrupt``; its variables are kept."""
+        res = await self._exec(sandbox_id, "interrupt", context, "", 60.0, caller)
+        sent: bool = json.loads(res.stdout).get("interrupted", False)
+        return sent
+
     async def _exec(
-        self, sandbox_id: str, op: str, context: str, stdin: str, timeout: float, caller: Caller
+        self,
+        sandbox_id: str,
+        op: str,
+        context: str,
+        stdin: str,
+        timeout: float,
+        caller: Caller,
+        lines: LiveLines | None = None,
     ) -> ExecResult:
-        req = ExecRequest(cmd=_argv(op, context), stdin=stdin, timeout=timeout, output_limit=MAX_OUTPUT_CAP)
+        req = ExecRequest(
+            cmd=_argv(op, context), stdin=stdin, timeout=timeout, output_limit=MAX_OUTPUT_CAP, user=self.user
+        )
+        on_output = None if lines is None else lines.take
         res: ExecResult
-        res, _ = await self.actions.call(sandbox_id, "exec", req, seq=None, caller=caller)
+        res, _ = await self.actions.call(sandbox_id, "exec", req, seq=None, caller=caller, on_output=on_output)
         if res.exit_code == 0:
             return res
         if res.exit_code == NOT_FOUND:
@@ -127,6 +178,31 @@ class CodeRunner:
         if res.exit_code == NO_SERVER:
             raise BackendError(f"the code context {context!r} could not start: {detail}")
         raise BackendError(f"run_code's driver ended with status {res.exit_code} (signal {res.signal}): {detail}")
+
+
+class LiveLines:
+    """The driver's stdout as it arrives, cut into lines: each output line (``{"stream", "text"}``) goes to
+    ``live``; the answer's line is read from the exec's result."""
+
+    def __init__(self, live: Live) -> None:
+        self.live = live
+        self.partial: list[bytes] = []  # pieces of a line not ended yet (the answer's may be megabytes)
+
+    def take(self, stream: str, chunk: bytes) -> None:
+        if stream != "stdout":
+            return
+        if b"\n" not in chunk:
+            self.partial.append(chunk)
+            return
+        *complete, rest = (b"".join(self.partial) + chunk).split(b"\n")
+        self.partial = [rest]
+        for line in complete:
+            try:
+                frame = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(frame, dict) and isinstance(frame.get("stream"), str) and isinstance(frame.get("text"), str):
+                self.live(frame["stream"], frame["text"])
 
 
 def once_result(done: CompileRunResult, timeout: float, duration: float) -> CodeResult:
