@@ -234,16 +234,21 @@ def main() -> int:
     ap.add_argument("--state-dir", type=Path, default=Path("/var/tmp/dsec-e2b-conformance"))
     ap.add_argument("--json", type=Path, help="write the per-file result here")
     ap.add_argument("--workers", type=int, default=2, help="pytest-xdist workers (1: none)")
+    ap.add_argument(
+        "--e2b-image",
+        default="dsec/e2b-base:1",
+        help="the image of E2B's `base` template (default: the built-in shaped like E2B's base; docs/e2b.md)",
+    )
     ap.add_argument("--serve-arg", action="append", default=[], help="one more `dsec serve` argument")
     ap.add_argument("paths", nargs="*", help="test files or ids under packages/python-sdk (default: tests)")
     args = ap.parse_args()
     if args.repo is None or not (args.repo / SDK / "tests").is_dir():
         ap.error("give a checkout of e2b-dev/E2B with --repo or E2B_REPO (it must hold packages/python-sdk/tests)")
     py = ensure_venv(args.repo.resolve(), args.venv)
-    daemon = Daemon(args.state_dir, args.serve_arg)
+    daemon = Daemon(args.state_dir, ["--e2b-image", args.e2b_image, *args.serve_arg])
     try:
-        _say("building the image of the `base` template if this node has not (about a minute the first time)")
-        daemon.dsec("image", "build", "dsec/debian:12")
+        _say(f"building {args.e2b_image} (the `base` template) if this node has not (a minute or two the first time)")
+        daemon.dsec("image", "build", args.e2b_image)
         with tempfile.TemporaryDirectory() as tmp:
             started = time.monotonic()
             reports = run_suite(py, args.repo.resolve(), daemon, args.paths, args.workers, Path(tmp))

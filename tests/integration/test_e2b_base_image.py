@@ -28,7 +28,7 @@ def sbx(e2b_env: dict[str, str], daemon: Daemon) -> Iterator[Sandbox]:
 def test_the_default_account_is_user_in_its_home_with_e2bs_tools(sbx: Sandbox) -> None:
     assert sbx.commands.run("id -un; pwd; echo $HOME").stdout == "user\n/home/user\n/home/user\n"
     assert sbx.commands.run("id -un", user="user").stdout == "user\n"
-    tools = "bash python3 git curl ps pgrep sudo"
+    tools = "bash python3 python git curl ps pgrep sudo"
     assert sbx.commands.run(f"for t in {tools}; do command -v $t >/dev/null || echo missing $t; done").stdout == ""
     written = sbx.files.write("notes.txt", "mine")  # relative paths are the home's, as on E2B
     assert written.path == "/home/user/notes.txt"

@@ -76,7 +76,7 @@ RECIPES: dict[str, tuple[str, Path]] = {
         Path(__file__).parent / "code" / "Dockerfile",
     ),
     "dsec/e2b-base:1": (
-        "E2B's base template: the account user (/home/user) by default; bash, python3, git, curl, procps; "
+        "E2B's base template: the account user (/home/user) by default; bash, python3 (also as python), git, curl, procps; "
         "a sudo for root only (no_new_privs)",
         Path(__file__).parent / "e2b-base" / "Dockerfile",
     ),
