@@ -76,8 +76,8 @@ RECIPES: dict[str, tuple[str, Path]] = {
         Path(__file__).parent / "code" / "Dockerfile",
     ),
     "dsec/e2b-base:1": (
-        "E2B's base template: the account user (/home/user) by default; bash, python3 (also as python), git, curl, procps; "
-        "a sudo for root only (no_new_privs)",
+        "E2B's base template: the account user (/home/user) by default; bash, python3 (also as python), git, "
+        "curl, procps; a sudo for root only (no_new_privs)",
         Path(__file__).parent / "e2b-base" / "Dockerfile",
     ),
     "dsec/e2b-code-interpreter:1": (
