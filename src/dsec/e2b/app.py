@@ -58,6 +58,19 @@ ROUTERS = (
 )
 
 
+def allowed(request: Request) -> list[str]:
+    """The methods of our routes at the request's path (none: it is none of ours)."""
+    return sorted(
+        {
+            method
+            for router in ROUTERS
+            for route in router.routes
+            if isinstance(route, APIRoute) and route.matches(request.scope)[0] != Match.NONE
+            for method in route.methods or ()
+        }
+    )
+
+
 def create_e2b_app(manager: SandboxManager, options: E2BOptions, state_dir: Path, operator_token: str) -> FastAPI:
     app = FastAPI(
         title="dsec E2B-compatible API",
@@ -102,18 +115,6 @@ def create_e2b_app(manager: SandboxManager, options: E2BOptions, state_dir: Path
     # /health, /process.Process/*, ...; /files; the control API; volumes and their contents
     for router in ROUTERS:
         app.include_router(router)
-
-    def allowed(request: Request) -> list[str]:
-        """The methods of our routes at the request's path (none: it is none of ours)."""
-        return sorted(
-            {
-                method
-                for router in ROUTERS
-                for route in router.routes
-                if isinstance(route, APIRoute) and route.matches(request.scope)[0] != Match.NONE
-                for method in route.methods or ()
-            }
-        )
 
     async def other(request: Request) -> Response:
         """A method a path of ours does not have: a 405 that says which it has; any other path: E2B's
