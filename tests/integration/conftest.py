@@ -18,11 +18,13 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 import dsec
 from dsec.isolation.mounts import unmount_under
+from dsec.protocol.build import ImageSpec
 
 IMAGES_DIR = Path(os.environ.get("DSEC_TEST_IMAGES", "/var/tmp/dsec-test-images"))
 
@@ -104,6 +106,20 @@ def release_node(state_dir: Path) -> None:
     except (OSError, ValueError):
         pass
     unmount_under(state_dir)
+
+
+def resolves(host: str) -> bool:
+    """Whether this machine can look ``host`` up (builds that fetch packages need the archive's name)."""
+    try:
+        socket.getaddrinfo(host, 80)
+        return True
+    except OSError:
+        return False
+
+
+def systemd_spec() -> ImageSpec:
+    """Debian with systemd as its init, for the vm kind (a new spec each call: specs grow in place)."""
+    return ImageSpec("dsec/debian:12").apt("systemd-sysv", "udev")
 
 
 def free_port() -> int:
@@ -294,3 +310,12 @@ def e2b_env(daemon: Daemon) -> Iterator[dict[str, str]]:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+@pytest.fixture
+def boxes(e2b_env: dict[str, str]) -> Iterator[list[Any]]:
+    """The E2B sandboxes (e2b.Sandbox) a test makes and appends here, killed after it."""
+    made: list[Any] = []
+    yield made
+    for box in made:
+        box.kill()

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import secrets
-import socket
 from collections.abc import Callable
 from pathlib import Path
 
@@ -13,7 +12,7 @@ import pytest
 import dsec
 from dsec.protocol.build import ImageSpec
 
-from .conftest import Daemon, layer_bytes
+from .conftest import Daemon, layer_bytes, resolves
 
 
 def unique(prefix: str) -> str:
@@ -114,15 +113,7 @@ def test_failing_and_bad_builds(daemon: Daemon, tmp_path: Path) -> None:
         client.build(ImageSpec("dsec/busybox").run("true"), taken)
 
 
-def _resolves(host: str) -> bool:
-    try:
-        socket.getaddrinfo(host, 80)
-        return True
-    except OSError:
-        return False
-
-
-@pytest.mark.skipif(not _resolves("deb.debian.org"), reason="no route to the Debian archive from this machine")
+@pytest.mark.skipif(not resolves("deb.debian.org"), reason="no route to the Debian archive from this machine")
 def test_spec_file_with_apt_pip_and_git_scrub_on_the_builder_network(daemon: Daemon, tmp_path: Path) -> None:
     spec = tmp_path / "env.toml"
     name = unique("apt")

@@ -5,6 +5,7 @@ cache, the CLI, and the errors a user sees. The base holds the host's static bus
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import io
 import os
@@ -88,16 +89,23 @@ def busybox_layer() -> bytes:
     return tar_of(members)
 
 
-@pytest.fixture(scope="module")
-def registry(workdir: Path) -> Iterator[Registry]:
-    found = start_registry(workdir / "registry")
-    layout = OciLayout(workdir / "layout")
+@contextlib.contextmanager
+def busybox_registry(where: Path) -> Iterator[Registry]:
+    """A registry on loopback holding base/busybox:1, a base image to build FROM; stopped after."""
+    found = start_registry(where / "registry")
+    layout = OciLayout(where / "layout")
     layout.name(layout.image([make_layer(busybox_layer())]), "1")
     push(layout, "1", found, "base/busybox:1")
     try:
         yield found
     finally:
         found.stop()
+
+
+@pytest.fixture(scope="module")
+def registry(workdir: Path) -> Iterator[Registry]:
+    with busybox_registry(workdir) as found:
+        yield found
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import secrets
 import time
-from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 
 import pytest
@@ -19,14 +18,6 @@ from .port_servers import fetch
 e2b = pytest.importorskip("e2b")
 from e2b import Sandbox, SandboxQuery, SandboxState  # noqa: E402
 from e2b.exceptions import SandboxException  # noqa: E402
-
-
-@pytest.fixture
-def boxes(e2b_env: dict[str, str]) -> Iterator[list[Sandbox]]:
-    made: list[Sandbox] = []
-    yield made
-    for box in made:
-        box.kill()
 
 
 def _wait(what: object, timeout: float = 20.0) -> None:

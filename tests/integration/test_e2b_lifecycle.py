@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import secrets
 import time
-from collections.abc import Iterator
 
 import httpx
 import pytest
@@ -23,14 +22,6 @@ from e2b.exceptions import (  # noqa: E402
     SandboxNotFoundException,
     SandboxNotRunningException,
 )
-
-
-@pytest.fixture
-def boxes(e2b_env: dict[str, str]) -> Iterator[list[Sandbox]]:
-    made: list[Sandbox] = []
-    yield made
-    for box in made:
-        box.kill()
 
 
 def test_list_info_timeout_and_kill(boxes: list[Sandbox]) -> None:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import re
 import secrets
-import socket
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -16,9 +15,8 @@ from typing import Any
 import pytest
 
 import dsec
-from dsec.protocol.build import ImageSpec
 
-from .conftest import Daemon, require_kind
+from .conftest import Daemon, require_kind, resolves, systemd_spec
 
 e2b = pytest.importorskip("e2b")
 from e2b import CommandHandle, PtySize, Sandbox  # noqa: E402
@@ -26,21 +24,12 @@ from e2b.exceptions import SandboxNotRunningException  # noqa: E402
 from e2b.sandbox.commands.command_handle import CommandExitException  # noqa: E402
 
 # the vm kind boots the image's own init: systemd (udev, or units bound to devices wait 90 s)
-SYSTEMD = ImageSpec("dsec/debian:12").apt("systemd-sysv", "udev")
 WAYS: dict[str, dict[str, Any]] = {
     "container": {"template": "dsec/debian:12"},
     "function": {"metadata": {"dsec.kind": "function"}},
     "microvm": {"template": "dsec/debian:12@microvm", "metadata": {"dsec.memory": "384Mi"}},
     "vm": {"metadata": {"dsec.kind": "vm", "dsec.memory": "512Mi"}},
 }
-
-
-def _resolves(host: str) -> bool:
-    try:
-        socket.getaddrinfo(host, 80)
-        return True
-    except OSError:
-        return False
 
 
 class Screen:
@@ -66,9 +55,9 @@ def box(kind: str, daemon: Daemon, e2b_env: dict[str, str]) -> Iterator[Sandbox]
     require_kind(client, kind)
     way = dict(WAYS[kind])
     if kind == "vm":
-        if not _resolves("deb.debian.org"):
+        if not resolves("deb.debian.org"):
             pytest.skip("no route to the Debian archive to build a systemd image for the vm kind")
-        way["template"] = client.build(SYSTEMD, f"test/systemd-vm:{secrets.token_hex(4)}").image.name  # cached
+        way["template"] = client.build(systemd_spec(), f"test/systemd-vm:{secrets.token_hex(4)}").image.name  # cached
     sandbox = Sandbox.create(timeout=900, request_timeout=600, **way)
     assert dsec.Sandbox.connect(sandbox.sandbox_id, client=client).info().kind == kind
     try:

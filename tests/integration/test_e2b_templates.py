@@ -16,9 +16,8 @@ import pytest
 import dsec
 
 from .conftest import Daemon, scratch_dir
-from .pull_images import make_layer
-from .registry import OciLayout, Registry, push, start_registry
-from .test_dockerfile_build import busybox_layer
+from .registry import Registry
+from .test_dockerfile_build import busybox_registry
 
 e2b = pytest.importorskip("e2b")
 from e2b import Sandbox, Template, wait_for_file  # noqa: E402
@@ -58,15 +57,8 @@ def context() -> Iterator[Path]:
 
 @pytest.fixture(scope="module")
 def registry() -> Iterator[Registry]:
-    with scratch_dir("dsec-e2b-tpl-reg-") as path:
-        found = start_registry(path / "registry")
-        layout = OciLayout(path / "layout")
-        layout.name(layout.image([make_layer(busybox_layer())]), "1")
-        push(layout, "1", found, "base/busybox:1")
-        try:
-            yield found
-        finally:
-            found.stop()
+    with scratch_dir("dsec-e2b-tpl-reg-") as path, busybox_registry(path) as found:
+        yield found
 
 
 def build(template: object, name: str, **kwargs: object) -> tuple[object, list[LogEntry]]:

@@ -3,19 +3,16 @@
 from __future__ import annotations
 
 import secrets
-import socket
 import time
 from collections.abc import Iterator
 
 import pytest
 
 import dsec
-from dsec.protocol.build import ImageSpec
 
-from .conftest import Daemon, require_kind
+from .conftest import Daemon, require_kind, resolves, systemd_spec
 
 # systemd learns devices from udev: without it, units bound to a device (the console's getty) wait 90 s
-SYSTEMD = ImageSpec("dsec/debian:12").apt("systemd-sysv", "udev")
 
 UNIT = """[Unit]
 Description=dsec test service
@@ -25,23 +22,15 @@ ExecStart=/bin/sh -c 'echo started > /run/hello; exec sleep infinity'
 """
 
 
-def _resolves(host: str) -> bool:
-    try:
-        socket.getaddrinfo(host, 80)
-        return True
-    except OSError:
-        return False
-
-
 @pytest.fixture(scope="module")
 def vm(daemon: Daemon) -> Iterator[dsec.Sandbox]:
     client = daemon.client()
-    if not _resolves("deb.debian.org"):
+    if not resolves("deb.debian.org"):
         pytest.skip("no route to the Debian archive to build a systemd image")
     # a step of this run's own (the apt layer below it stays cached): no other test's VM of the same image
     # (test_e2b_pty's) has left a memory-snapshot template for it, so this VM boots, as the test asks
     token = secrets.token_hex(4)
-    spec = SYSTEMD.run(f"echo {token} > /etc/dsec-test-boot")
+    spec = systemd_spec().run(f"echo {token} > /etc/dsec-test-boot")
     image = client.build(spec, f"test/systemd-vm:{token}").image.name
     require_kind(client, "vm")
     started = time.monotonic()

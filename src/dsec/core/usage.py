@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import deque
+from array import array
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
@@ -50,6 +50,35 @@ class Sample:
     memory: int
 
 
+class _Series:
+    """One sandbox's last samples in a ring of flat arrays: at thousands of sandboxes, a deque of sample
+    objects would be hundreds of thousands of objects for the garbage collector to walk."""
+
+    __slots__ = ("at", "cpu", "memory", "next", "size")
+
+    def __init__(self, size: int) -> None:
+        self.at = array("d", bytes(8 * size))
+        self.cpu = array("d", bytes(8 * size))
+        self.memory = array("q", bytes(8 * size))
+        self.next = 0  # where the next sample goes
+        self.size = 0  # how many are kept
+
+    def append(self, at: float, cpu: float, memory: int) -> None:
+        i = self.next
+        self.at[i], self.cpu[i], self.memory[i] = at, cpu, memory
+        self.next = (i + 1) % len(self.at)
+        self.size = min(self.size + 1, len(self.at))
+
+    def between(self, start: float | None, end: float | None) -> list[Sample]:
+        first = (self.next - self.size) % len(self.at)
+        kept = ((first + k) % len(self.at) for k in range(self.size))
+        return [
+            Sample(self.at[i], self.cpu[i], self.memory[i])
+            for i in kept
+            if (start is None or self.at[i] >= start) and (end is None or self.at[i] <= end)
+        ]
+
+
 def host_pressure() -> float:
     fields: dict[str, int] = {}
     with open("/proc/meminfo") as f:
@@ -72,7 +101,7 @@ class UsageMonitor:
         self.evict = evict  # sandbox id, why
         self.evict_at = evict_at
         self.usage: dict[str, Usage] = {}
-        self.history: dict[str, deque[Sample]] = {}  # sandbox id -> its last HISTORY samples, oldest first
+        self.history: dict[str, _Series] = {}  # sandbox id -> its last HISTORY samples
         self.pressure = 0.0
         self.evictions = 0
         self.on_sample: Callable[[str, float], None] | None = None  # kind, cpu used / requested
@@ -127,16 +156,14 @@ class UsageMonitor:
         for sid, u in fresh.items():
             series = self.history.get(sid)
             if series is None:
-                series = self.history[sid] = deque(maxlen=HISTORY)
-            series.append(Sample(wall, u.cpu_used, u.memory))
+                series = self.history[sid] = _Series(HISTORY)
+            series.append(wall, u.cpu_used, u.memory)
 
     def series(self, sandbox_id: str, start: float | None = None, end: float | None = None) -> list[Sample]:
-        """The sandbox's kept samples taken within [start, end] (wall-clock seconds; None: unbounded)."""
-        return [
-            s
-            for s in self.history.get(sandbox_id, ())
-            if (start is None or s.at >= start) and (end is None or s.at <= end)
-        ]
+        """The sandbox's kept samples taken within [start, end] (wall-clock seconds; None: unbounded),
+        oldest first."""
+        series = self.history.get(sandbox_id)
+        return series.between(start, end) if series is not None else []
 
     def used(self) -> tuple[float, int]:
         return sum(u.cpu_used for u in self.usage.values()), sum(u.memory for u in self.usage.values())

@@ -7,9 +7,6 @@ with a 400 that says so (see docs/e2b.md), never silently dropped.
 
 from __future__ import annotations
 
-import base64
-import binascii
-import json
 import math
 import time
 import urllib.parse
@@ -28,7 +25,17 @@ from ..web import telemetry
 from ..web.audit import note
 from ..web.disconnect import GONE, gone_response, unless_gone
 from . import control_models as m
-from .control_common import MAX_PAGE, UNSUPPORTED, Svc, Who, live_info, parse, sandbox_model
+from .control_common import (
+    MAX_PAGE,
+    UNSUPPORTED,
+    Svc,
+    Who,
+    live_info,
+    page_after,
+    page_token,
+    parse,
+    sandbox_model,
+)
 from .control_common import json_answer as json_answer
 from .control_common import router as router
 from .control_common import service as service
@@ -181,18 +188,6 @@ def _metadata_filter(raw: str | None) -> dict[str, str]:
     return {urllib.parse.unquote(k): urllib.parse.unquote(v) for k, v in urllib.parse.parse_qsl(raw)}
 
 
-def _token(info: SandboxInfo) -> str:
-    return base64.urlsafe_b64encode(json.dumps([info.created_at.timestamp(), info.id]).encode()).decode()
-
-
-def _after(token: str) -> tuple[float, str]:
-    try:
-        at, sid = json.loads(base64.urlsafe_b64decode(token.encode()))
-        return float(at), str(sid)
-    except (ValueError, TypeError, binascii.Error):
-        raise InvalidRequest(f"invalid nextToken {token[:40]!r}") from None
-
-
 @router.get("/v2/sandboxes", **doc(200, list[m.ListedSandbox]))
 async def list_sandboxes(
     svc: Svc,
@@ -221,14 +216,14 @@ async def list_sandboxes(
     newest_first = order != "asc"  # E2B's default order is newest first
     infos.sort(key=lambda i: (i.created_at.timestamp(), i.id), reverse=newest_first)
     if next_token:
-        key = _after(next_token)
+        key = page_after(next_token)
         if newest_first:
             infos = [i for i in infos if (i.created_at.timestamp(), i.id) < key]
         else:
             infos = [i for i in infos if (i.created_at.timestamp(), i.id) > key]
     page = infos[:limit]
     body = "[" + ",".join(_listed(i).wire().decode() for i in page) + "]"
-    headers = {"x-next-token": _token(page[-1])} if len(infos) > limit else {}
+    headers = {"x-next-token": page_token(page[-1].created_at.timestamp(), page[-1].id)} if len(infos) > limit else {}
     return Response(body, media_type="application/json", headers=headers)
 
 

@@ -3,6 +3,9 @@ and the answers they give (control.py and its modules by subject: lifecycle, sna
 
 from __future__ import annotations
 
+import base64
+import binascii
+import json
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Request, Response
@@ -70,3 +73,17 @@ def live_info(svc: E2BService, sandbox_id: str, caller: Caller) -> SandboxInfo:
 
 def json_answer(model: m._Out, status: int = 200) -> Response:
     return Response(model.wire(), status_code=status, media_type="application/json")
+
+
+def page_token(at: float, key: str) -> str:
+    """E2B's nextToken for a page ending at the item made at ``at`` (ties broken by ``key``)."""
+    return base64.urlsafe_b64encode(json.dumps([at, key]).encode()).decode()
+
+
+def page_after(token: str) -> tuple[float, str]:
+    """What a nextToken of page_token's names; InvalidRequest for anything else."""
+    try:
+        at, key = json.loads(base64.urlsafe_b64decode(token.encode()))
+        return float(at), str(key)
+    except (ValueError, TypeError, binascii.Error):
+        raise InvalidRequest(f"invalid nextToken {token[:40]!r}") from None

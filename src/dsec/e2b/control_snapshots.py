@@ -8,19 +8,27 @@ starts with.
 
 from __future__ import annotations
 
-import base64
-import binascii
-import json
 import time
 from typing import Annotated, Any
 
 from fastapi import Body, Query, Response
 
-from ..errors import InvalidRequest, NotFound
+from ..errors import NotFound
 from ..protocol.names import ImageName
 from ..protocol.sandbox import ForkRequest, ImageInfo, SnapshotRequest
 from . import control_models as m
-from .control_common import MAX_PAGE, Svc, Who, json_answer, live_info, parse, router, sandbox_model
+from .control_common import (
+    MAX_PAGE,
+    Svc,
+    Who,
+    json_answer,
+    live_info,
+    page_after,
+    page_token,
+    parse,
+    router,
+    sandbox_model,
+)
 from .control_doc import doc
 from .errors import plain_error
 
@@ -46,18 +54,6 @@ def _key(image: ImageInfo) -> tuple[float, str]:
     return (image.created_at.timestamp() if image.created_at else 0.0, image.name)
 
 
-def _page_token(image: ImageInfo) -> str:
-    return base64.urlsafe_b64encode(json.dumps(list(_key(image))).encode()).decode()
-
-
-def _after(token: str) -> tuple[float, str]:
-    try:
-        at, name = json.loads(base64.urlsafe_b64decode(token.encode()))
-        return float(at), str(name)
-    except (ValueError, TypeError, binascii.Error):
-        raise InvalidRequest(f"invalid nextToken {token[:40]!r}") from None
-
-
 @router.get("/snapshots", **doc(200, list[m.SnapshotInfo]))
 async def list_snapshots(
     svc: Svc,
@@ -78,11 +74,11 @@ async def list_snapshots(
     ]
     found.sort(key=_key, reverse=True)
     if next_token:
-        after = _after(next_token)
+        after = page_after(next_token)
         found = [i for i in found if _key(i) < after]
     page = found[:limit]
     body = "[" + ",".join(m.SnapshotInfo(snapshot_id=i.name, names=[i.name]).wire().decode() for i in page) + "]"
-    headers = {"x-next-token": _page_token(page[-1])} if len(found) > limit else {}
+    headers = {"x-next-token": page_token(*_key(page[-1]))} if len(found) > limit else {}
     return Response(body, media_type="application/json", headers=headers)
 
 

@@ -118,6 +118,15 @@ def base(table: str, resolver: str, guard_forwarding: bool) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _elements(table: str, pair_set: str, any_set: str, entries: Iterable[AllowEntry]) -> list[str]:
+    """The commands that fill a sandbox's (address . port) set and its any-port set from ``entries``."""
+    pairs, anys = _static_elements(entries)
+    lines = [f"add element {table} {pair_set} {{ {', '.join(pairs)} }}"] if pairs else []
+    if anys:
+        lines.append(f"add element {table} {any_set} {{ {', '.join(anys)} }}")
+    return lines
+
+
 def _static_elements(entries: Iterable[AllowEntry]) -> tuple[list[str], list[str]]:
     """(``addr . port`` elements, any-port address elements), disjoint as interval sets need them."""
     by_port: dict[int, list[ipaddress.IPv4Network]] = {}
@@ -158,11 +167,7 @@ def install(table: str, s: SandboxRules, keep_resolved: bool = False) -> str:
     lines.append(f"add rule {t} sb_{k} ct state established,related ct mark {s.gen} accept")
     if s.mode != "full":
         # an allowlist's destinations; under a deny list, the exceptions to it
-        pairs, anys = _static_elements(s.entries)
-        if pairs:
-            lines.append(f"add element {t} allow_{k} {{ {', '.join(pairs)} }}")
-        if anys:
-            lines.append(f"add element {t} allany_{k} {{ {', '.join(anys)} }}")
+        lines += _elements(t, f"allow_{k}", f"allany_{k}", s.entries)
         lines += [
             f"add rule {t} sb_{k} {PROTOS} ip daddr . th dport @allow_{k} {mark}",
             f"add rule {t} sb_{k} {PROTOS} ip daddr @allany_{k} {mark}",
@@ -175,11 +180,7 @@ def install(table: str, s: SandboxRules, keep_resolved: bool = False) -> str:
             # allowlist may name them, "full" does not reach them
             lines.append(f"add rule {t} sb_{k} ip daddr {{ {', '.join(s.full_deny)} }} jump deny")
         if s.mode == "deny":
-            pairs, anys = _static_elements(s.denied)
-            if pairs:
-                lines.append(f"add element {t} blk_{k} {{ {', '.join(pairs)} }}")
-            if anys:
-                lines.append(f"add element {t} blkall_{k} {{ {', '.join(anys)} }}")
+            lines += _elements(t, f"blk_{k}", f"blkall_{k}", s.denied)
             lines += [
                 f"add rule {t} sb_{k} {PROTOS} ip daddr . th dport @blk_{k} jump deny",
                 f"add rule {t} sb_{k} ip daddr @blkall_{k} jump deny",
