@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable, Sequence
 
-from ..protocol.node import NodeStatus, Ratios, Resources, SandboxUsage, TenantQueue
+from ..protocol.node import HistoryBucket, NodeHistory, NodeStatus, Ratios, Resources, SandboxUsage, TenantQueue
 from ..protocol.sandbox import SandboxInfo
 from ..protocol.version import __version__
 
@@ -29,12 +29,14 @@ def node_total(name: str, statuses: Sequence[NodeStatus], top: int = 0) -> NodeS
     capacity = _sum(s.capacity for s in statuses)
     allocatable = _sum(s.allocatable for s in statuses)
     sandboxes: dict[str, dict[str, int]] = {}
+    owners: dict[str, int] = {}
     starting: dict[str, int] = {}
     slots: dict[str, int] = {}
     queues: dict[str, TenantQueue] = {}
     for s in statuses:
         for kind, states in s.sandboxes.items():
             _add_counts(sandboxes.setdefault(kind, {}), states)
+        _add_counts(owners, s.owners)
         _add_counts(starting, s.starting)
         _add_counts(slots, s.start_slots)
         for q in s.queues:
@@ -64,6 +66,7 @@ def node_total(name: str, statuses: Sequence[NodeStatus], top: int = 0) -> NodeS
         free=_sum(s.free for s in statuses),
         used=_sum(s.used for s in statuses),
         sandboxes=sandboxes,
+        owners=dict(sorted(owners.items())),
         queued=sum(s.queued for s in statuses),
         queues=sorted(queues.values(), key=lambda q: q.tenant),
         starting=starting,
@@ -122,3 +125,15 @@ def merge_metrics(texts: Sequence[tuple[str, str]]) -> str:
             tag = f'node="{_label(node)}"'
             families[family].append(f"{name}{{{tag + (',' + inner if inner else '')}}}{rest}")
     return "".join(line + "\n" for family in order for line in families[family])
+
+
+def history_total(histories: Sequence[NodeHistory]) -> NodeHistory:
+    """The nodes' last hours added minute by minute (their buckets start on the same wall-clock minutes)."""
+    created: dict[int, dict[str, int]] = {}
+    failed: dict[int, dict[str, int]] = {}
+    for h in histories:
+        for b in h.buckets:
+            _add_counts(created.setdefault(b.at, {}), b.created)
+            _add_counts(failed.setdefault(b.at, {}), b.failed)
+    buckets = [HistoryBucket(at=at, created=created[at], failed=failed[at]) for at in sorted(created)]
+    return NodeHistory(step_s=histories[0].step_s if histories else 60, buckets=buckets[-60:])

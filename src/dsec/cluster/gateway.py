@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any
-from urllib.parse import parse_qs
+from urllib.parse import parse_qs, urlencode
 
 from pydantic import ValidationError
 
@@ -39,12 +39,14 @@ from ..errors import (
     Unauthorized,
     validation_message,
 )
-from ..protocol.node import MAX_TOP, NodeStatus
+from ..protocol.node import MAX_TOP, NodeHistory, NodeStatus
 from ..protocol.run import PoolList, RunRequest
 from ..protocol.sandbox import CreateSandbox, ForkResult, Health, SandboxInfo, SandboxList
+from ..protocol.sandbox_query import SandboxQuery, select
 from ..protocol.trajectory import TrajectoryList
 from ..protocol.version import __version__
 from ..server.allow import allowed_methods, routed
+from ..tenancy import OPERATOR, Caller
 from ..web.disconnect import CLIENT_GONE, GONE, unless_gone
 from . import aggregate
 from .directory import Directory, labels_of
@@ -98,6 +100,10 @@ class Gateway:
         self._pruned = time.monotonic()
         self._checks: dict[int, asyncio.Task[None]] = {}
         self._nudged: dict[int, float] = {}
+
+    def verify(self, token: str) -> Caller | None:
+        """Who a token is (the console's login): the cluster has one token, its operator's."""
+        return OPERATOR if secrets.compare_digest(token.encode(), self.token) else None
 
     # ---- ASGI ----------------------------------------------------------------------------------------
 
@@ -155,6 +161,8 @@ class Gateway:
         route = parts[1]
         if route == "sandboxes":
             await self._sandboxes(scope, receive, send, method, parts[2:])
+        elif route == "node" and method == "GET" and parts[2:] == ["history"]:
+            await self._history(send)
         elif route == "node" and method == "GET":
             await self._node(scope, send)
         elif route == "cluster" and method == "GET":
@@ -373,8 +381,12 @@ class Gateway:
         return Failure(Overloaded, message, {"retry_after": retry_after})
 
     async def _list(self, scope: Scope, send: Send) -> None:
-        qs = query(scope)
-        params = parse_qs(qs)
+        params = parse_qs(query(scope))
+        try:  # the nodes filter; the page is cut here, from all of them
+            page = SandboxQuery.model_validate({k: v[-1] for k, v in params.items() if k in SandboxQuery.model_fields})
+        except ValidationError as e:
+            raise Failure(InvalidRequest, validation_message(e)) from None
+        qs = urlencode([(k, v) for k, vs in params.items() if k not in ("limit", "offset") for v in vs])
         url = "/v1/sandboxes" + (f"?{qs}" if qs else "")
         replies = await self.fan_out(self.nodes.routable(), url)
         infos: dict[str, SandboxInfo] = {}
@@ -388,7 +400,7 @@ class Gateway:
         include_all = params.get("all", ["false"])[-1].lower() in ("1", "true", "yes")
         for info in self.directory.lost_infos(include_all, labels_of(params)):
             infos.setdefault(info.id, info)
-        await answer_json(send, 200, SandboxList(sandboxes=aggregate.by_creation(infos.values())))
+        await answer_json(send, 200, select(aggregate.by_creation(infos.values()), page))
         self.maybe_prune()
 
     async def _run(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -431,6 +443,11 @@ class Gateway:
         else:
             statuses = [n.status for n in self.nodes.healthy() if n.status is not None]
         await answer_json(send, 200, aggregate.node_total(self.name, statuses, top))
+
+    async def _history(self, send: Send) -> None:
+        replies = await self.fan_out(self.nodes.healthy(), "/v1/node/history")
+        histories = [NodeHistory.model_validate_json(r.content) for _, r in replies if r.status == 200]
+        await answer_json(send, 200, aggregate.history_total(histories))
 
     def cluster_status(self) -> ClusterStatus:
         def ts(t: float | None) -> datetime | None:

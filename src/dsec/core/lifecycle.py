@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from ..errors import BackendError, DsecError, InvalidRequest, InvalidState, SandboxGone, environment_error
 from ..images.store import ImageRef, ImageStore
-from ..kinds.base import OutputCallback
+from ..kinds.base import Backend, OutputCallback
 from ..kinds.execio import ExecIO
 from ..protocol.network import NetworkSpec
 from ..protocol.sandbox import (
@@ -31,6 +31,7 @@ from ..store.records import SandboxRecord, new_record
 from ..store.tenants import TenantStore
 from ..tenancy import OPERATOR, Caller
 from .admission import Claim
+from .exec_feed import ExecFeed
 from .metrics import NodeMetrics
 from .sandboxes import LIVE_STATES, Sandboxes, gone
 from .volumes import Volumes
@@ -80,6 +81,7 @@ class Lifecycle:
         self._create_slots: dict[str, asyncio.Semaphore] = {}
         # an idle warm-pool sandbox handed over to a creation that matches one (core/warm.py); None: none
         self.claim: Callable[[CreateSandbox, ImageRef, Caller], SandboxRecord | None] = lambda *_: None
+        self.feed = ExecFeed()  # commands as they run, for a console watching a sandbox
 
     # ---- create --------------------------------------------------------------------------------------
 
@@ -88,7 +90,7 @@ class Lifecycle:
         try:
             return await self.create_fresh(req, caller=caller, persist=persist)
         except DsecError as e:
-            self.metrics.failed(req.kind, e.code)
+            self.metrics.failed(req.kind, e.code, caller.owner)
             raise
 
     async def create_fresh(self, req: CreateSandbox, *, caller: Caller = OPERATOR, persist: bool = True) -> SandboxInfo:
@@ -205,7 +207,7 @@ class Lifecycle:
                 sandboxes.set_state(rec, State.failed, f"creation failed: {failure(e)}")
             sandboxes.forget_lock(rec.id)  # a failed sandbox takes no more actions that need it
             raise
-        self.metrics.created(rec.kind, timings)
+        self.metrics.created(rec.kind, timings, rec.owner)
         return rec
 
     async def _start(self, rec: SandboxRecord, image: ImageRef, started: float) -> dict[str, float]:
@@ -368,11 +370,39 @@ class Lifecycle:
         first = bool(rec.timings) and "first_exec" not in rec.timings  # (a fork's copies have no phases)
         started = time.monotonic()
         with self.sandboxes.busy(rec.id):
-            result = await self.sandboxes.checked(rec, backend.exec(rec, req, on_output, io))
+            if self.feed.watching(rec.id):
+                result = await self._exec_watched(rec, backend, req, on_output, io)
+            else:
+                result = await self.sandboxes.checked(rec, backend.exec(rec, req, on_output, io))
         if first:
             seconds = time.monotonic() - started
             rec.timings["first_exec"] = round(seconds, 6)
             self.metrics.phase.labels(rec.kind, "first_exec").observe(seconds)
+        return result
+
+    async def _exec_watched(
+        self,
+        rec: SandboxRecord,
+        backend: Backend,
+        req: ExecRequest,
+        on_output: OutputCallback | None,
+        io: ExecIO | None,
+    ) -> ExecResult:
+        """An exec someone watches (the console): its start, output and end go to the feed as well."""
+        feed, sid = self.feed, rec.id
+        number = feed.started(sid, req.cmd)
+
+        def tap(stream: str, data: bytes) -> None:
+            feed.output(sid, number, stream, data)
+            if on_output is not None:
+                on_output(stream, data)
+
+        try:
+            result = await self.sandboxes.checked(rec, backend.exec(rec, req, tap, io))
+        except BaseException as e:
+            feed.ended(sid, number, None, str(e) or type(e).__name__)
+            raise
+        feed.ended(sid, number, result.exit_code, "timed out" if result.timed_out else None)
         return result
 
     async def pause(self, sandbox_id: str, *, caller: Caller = OPERATOR) -> SandboxInfo:

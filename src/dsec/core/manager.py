@@ -13,6 +13,7 @@ import functools
 import logging
 import os
 from collections.abc import Sequence
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,7 @@ from ..kinds.base import Backend, BackendContext, OutputCallback
 from ..kinds.execio import ExecIO
 from ..protocol.grade import GradeRequest, GradeResult
 from ..protocol.network import NetworkSpec
+from ..protocol.node import NodeHistory, UsageSample, UsageSeries
 from ..protocol.pools import WarmPoolInfo, WarmPoolSpec
 from ..protocol.pull import PushRequest, PushResult
 from ..protocol.sandbox import (
@@ -57,6 +59,7 @@ from .admission import Admission, AdmissionOptions
 from .builds import Builder
 from .code import CodeRunner
 from .dockerfile.build import DockerfileBuild
+from .exec_feed import Watcher
 from .files import FileActions
 from .grading import Grader
 from .imageops import ImageActions
@@ -245,7 +248,7 @@ class SandboxManager:
         try:
             return await self.trajectories.create(req, caller)
         except DsecError as e:
-            self.metrics.failed(req.kind, e.code)
+            self.metrics.failed(req.kind, e.code, caller.owner)
             raise
 
     async def create_on(
@@ -255,6 +258,19 @@ class SandboxManager:
 
     def info(self, sandbox_id: str, *, caller: Caller = OPERATOR) -> SandboxInfo:
         return self.sandboxes.get(sandbox_id, caller).info()
+
+    def usage_series(self, sandbox_id: str, *, caller: Caller = OPERATOR) -> UsageSeries:
+        self.sandboxes.get(sandbox_id, caller)
+        samples = self.usage.series(sandbox_id)
+        return UsageSeries(samples=[UsageSample(at=s.at, cpu_used=s.cpu_used, memory=s.memory) for s in samples])
+
+    def history(self, *, caller: Caller = OPERATOR) -> NodeHistory:
+        return self.metrics.history.view(caller)
+
+    def watch_execs(self, sandbox_id: str, *, caller: Caller = OPERATOR) -> AbstractContextManager[Watcher]:
+        """The sandbox's commands as they run, from now on (its owner's or the operator's to watch)."""
+        self.sandboxes.get(sandbox_id, caller)
+        return self.lifecycle.feed.watch(sandbox_id)
 
     def record(self, sandbox_id: str, *, caller: Caller = OPERATOR) -> SandboxRecord:
         """The sandbox's record, if ``caller`` may act on it (for layers that translate calls into the

@@ -21,6 +21,7 @@ from prometheus_client.registry import Collector
 from ..protocol.pools import WarmPoolInfo
 from ..protocol.run import PoolInfo
 from ..tenancy import OPERATOR, Caller
+from .history import CreationHistory
 from .sandboxes import Sandboxes
 from .usage import UsageMonitor
 
@@ -80,6 +81,7 @@ class NodeMetrics:
         )
         self.evictions = PromCounter("dsec_evictions", "Sandboxes evicted under memory pressure.", registry=r)
         self.sandboxes = sandboxes
+        self.history = CreationHistory()  # the last hour by minute, for the console's charts
         self.usage: UsageMonitor | None = None
         self.pools: Pools = lambda caller: []
         self.warm: WarmPools = lambda caller: []
@@ -92,14 +94,16 @@ class NodeMetrics:
         usage.on_sample = lambda kind, ratio: self.cpu_use.labels(kind).observe(ratio)
         self.registry.register(_Live(self, usage))
 
-    def created(self, kind: str, timings: dict[str, float]) -> None:
+    def created(self, kind: str, timings: dict[str, float], owner: str | None = None) -> None:
         self.creations.labels(kind).inc()
+        self.history.created(kind, owner)
         for phase, seconds in timings.items():
             if phase in PHASES:
                 self.phase.labels(kind, phase).observe(seconds)
 
-    def failed(self, kind: str, reason: str) -> None:
+    def failed(self, kind: str, reason: str, owner: str | None = None) -> None:
         self.failures.labels(kind, reason).inc()
+        self.history.failed(reason, owner)
 
     def render(self, caller: Caller = OPERATOR) -> bytes:
         """Everything for the operator; a tenant's own sandboxes and pools for a tenant."""

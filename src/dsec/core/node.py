@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 from ..protocol.node import NodeStatus, Resources, SandboxUsage
 from ..protocol.sandbox import State
 from ..protocol.version import __version__
-from ..tenancy import Caller
+from ..tenancy import ADMIN, Caller
 
 if TYPE_CHECKING:
     from .manager import SandboxManager
@@ -21,6 +21,8 @@ def node_status(mgr: SandboxManager, caller: Caller, top: int = 0) -> NodeStatus
     counts: dict[str, dict[str, int]] = {}
     for (kind, state), n in sorted(Counter((r.kind, r.state.value) for r in live).items()):
         counts.setdefault(kind, {})[state] = n
+    # per tenant: the operator sees every tenant's count, a tenant its own (pooled ones are nobody's yet)
+    owners = Counter(r.owner or ADMIN for r in live if r.pool is None and caller.owns(r.owner))
     cpu_used, mem_used = mgr.usage.used()
     now = time.time()
     usage = []
@@ -57,6 +59,7 @@ def node_status(mgr: SandboxManager, caller: Caller, top: int = 0) -> NodeStatus
         free=adm.free,
         used=Resources(cpu=round(cpu_used, 4), memory=mem_used),
         sandboxes=counts,
+        owners=dict(sorted(owners.items())),
         queued=adm.queued,
         queues=adm.queues(),
         starting=dict(Counter(r.kind for r in live if r.state == State.creating)),

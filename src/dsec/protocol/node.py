@@ -68,6 +68,10 @@ class NodeStatus(BaseModel):
     free: Resources = Field(description="allocatable - requested.")
     used: Resources = Field(description="Measured use of the sandboxes (CPU: cores over the last interval).")
     sandboxes: dict[str, dict[str, int]] = Field(description="Live sandboxes: kind -> state -> count.")
+    owners: dict[str, int] = Field(
+        default_factory=dict,
+        description="Live sandboxes per tenant (the operator's are admin's); a tenant sees its own count.",
+    )
     queued: int = Field(description="Creations waiting for capacity.")
     queues: list[TenantQueue] = Field(default_factory=list)
     starting: dict[str, int] = Field(description="Creations in progress, per kind.")
@@ -137,3 +141,29 @@ class TenantQuota(BaseModel):
         if v is not None and v > MAX_QUOTA_MEMORY:
             raise ValueError("memory must be at most 1Pi")
         return v
+
+
+class HistoryBucket(BaseModel):
+    at: int = Field(description="The minute's start, Unix seconds.")
+    created: dict[str, int] = Field(default_factory=dict, description="Sandboxes created, per kind.")
+    failed: dict[str, int] = Field(default_factory=dict, description="Creations that failed, per reason (error code).")
+
+
+class NodeHistory(BaseModel):
+    """The last hour of creations, one bucket per minute, oldest first (GET /v1/node/history); a tenant
+    sees its own."""
+
+    step_s: int = Field(description="Seconds per bucket.")
+    buckets: list[HistoryBucket]
+
+
+class UsageSample(BaseModel):
+    at: float = Field(description="When it was sampled, Unix seconds.")
+    cpu_used: float = Field(description="Cores used on average over the sampling interval.")
+    memory: int = Field(description="Bytes charged to the sandbox's memory cgroup (VMs: the VMM's).")
+
+
+class UsageSeries(BaseModel):
+    """A sandbox's measured use over the last minutes, oldest first (GET /v1/sandboxes/{id}/usage)."""
+
+    samples: list[UsageSample]

@@ -237,6 +237,7 @@ class ForkResult(BaseModel):
 
 class SandboxList(BaseModel):
     sandboxes: list[SandboxInfo]
+    total: int | None = Field(None, description="With ?limit: how many matched in all (the page is a part).")
 
 
 class ExecRequest(_Strict):

@@ -20,11 +20,13 @@ from . import (
     tenant_routes,
     trajectory_routes,
     volume_routes,
+    watch_routes,
 )
 
 
 def include_routes(app: FastAPI) -> None:
     app.include_router(node_routes.router)  # before routes: /sandboxes/batch is not a sandbox id
+    app.include_router(watch_routes.router)
     app.include_router(node_routes.metrics_router)
     app.include_router(routes.router)
     app.include_router(image_routes.router)

@@ -42,6 +42,7 @@ from ..protocol.sandbox import (
     SandboxList,
     SnapshotRequest,
 )
+from ..protocol.sandbox_query import SandboxQuery, select
 from ..protocol.trajectory import REPLAYED_HEADER, SEQ_HEADER
 from ..protocol.types import MAX_LABELS, AbsPath
 from ..protocol.version import __version__
@@ -131,14 +132,17 @@ async def list_sandboxes(
         ),
     ] = [],  # noqa: B006
     all: bool = False,
+    q: Annotated[SandboxQuery, Query()] = SandboxQuery(),
 ) -> SandboxList:
+    """The caller's sandboxes, oldest first; filtered by state, kind, image and owner as asked, and with
+    ``limit`` a page of them, newest first, with the total."""
     labels: dict[str, str] = {}
     for item in label:
         key, sep, value = item.partition("=")
         if not sep or not key or len(item) > 1024:
             raise InvalidRequest(f"label filter {item!r} must look like key=value")
         labels[key] = value
-    return SandboxList(sandboxes=mgr.list(labels, include_finished=all, caller=caller))
+    return select(mgr.list(labels, include_finished=all, caller=caller), q)
 
 
 def _json(model: BaseModel, status: int = 200) -> Response:

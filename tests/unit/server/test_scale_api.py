@@ -198,6 +198,14 @@ async def test_quotas_bound_one_tenant(node: Node) -> None:
     # a tenant sees only its own sandboxes in the node's top list, and cannot read the metrics
     top = (await tenant.get("/v1/node", params={"top": 10})).json()["top"]
     assert [s["owner"] for s in top] == ["team"]
+    # sandboxes per tenant (the console's fleet page): the operator sees all, a tenant its own count
+    assert (await op.get("/v1/node")).json()["owners"] == {"admin": 1, "team": 1}
+    assert (await tenant.get("/v1/node")).json()["owners"] == {"team": 1}
+    # the last hour of creations: a tenant's own, the operator's whole (one refusal by quota among them)
+    mine_now = (await tenant.get("/v1/node/history")).json()["buckets"][-1]
+    assert mine_now["created"] == {"container": 1} and mine_now["failed"] == {"overloaded": 1}
+    all_now = (await op.get("/v1/node/history")).json()["buckets"][-1]
+    assert all_now["created"] == {"container": 2}
     mine = await tenant.get("/metrics")
     assert mine.status_code == 200  # its own slice: its sandboxes and pools, not the node's figures
     assert 'dsec_sandboxes{kind="container",state="running"} 1.0' in mine.text

@@ -148,6 +148,8 @@ REQUESTS: dict[tuple[str, str], dict[str, Any]] = {
     ("POST", "/resume"): {},
     ("POST", "/fork"): {"json": {"n": 1}},
     ("GET", "/network"): {},
+    ("GET", "/usage"): {},
+    ("GET", "/execs/live"): {},
     ("PUT", "/network"): {"json": "full"},
     ("GET", "/ports"): {},
     ("POST", "/ports"): {"json": {"port": 8000}},
