@@ -57,12 +57,16 @@ def _config(app: Any, host: str, port: int, log_level: str) -> Any:
 
 def node_api(gateway: Gateway, traffic: PortTraffic | None = None) -> Any:
     """The gateway as served: sandboxes' ports outermost (their traffic is the sandboxes', not calls),
-    then Idempotency-Keys remembered by the gateway itself, so a repeated creation whose answer was
-    lost is answered again instead of being placed a second time (perhaps on another node)."""
+    the web console (/ui and its sessions), then Idempotency-Keys remembered by the gateway itself, so
+    a repeated creation whose answer was lost is answered again instead of being placed a second time
+    (perhaps on another node)."""
+    from ..console import Console
     from ..web.errors import error_response
     from ..web.idempotency import Idempotency
 
-    return GatewayPorts(Idempotency(gateway, error=error_response), gateway, traffic or PortTraffic(gateway))
+    # the console inside the ports (a sandbox's own /ui is the sandbox's), outside the API it logs in to
+    api = Console(Idempotency(gateway, error=error_response), verify=gateway.verify)
+    return GatewayPorts(api, gateway, traffic or PortTraffic(gateway))
 
 
 def servers(

@@ -9,11 +9,13 @@ from typing import TYPE_CHECKING
 
 from fastapi import FastAPI
 
+from ..console import Console
 from ..core.manager import SandboxManager
 from ..protocol.version import __version__
 from ..web import errors as errors
 from ..web import telemetry
 from ..web.audit import AuditMiddleware
+from ..web.auth import identify_token
 from ..web.errors import error_response
 from ..web.idempotency import Idempotency, Memory
 from ..web.limits import BodyLimit
@@ -53,5 +55,7 @@ def create_app(manager: SandboxManager, token: str) -> FastAPI:
     # outside the body limit: its 413s are answers too
     app.add_middleware(Idempotency, error=error_response, memory=remembered)
     app.add_middleware(AuditMiddleware)  # outside the others, so their answers are audited too
+    # outside the audit: a browser's call is audited as its session's token, like any client's
+    app.add_middleware(Console, verify=lambda token: identify_token(app, token.encode()))
     app.add_middleware(PortProxy, manager=manager)  # a sandbox's own traffic: none of the API's rules
     return app

@@ -24,7 +24,10 @@ def bearer(headers: list[tuple[bytes, bytes]]) -> bytes:
 
 
 def identify(app: Any, headers: list[tuple[bytes, bytes]]) -> Caller | None:
-    token = bearer(headers)
+    return identify_token(app, bearer(headers))
+
+
+def identify_token(app: Any, token: bytes) -> Caller | None:
     if not token:
         return None
     # the operator's token is the one the app was made with (STATE_DIR/token), whatever the table says
