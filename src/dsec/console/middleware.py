@@ -10,7 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from starlette.responses import JSONResponse, RedirectResponse, Response
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ..errors import DsecError, Forbidden, InvalidRequest, LimitExceeded, NotFound, Unauthorized
 from ..tenancy import Caller
@@ -21,6 +21,10 @@ from .sessions import Session, Sessions, clear_cookie, cookie_value, set_cookie
 Verify = Callable[[str], Caller | None]  # a token -> who it is, or None
 SAFE = frozenset({"GET", "HEAD", "OPTIONS"})
 CSRF_HEADER = b"x-csrf-token"
+API_HEADERS = [
+    (b"x-content-type-options", b"nosniff"),
+    (b"content-security-policy", b"default-src 'none'; frame-ancestors 'none'; sandbox"),
+]
 MAX_LOGIN_BODY = 4096
 
 
@@ -58,7 +62,15 @@ class Console:
             return
         passed = [(k, v) for k, v in headers if k not in (b"cookie", CSRF_HEADER)]
         passed.append((b"authorization", b"Bearer " + session.token.encode()))
-        await self.app({**scope, "headers": passed}, receive, send)
+
+        async def guarded(message: Message) -> None:
+            # a browser sent here by a link renders nothing a sandbox wrote (a file read as HTML): it
+            # gets the bytes with no type sniffing and no script allowed
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []), *API_HEADERS]}
+            await send(message)
+
+        await self.app({**scope, "headers": passed}, receive, guarded)
 
     async def _ui(self, scope: Scope, receive: Receive, path: str) -> Response:
         method: str = scope["method"]

@@ -76,8 +76,11 @@ async def test_a_wrong_token_or_a_bad_body_is_refused_with_the_apis_error(tmp_pa
 async def test_a_call_with_the_cookie_reaches_the_api_as_the_sessions_token(tmp_path: Path) -> None:
     async with client(tmp_path) as c:
         csrf = await login(c, "alice-token")
-        seen = (await c.get("/v1/sandboxes")).json()["headers"]
+        r = await c.get("/v1/sandboxes")
+        seen = r.json()["headers"]
         assert seen["authorization"] == "Bearer alice-token"
+        # an API answer opened by a browser (a file a sandbox wrote, as HTML) runs no script and is not sniffed
+        assert r.headers["x-content-type-options"] == "nosniff" and "sandbox" in r.headers["content-security-policy"]
         assert "cookie" not in seen  # the session id goes no further than the console
         r = await c.delete("/v1/sandboxes/sb-1", headers={"x-csrf-token": csrf})
         assert r.status_code == 200 and r.json()["headers"]["authorization"] == "Bearer alice-token"
