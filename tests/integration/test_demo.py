@@ -63,6 +63,8 @@ def test_the_demo_on_a_daemon_of_its_own_leaves_no_process_and_no_mount() -> Non
         )
         assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
         assert re.search(r"sandboxes left behind\s*│\s*0 ", res.stdout), res.stdout
+        # the daemon it started serves the web console; its address and token are printed for the user
+        assert re.search(r"console: http://127\.0\.0\.1:\d+/ui/\s+token: \S{16,}", res.stdout), res.stdout
         assert processes_of(state) == []
         assert mounts_under(state) == []
     finally:

@@ -7,6 +7,7 @@ import contextlib
 import io
 import os
 import signal
+import socket
 import subprocess
 import sys
 import tarfile
@@ -25,6 +26,8 @@ from ..stats import percentile
 from .project import FILES, GRADE, candidate_for
 
 IMAGE = "dsec/debian:12"
+SERVE = (sys.executable, "-m", "dsec", "serve")
+CONSOLE_PORT = 8470  # the console of a daemon the demo starts: http://127.0.0.1:8470/ui/
 console = Console()
 
 
@@ -43,6 +46,7 @@ class Outcome:
 class Daemon:
     proc: subprocess.Popen[bytes] | None = None
     log: Path | None = None
+    console: str | None = None  # the console's URL, when the demo started the daemon
     notes: list[str] = field(default_factory=list)
 
 
@@ -58,11 +62,21 @@ def _project_tar() -> bytes:
     return buf.getvalue()
 
 
-def _spawn_daemon(state_dir: Path, log: Path) -> subprocess.Popen[bytes]:
+def _console_listen() -> str:
+    """Where a daemon the demo starts listens: loopback, on CONSOLE_PORT if it is free."""
+    with socket.socket() as probe:
+        try:
+            probe.bind(("127.0.0.1", CONSOLE_PORT))
+        except OSError:
+            probe.bind(("127.0.0.1", 0))
+        return f"http://127.0.0.1:{probe.getsockname()[1]}"
+
+
+def _spawn_daemon(state_dir: Path, log: Path, listen: str) -> subprocess.Popen[bytes]:
     state_dir.mkdir(parents=True, exist_ok=True)
     with open(log, "ab") as logf:
         return subprocess.Popen(
-            [sys.executable, "-m", "dsec", "serve", "--state-dir", str(state_dir), "--log-level", "warning"],
+            [*SERVE, "--state-dir", str(state_dir), "--log-level", "warning", "--listen", listen],
             stdout=logf,
             stderr=logf,
             stdin=subprocess.DEVNULL,
@@ -75,21 +89,35 @@ async def _ensure_daemon(url: str | None, token: str | None, state_dir: Path) ->
     daemon = Daemon()
     try:
         await client.health()
+        if url is not None and url.startswith(("http://", "https://")):
+            console.print(f"console: [bold]{url.rstrip('/')}/ui/[/bold] (log in with the daemon's token)")
+        else:
+            console.print(
+                "[dim]console: this daemon listens on a unix socket; one started with --listen "
+                "http://HOST:PORT serves the console at /ui/[/dim]"
+            )
         return client, daemon
     except DaemonUnreachable:
         if url is not None:
             raise
     await client.aclose()
     daemon.log = state_dir / "demo-daemon.log"
-    console.print(f"[dim]no daemon running: starting `dsec serve --state-dir {state_dir}` (log: {daemon.log})[/dim]")
-    daemon.proc = await asyncio.to_thread(_spawn_daemon, state_dir, daemon.log)
+    listen = _console_listen()
+    console.print(
+        f"[dim]no daemon running: starting `dsec serve --state-dir {state_dir} --listen {listen}` "
+        f"(log: {daemon.log})[/dim]"
+    )
+    daemon.proc = await asyncio.to_thread(_spawn_daemon, state_dir, daemon.log, listen)
     deadline = time.monotonic() + 30
     while True:
         if daemon.proc.poll() is not None:
             raise DaemonUnreachable(f"the daemon exited at start; see {daemon.log}")
         with contextlib.suppress(DaemonUnreachable, FileNotFoundError):
-            client = AsyncClient(url=f"unix://{state_dir / 'dsec.sock'}", token=token)
+            token = token or (state_dir / "token").read_text().strip()
+            client = AsyncClient(url=listen, token=token)
             await client.health()
+            daemon.console = f"{listen}/ui/"
+            console.print(f"console: [bold]{daemon.console}[/bold]  token: [bold]{token}[/bold]")
             return client, daemon
         if time.monotonic() > deadline:
             raise DaemonUnreachable(f"the daemon did not answer within 30 s; see {daemon.log}")
@@ -177,6 +205,9 @@ async def run_demo(n: int, concurrency: int, state_dir: Path, url: str | None, t
             with contextlib.suppress(DsecError):
                 await (await AsyncSandbox.connect(info.id, client=client)).kill()
         _summary(outcomes, wall, n, len(leftovers))
+        if daemon.console is not None and sys.stdin.isatty():
+            console.print(f"the console stays at {daemon.console}: press Enter to stop the daemon")
+            await asyncio.to_thread(sys.stdin.readline)
         return 0 if all(o.error is None for o in outcomes) and _expected(outcomes) else 1
     finally:
         await client.aclose()
