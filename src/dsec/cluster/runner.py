@@ -65,7 +65,7 @@ def node_api(gateway: Gateway, traffic: PortTraffic | None = None) -> Any:
     from ..web.idempotency import Idempotency
 
     # the console inside the ports (a sandbox's own /ui is the sandbox's), outside the API it logs in to
-    api = Console(Idempotency(gateway, error=error_response), verify=gateway.verify)
+    api = Console(Idempotency(gateway, error=error_response), verify=gateway.verify, cluster=True)
     return GatewayPorts(api, gateway, traffic or PortTraffic(gateway))
 
 

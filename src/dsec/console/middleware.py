@@ -29,8 +29,16 @@ MAX_LOGIN_BODY = 4096
 
 
 class Console:
-    def __init__(self, app: ASGIApp, verify: Verify, sessions: Sessions | None = None, assets: Path = ASSETS) -> None:
+    def __init__(
+        self,
+        app: ASGIApp,
+        verify: Verify,
+        sessions: Sessions | None = None,
+        assets: Path = ASSETS,
+        cluster: bool = False,
+    ) -> None:
         self.app = app
+        self.cluster = cluster  # in front of a gateway: the page shows the nodes (GET /v1/cluster)
         self.verify = verify
         self.sessions = sessions or Sessions()
         self.assets = assets
@@ -103,7 +111,7 @@ class Console:
         if caller is None:
             raise Unauthorized("wrong or revoked token")
         sid, session = self.sessions.open(token.strip())
-        response = _who(caller, session)
+        response = _who(caller, session, self.cluster)
         response.headers["Set-Cookie"] = set_cookie(sid, secure=scope.get("scheme") == "https")
         return response
 
@@ -115,7 +123,7 @@ class Console:
             if sid and session is not None:
                 self.sessions.close(sid)  # its token was revoked
             raise Unauthorized("not logged in to the console")
-        return _who(caller, session)
+        return _who(caller, session, self.cluster)
 
     def _logout(self, scope: Scope) -> Response:
         sid = cookie_value(scope.get("headers", []))
@@ -129,9 +137,9 @@ class Console:
         return response
 
 
-def _who(caller: Caller, session: Session) -> JSONResponse:
+def _who(caller: Caller, session: Session, cluster: bool) -> JSONResponse:
     name = "operator" if caller.operator else caller.tenant
-    body = {"caller": {"name": name, "operator": caller.operator}, "csrf": session.csrf}
+    body = {"caller": {"name": name, "operator": caller.operator}, "csrf": session.csrf, "cluster": cluster}
     return JSONResponse(body, headers={**HEADERS, "Cache-Control": "no-store"})
 
 

@@ -42,6 +42,7 @@ async def test_the_console_logs_in_with_the_clusters_token(cluster: Harness) -> 
         assert (await h.post("/ui/login", json={"token": "not-it"})).status_code == 401
         r = await h.post("/ui/login", json={"token": TOKEN})
         assert r.status_code == 200 and r.json()["caller"] == {"name": "operator", "operator": True}
+        assert r.json()["cluster"] is True  # the page shows the nodes
         csrf = r.json()["csrf"]
         assert (await h.get("/v1/sandboxes")).status_code == 200  # the cookie stands for the token
         r = await h.post("/v1/sandboxes", json={"image": "x"})

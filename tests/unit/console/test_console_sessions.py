@@ -50,7 +50,7 @@ async def test_login_sets_a_strict_http_only_cookie_and_names_the_caller(tmp_pat
     async with client(tmp_path) as c:
         r = await c.post("/ui/login", json={"token": "alice-token"})
         assert r.status_code == 200
-        assert r.json()["caller"] == {"name": "alice", "operator": False}
+        assert r.json()["caller"] == {"name": "alice", "operator": False} and r.json()["cluster"] is False
         cookie = r.headers["set-cookie"]
         assert cookie.startswith("dsec_session=") and "HttpOnly" in cookie and "SameSite=Strict" in cookie
         assert "alice-token" not in cookie  # the token stays on the server
