@@ -4,16 +4,19 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 # docker-registry, skopeo, apache2-utils (htpasswd) and openssl: the registry client's tests run real registries;
 # podman runs what `dsec image push` wrote, as a Docker user would;
-# e2fsprogs: named volumes are ext4 images
-APT_PACKAGES := crun runc busybox-static catatonit mmdebstrap ca-certificates gcc libc6-dev erofs-utils e2fsprogs qemu-system-x86 nftables iproute2 postgresql docker-registry skopeo apache2-utils openssl podman
+# e2fsprogs: named volumes are ext4 images; chromium: the web console's browser tests (Playwright drives it)
+APT_PACKAGES := crun runc busybox-static catatonit mmdebstrap ca-certificates gcc libc6-dev erofs-utils e2fsprogs qemu-system-x86 nftables iproute2 postgresql docker-registry skopeo apache2-utils openssl podman chromium
+# node and npm build the web console; a machine that has them already (any packaging) keeps its own
+NODE_PACKAGES := nodejs npm
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint unit integration install system-deps clean bench e2b-conformance
+.PHONY: demo test lint unit integration install system-deps clean bench e2b-conformance console console-screenshots
 
 install: system-deps $(STAMP)
 
 system-deps:
 	@missing=""; for p in $(APT_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
+	command -v npm >/dev/null 2>&1 || missing="$$missing $(NODE_PACKAGES)"; \
 	if [ -n "$$missing" ]; then \
 	  echo "installing Debian packages:$$missing"; \
 	  apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q $$missing; \
@@ -26,8 +29,20 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m pip install -q -c constraints.txt -e '.[dev,bench,cluster,minisweagent,swerex,openenv,harbor,fusion,e2bcode]'
 	touch $(STAMP)
 
-demo: install
+demo: install console
 	$(VENV)/bin/dsec demo
+
+# the web console (src/dsec/console/assets/, served at /ui): npm packages pinned by console/package-lock.json,
+# bundled by esbuild; nothing is fetched by the page at run time
+CONSOLE_BUILT := src/dsec/console/assets/app.js
+CONSOLE_SOURCES := console/package-lock.json console/build.mjs console/index.html $(wildcard console/src/*.js console/src/*/*.js console/src/*.css)
+console: $(CONSOLE_BUILT)
+$(CONSOLE_BUILT): $(CONSOLE_SOURCES) | system-deps
+	cd console && npm ci --ignore-scripts --no-audit --no-fund --loglevel=error
+	node console/build.mjs
+
+console-screenshots: install console
+	$(PY) tools/console_screenshots.py --out docs/console
 
 lint: install
 	$(VENV)/bin/ruff format --check src tests tools examples
@@ -43,7 +58,7 @@ integration: install
 
 # the unit and parser-fuzz tests on every core; the suites that start daemons, VMs and clusters one
 # test at a time (they measure and account for the node they run on)
-test: lint
+test: lint console
 	$(VENV)/bin/pytest -q -ra -n auto --durations=10 tests/unit tests/fuzz
 	$(VENV)/bin/pytest -q -ra --durations=25 tests/contract tests/integration tests/security
 
