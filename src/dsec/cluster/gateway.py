@@ -400,7 +400,7 @@ class Gateway:
         include_all = params.get("all", ["false"])[-1].lower() in ("1", "true", "yes")
         for info in self.directory.lost_infos(include_all, labels_of(params)):
             infos.setdefault(info.id, info)
-        await answer_json(send, 200, select(aggregate.by_creation(infos.values()), page))
+        await answer_json(send, 200, select(aggregate.by_creation(infos.values()), page, lambda info: info))
         self.maybe_prune()
 
     async def _run(self, scope: Scope, receive: Receive, send: Send) -> None:

@@ -44,8 +44,10 @@ from ..protocol.sandbox import (
     ImageInfo,
     NetworkStatus,
     SandboxInfo,
+    SandboxList,
     SnapshotRequest,
 )
+from ..protocol.sandbox_query import SandboxQuery, select
 from ..protocol.volumes import VolumeCreate, VolumeInfo
 from ..store.audit import AuditLog
 from ..store.records import SandboxRecord
@@ -288,11 +290,22 @@ class SandboxManager:
     def list(
         self, labels: dict[str, str] | None = None, include_finished: bool = False, *, caller: Caller = OPERATOR
     ) -> builtins.list[SandboxInfo]:
+        return [r.info() for r in self._listed(labels, include_finished, caller)]
+
+    def list_page(
+        self, q: SandboxQuery, labels: dict[str, str] | None = None, include_finished: bool = False, *, caller: Caller
+    ) -> SandboxList:
+        """The list as GET /v1/sandboxes's filters and page ask (infos made for the page only)."""
+        return select(self._listed(labels, include_finished, caller), q, SandboxRecord.info)
+
+    def _listed(
+        self, labels: dict[str, str] | None, include_finished: bool, caller: Caller
+    ) -> builtins.list[SandboxRecord]:
         live = sorted(self.sandboxes.live(), key=lambda r: r.created_at)
         recs = self.store.all() if include_finished else live
         wanted = labels or {}
         return [
-            r.info()
+            r
             for r in recs
             if r.pool is None and caller.owns(r.owner) and all(r.labels.get(k) == v for k, v in wanted.items())
         ]

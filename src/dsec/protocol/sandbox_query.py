@@ -3,13 +3,15 @@ models, so a node and the gateway (which merges its nodes' lists) select alike."
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Protocol, TypeVar
 
 from pydantic import BaseModel, Field
 
 from .sandbox import Kind, SandboxInfo, SandboxList, State
 
 MAX_PAGE = 500
+T = TypeVar("T", bound="Listed")
 
 
 class SandboxQuery(BaseModel):
@@ -27,19 +29,35 @@ class SandboxQuery(BaseModel):
         return any(v is not None for v in (self.state, self.kind, self.image, self.owner, self.limit))
 
 
-def select(infos: Sequence[SandboxInfo], q: SandboxQuery) -> SandboxList:
-    """``infos`` oldest first, as a node lists them; the answer as the query asks."""
+class Listed(Protocol):
+    """What a list filters on: a sandbox's record on a node, or its info at the gateway."""
+
+    @property
+    def state(self) -> State: ...
+    @property
+    def kind(self) -> str: ...
+    @property
+    def image(self) -> str: ...
+    @property
+    def owner(self) -> str | None: ...
+
+
+def matches(item: Listed, q: SandboxQuery) -> bool:
+    return (
+        (q.state is None or item.state == q.state)
+        and (q.kind is None or item.kind == q.kind)
+        and (q.image is None or item.image == q.image)
+        and (q.owner is None or item.owner == q.owner)
+    )
+
+
+def select(items: Sequence[T], q: SandboxQuery, info: Callable[[T], SandboxInfo]) -> SandboxList:
+    """``items`` oldest first, as a node lists them; the answer as the query asks. Only the page is turned
+    into infos: at thousands of sandboxes that is most of a list's cost."""
     if not q.filters:
-        return SandboxList(sandboxes=list(infos))
-    chosen = [
-        i
-        for i in infos
-        if (q.state is None or i.state == q.state)
-        and (q.kind is None or i.kind == q.kind)
-        and (q.image is None or i.image == q.image)
-        and (q.owner is None or i.owner == q.owner)
-    ]
+        return SandboxList(sandboxes=[info(i) for i in items])
+    chosen = [i for i in items if matches(i, q)]
     if q.limit is None:
-        return SandboxList(sandboxes=chosen)
-    newest_first = chosen[::-1]
-    return SandboxList(sandboxes=newest_first[q.offset : q.offset + q.limit], total=len(chosen))
+        return SandboxList(sandboxes=[info(i) for i in chosen])
+    page = chosen[::-1][q.offset : q.offset + q.limit]
+    return SandboxList(sandboxes=[info(i) for i in page], total=len(chosen))

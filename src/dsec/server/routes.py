@@ -42,7 +42,7 @@ from ..protocol.sandbox import (
     SandboxList,
     SnapshotRequest,
 )
-from ..protocol.sandbox_query import SandboxQuery, select
+from ..protocol.sandbox_query import SandboxQuery
 from ..protocol.trajectory import REPLAYED_HEADER, SEQ_HEADER
 from ..protocol.types import MAX_LABELS, AbsPath
 from ..protocol.version import __version__
@@ -142,7 +142,7 @@ async def list_sandboxes(
         if not sep or not key or len(item) > 1024:
             raise InvalidRequest(f"label filter {item!r} must look like key=value")
         labels[key] = value
-    return select(mgr.list(labels, include_finished=all, caller=caller), q)
+    return mgr.list_page(q, labels, include_finished=all, caller=caller)
 
 
 def _json(model: BaseModel, status: int = 200) -> Response:
