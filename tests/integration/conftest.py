@@ -241,12 +241,13 @@ def _env(daemon: Daemon, monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.fixture
 def make_sandbox(daemon: Daemon) -> Iterator[Callable[..., dsec.Sandbox]]:
+    """Sandboxes (of dsec/busybox unless told), killed after the test; ``client``: who owns them."""
     made: list[dsec.Sandbox] = []
-    client = daemon.client()
+    operator = daemon.client()
 
-    def make(**kwargs: object) -> dsec.Sandbox:
+    def make(client: dsec.Client | None = None, **kwargs: object) -> dsec.Sandbox:
         kwargs.setdefault("image", "dsec/busybox")
-        sb = dsec.Sandbox.create(client=client, **kwargs)
+        sb = dsec.Sandbox.create(client=client or operator, **kwargs)
         made.append(sb)
         return sb
 

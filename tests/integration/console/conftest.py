@@ -14,12 +14,9 @@ import shutil
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import pytest
 from playwright.sync_api import Browser, BrowserContext, ConsoleMessage, Dialog, Locator, Page, expect, sync_playwright
-
-import dsec
 
 from ..conftest import Daemon, free_port, scratch_dir, shut_down, start_daemon
 
@@ -144,24 +141,3 @@ def open_console(browser: Browser, daemon: Daemon) -> Iterator[Callable[[str | N
 def console(open_console: Callable[[str | None], Console], daemon: Daemon) -> Console:
     """A page logged in as the operator."""
     return open_console(daemon.token)
-
-
-@pytest.fixture
-def make_sandbox(daemon: Daemon) -> Iterator[Callable[..., dsec.Sandbox]]:
-    """Sandboxes of the small test image on the container kind, killed after the test (client: who owns them)."""
-    made: list[dsec.Sandbox] = []
-
-    def make(client: dsec.Client | None = None, **kwargs: Any) -> dsec.Sandbox:
-        kwargs.setdefault("image", IMAGE)
-        kwargs.setdefault("kind", KIND)
-        kwargs.setdefault("timeout", 300.0)
-        sb = dsec.Sandbox.create(client=client or daemon.client(), **kwargs)
-        made.append(sb)
-        return sb
-
-    yield make
-    for sb in made:
-        try:
-            sb.kill()
-        except dsec.DsecError:
-            pass

@@ -3,25 +3,14 @@ reach the merged API; and a list's page is cut from all nodes together."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-
 import httpx
 import pytest
 
 import dsec
 
-from ...fakes.cluster import TOKEN, Harness, start
+from ...fakes.cluster import TOKEN, Harness
 
 pytestmark = pytest.mark.timeout(30)
-
-
-@pytest.fixture
-async def cluster() -> AsyncIterator[Harness]:
-    h = await start({"a": 8.0, "b": 8.0})
-    try:
-        yield h
-    finally:
-        await h.close()
 
 
 async def test_a_page_of_the_merged_list_is_newest_first_with_the_total(cluster: Harness) -> None:

@@ -10,25 +10,15 @@ from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import httpx
-import pytest
 
 from dsec.cluster.e2b import _set_domain
 from dsec.cluster.ports import GatewayPorts, PortTraffic
 from dsec.protocol.ports import MAX_CONNECTIONS
 from dsec.web.port_relay import dsec_error
 
-from ...fakes.cluster import TOKEN, Harness, start
+from ...fakes.cluster import TOKEN, Harness
 
 AUTH = {"authorization": f"Bearer {TOKEN}"}
-
-
-@pytest.fixture
-async def cluster() -> AsyncIterator[Harness]:
-    h = await start({"a": 8.0, "b": 8.0})
-    try:
-        yield h
-    finally:
-        await h.close()
 
 
 async def _sandboxes(h: Harness, n: int) -> list[str]:
