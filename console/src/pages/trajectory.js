@@ -78,11 +78,16 @@ export function exitOf(c) {
   return r.signal ? `signal ${r.signal}` : null;
 }
 
-/** "live", "replayed" or a rebuild's mark, as far as the log tells. */
+/** "live" (ran once), "replayed ×N" (the daemon answered its position again from the log N times:
+ * RecordedCall.replays; at #0, the resumes), or "running". */
 export function modeOf(c) {
-  if (c.result && c.result.replayed) return 'replayed';
   if (typeof c.replays === 'number' && c.replays > 0) return `replayed ×${c.replays}`;
   return c.status === 'running' ? 'running' : 'live';
+}
+
+/** The mode's tooltip: when the call was last answered from the log. */
+export function modeTitle(c) {
+  return c.replayed_at ? `ran ${fmtTime(c.started_at)}; last answered from the log ${fmtTime(c.replayed_at)}` : '';
 }
 
 export const laneOf = (op) => (LANES.includes(op) ? op : FILE_OPS.has(op) ? 'files' : 'other');
@@ -232,7 +237,7 @@ function CallRow({ c, open, selected, onSelect }) {
       <span class=${`badge ${STATUS_BADGE[c.status] || 'muted'}`} data-testid="call-status">${c.status}</span>
       <span class=${exit === 0 ? 'exit ok' : exit === null ? 'exit' : 'exit bad'} data-testid="call-exit">${exit === null ? '' : `exit ${exit}`}</span>
       <span class="call-ms" data-testid="call-duration">${ms(c.duration_ms)}</span>
-      <span class=${`badge ${mode === 'live' ? 'muted' : 'info'}`} data-testid="call-mode">${mode}</span>
+      <span class=${`badge ${mode === 'live' ? 'muted' : 'info'}`} data-testid="call-mode" data-replays=${c.replays || 0} title=${modeTitle(c)}>${mode}</span>
     </button>
     ${c.note ? html`<div class="call-note" data-testid="call-note">note: ${c.note}</div>` : null}
     ${expanded ? html`<${CallDetail} c=${c} />` : null}

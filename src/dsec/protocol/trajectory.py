@@ -69,6 +69,14 @@ class RecordedCall(BaseModel):
     started_at: datetime
     duration_ms: float | None = None
     note: str | None = Field(None, description="E.g. how a rebuild's re-run of this call differed.")
+    replays: int = Field(
+        0,
+        ge=0,
+        description="How often the daemon answered this position again from the log, not running it: a "
+        "resumed client's call sent to the daemon (at 0: the create that resumed the trajectory). Calls the "
+        "SDK fast-forwards locally from a fetched page never reach the daemon and are not counted.",
+    )
+    replayed_at: datetime | None = Field(None, description="When it was last answered from the log.")
 
 
 class RecordedCalls(BaseModel):

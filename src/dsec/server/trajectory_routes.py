@@ -101,4 +101,6 @@ def _call(row: CallRow) -> RecordedCall:
         started_at=_ts(row.started_at),
         duration_ms=row.duration_ms,
         note=row.note,
+        replays=row.replays,
+        replayed_at=None if row.replayed_at is None else _ts(row.replayed_at),
     )

@@ -62,6 +62,9 @@ CALLS = sa.Table(
     sa.Column("started_at", sa.Float, nullable=False),
     sa.Column("duration_ms", sa.Float, nullable=True),
     sa.Column("note", sa.Text, nullable=True),  # e.g. what a rebuild's re-run produced differently
+    # how often a client's call at this position was answered from the log (a resume), and the last time
+    sa.Column("replays", sa.Integer, nullable=False, default=0, server_default=sa.text("0")),
+    sa.Column("replayed_at", sa.Float, nullable=True),
     sqlite_with_rowid=False,
 )
 
@@ -147,6 +150,7 @@ BIND = _Sql(
     )
 )
 ANNOTATE = _Sql(sa.update(CALLS).where(*_CALL_KEY).values(note=sa.bindparam("note")))
+REPLAYED = _Sql(sa.update(CALLS).where(*_CALL_KEY).values(replays=CALLS.c.replays + 1, replayed_at=sa.bindparam("now")))
 
 
 @dataclass(frozen=True)
@@ -179,6 +183,8 @@ class CallRow:
     result_blob: bytes | None = None
     duration_ms: float | None = None
     note: str | None = None
+    replays: int = 0  # times a client's call at this position was answered from the log
+    replayed_at: float | None = None  # the last of them
 
 
 @dataclass(frozen=True)
@@ -212,6 +218,7 @@ class TrajectoryStore:
         for attempt in range(6):
             try:
                 META.create_all(self.engine)  # checks, then creates: nodes starting at once may race
+                add_missing_columns(self.engine, META)
                 break
             except sa.exc.DBAPIError:
                 if attempt == 5:
@@ -378,6 +385,16 @@ class TrajectoryStore:
 
         return w
 
+    @staticmethod
+    def replayed(owner: str, tid: str, seq: int, now: float) -> Write:
+        """One more answer from the log for the call at ``seq``."""
+        values = {"k_owner": owner, "k_id": tid, "k_seq": seq, "now": now}
+
+        def w(tx: Tx) -> None:
+            REPLAYED.run(tx, values)
+
+        return w
+
     # -- maintenance ------------------------------------------------------------------------------------
 
     def interrupt_running(self, sandbox_ids: set[str] | None = None) -> int:
@@ -458,6 +475,39 @@ _WITH_LENGTH = sa.select(
         .label("length")
     ),
 )
+
+
+def add_missing_columns(engine: Engine, meta: sa.MetaData) -> list[str]:
+    """Add the columns of ``meta``'s tables that the database lacks (a log made by an older dsec:
+    ``create_all`` only creates missing tables), each with its default. Returns ``table.column`` of each
+    added. Nodes sharing one PostgreSQL may run this at once: there ``IF NOT EXISTS`` makes the later
+    ones no-ops; elsewhere a refused duplicate is accepted once the column is seen to exist."""
+    missing: list[tuple[sa.Table, sa.Column[Any]]] = []
+    with engine.connect() as conn:
+        inspector = sa.inspect(conn)
+        for table in meta.sorted_tables:
+            have = {c["name"] for c in inspector.get_columns(table.name)}
+            missing += [(table, column) for column in table.columns if column.name not in have]
+    added: list[str] = []
+    dialect = engine.dialect
+    for table, column in missing:
+        if not column.nullable and column.server_default is None:
+            raise ValueError(
+                f"column {table.name}.{column.name} cannot be added to old rows: it needs a server_default"
+            )
+        guard = " IF NOT EXISTS" if dialect.name == "postgresql" else ""
+        ddl = sa.schema.CreateColumn(column).compile(dialect=dialect)
+        sql = f"ALTER TABLE {dialect.identifier_preparer.format_table(table)} ADD COLUMN{guard} {ddl}"
+        try:
+            with engine.begin() as conn:
+                conn.exec_driver_sql(sql)
+        except sa.exc.DBAPIError:
+            with engine.connect() as conn:
+                if column.name not in {c["name"] for c in sa.inspect(conn).get_columns(table.name)}:
+                    raise
+            continue  # another store added it meanwhile
+        added.append(f"{table.name}.{column.name}")
+    return added
 
 
 class SequenceConflict(Exception):

@@ -6,18 +6,21 @@ are compared position by position. What the sandbox printed is shown as text, ne
 from __future__ import annotations
 
 import json
+import re
+import time
 import uuid
 from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 from playwright.sync_api import expect
 
 import dsec
 from dsec.cli.trajectory import training_record
-from dsec.protocol.trajectory import RecordedCall
+from dsec.protocol.trajectory import REPLAYED_HEADER, SEQ_HEADER, RecordedCall
 
 from ..conftest import Daemon
 from .conftest import Console
@@ -118,6 +121,43 @@ def test_the_viewer_shows_every_call_its_output_and_the_grade(
     assert console.watch.dialogs == []
     assert console.watch.page_errors == []
     assert console.watch.csp_violations() == []
+
+
+@pytest.mark.timeout(240)
+def test_a_call_answered_again_from_the_log_shows_as_replayed(
+    console: Console, daemon: Daemon, make_sandbox: Callable[..., dsec.Sandbox]
+) -> None:
+    tid = f"ui-{uuid.uuid4().hex[:8]}/replayed"
+    sb = make_sandbox(trajectory=tid)
+    sb.exec("echo once")
+    sb.exec("echo twice")
+    # a trainer resuming: its create is answered from call 0 ...
+    again = dsec.Sandbox.create(client=daemon.client(), image="dsec/busybox", trajectory=tid)
+    assert again.id == sb.id
+    # ... and a call it sends at a recorded position (as after a broken connection) from call 2, twice
+    for _ in range(2):
+        reply = httpx.post(
+            f"{daemon.url}/v1/sandboxes/{sb.id}/exec",
+            headers={"authorization": f"Bearer {daemon.token}", SEQ_HEADER: "2"},
+            json={"cmd": "echo twice"},
+            timeout=30,
+        )
+        assert reply.status_code == 200 and reply.headers.get(REPLAYED_HEADER) == "1", reply.text
+    deadline = time.monotonic() + 10  # the counts are committed without the replies waiting for them
+    while [c.replays for c in recorded(daemon, tid)] != [1, 0, 2]:
+        assert time.monotonic() < deadline, [c.replays for c in recorded(daemon, tid)]
+        time.sleep(0.05)
+
+    console.goto(f"#/trajectories/view?id={tid}")
+    modes = console.testid("call-row").get_by_test_id("call-mode")
+    expect(modes).to_have_count(3)
+    expect(modes.nth(0)).to_have_text("replayed ×1")
+    expect(modes.nth(1)).to_have_text("live")
+    expect(modes.nth(2)).to_have_text("replayed ×2")
+    expect(modes.nth(2)).to_have_attribute("data-replays", "2")
+    expect(modes.nth(2)).to_have_attribute("title", re.compile("last answered from the log"))
+    expect(modes.nth(1)).to_have_attribute("title", "")
+    assert console.watch.dialogs == [] and console.watch.page_errors == []
 
 
 @pytest.mark.timeout(240)

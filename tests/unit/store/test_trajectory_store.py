@@ -27,6 +27,7 @@ from dsec.store.trajectories import (
     TrajectoryRow,
     TrajectoryStore,
     Write,
+    add_missing_columns,
     engine_url,
 )
 
@@ -328,6 +329,20 @@ def test_annotate(store: TrajectoryStore) -> None:
     store.write([TrajectoryStore.annotate(OWNER, "run-1", 0, "rebuilt: stdout differed")])
     got = store.call(OWNER, "run-1", 0)
     assert got is not None and got.note == "rebuilt: stdout differed" and got.status == "running"
+
+
+def test_replayed_counts_and_keeps_the_last_time(store: TrajectoryStore) -> None:
+    begin(store, "run-1")
+    store.write([TrajectoryStore.start(call("run-1", 1)), finish("run-1", 1)])
+    fresh = store.call(OWNER, "run-1", 1)
+    assert fresh is not None and (fresh.replays, fresh.replayed_at) == (0, None)
+    store.write([TrajectoryStore.replayed(OWNER, "run-1", 1, T0 + 5)])
+    store.write([TrajectoryStore.replayed(OWNER, "run-1", 1, T0 + 9), TrajectoryStore.replayed(OWNER, "run-1", 0, T0)])
+    got = store.calls(OWNER, "run-1")
+    assert [(c.seq, c.replays, c.replayed_at) for c in got] == [(0, 1, T0), (1, 2, T0 + 9)]
+    assert got[1].status == "done" and got[1].result == json.dumps({"of": f"{OWNER}/run-1#1"})  # nothing else moved
+    store.write([TrajectoryStore.replayed(OWNER, "run-1", 7, T0)])  # no such call: a no-op, not an error
+    assert call_count(store, OWNER, "run-1") == 2
 
 
 # -- maintenance ----------------------------------------------------------------------------------------
@@ -713,3 +728,115 @@ def test_postgres_schemas_keep_tests_apart(pg_server: PgServer) -> None:
         for store, name in zip(stores, names, strict=True):
             store.close()
             pg_server.drop_schema(name)
+
+
+# -- a log made by an older dsec: its tables gain the columns added since ------------------------------
+
+
+def _old_schema(dialect: str) -> list[str]:
+    """The tables as dsec created them before calls counted their replays, written out by hand."""
+    blob, rowid = ("BYTEA", "") if dialect == "postgresql" else ("BLOB", " WITHOUT ROWID")
+    return [
+        "CREATE TABLE trajectories (owner VARCHAR(64) NOT NULL, id VARCHAR(200) NOT NULL, "
+        "sandbox_id VARCHAR(64) NOT NULL, kind VARCHAR(32) NOT NULL, image VARCHAR(300) NOT NULL, "
+        "created_at FLOAT NOT NULL, updated_at FLOAT NOT NULL, closed BOOLEAN NOT NULL, rebuilds INTEGER NOT NULL, "
+        "image_version VARCHAR(80) NOT NULL, PRIMARY KEY (owner, id))",
+        "CREATE INDEX trajectories_updated ON trajectories (updated_at)",
+        "CREATE TABLE trajectory_calls (owner VARCHAR(64) NOT NULL, trajectory VARCHAR(200) NOT NULL, "
+        "seq INTEGER NOT NULL, op VARCHAR(32) NOT NULL, digest VARCHAR(64) NOT NULL, request TEXT NOT NULL, "
+        f"payload {blob}, status VARCHAR(16) NOT NULL, result TEXT, result_blob {blob}, started_at FLOAT NOT NULL, "
+        f"duration_ms FLOAT, note TEXT, PRIMARY KEY (owner, trajectory, seq)){rowid}",
+        "INSERT INTO trajectories VALUES ('alice', 'old-1', 'sb-old', 'container', 'test/img:1', 100.5, 200.25, "
+        "false, 1, 'sha256:feed')",
+        "INSERT INTO trajectory_calls VALUES ('alice', 'old-1', 0, 'create', 'd0', '{}', NULL, 'done', '{\"id\":1}', "
+        "NULL, 100.5, 0.0, NULL)",
+        "INSERT INTO trajectory_calls VALUES ('alice', 'old-1', 1, 'exec', 'd1', '{\"cmd\":\"ls\"}', NULL, 'done', "
+        "'{\"exit_code\":0}', NULL, 101.0, 2.5, 'rebuild 1: differed')",
+    ]
+
+
+def _make_old(url: str) -> None:
+    engine = sa.create_engine(engine_url(url))
+    try:
+        with engine.begin() as conn:
+            for stmt in _old_schema(engine.dialect.name):
+                conn.exec_driver_sql(stmt)
+    finally:
+        engine.dispose()
+
+
+def _columns(url: str, table: str) -> dict[str, dict[str, object]]:
+    engine = sa.create_engine(engine_url(url))
+    try:
+        return {c["name"]: dict(c) for c in sa.inspect(engine).get_columns(table)}
+    finally:
+        engine.dispose()
+
+
+def test_an_old_log_gains_the_new_columns_and_keeps_its_rows(url: str) -> None:
+    _make_old(url)
+    assert "replays" not in _columns(url, CALLS.name)
+    store = TrajectoryStore(url)
+    try:
+        columns = _columns(url, CALLS.name)
+        assert set(columns) == {c.name for c in CALLS.columns}
+        assert columns["replays"]["nullable"] is False and columns["replayed_at"]["nullable"] is True
+        got = store.get(OWNER, "old-1")
+        assert got is not None and (got.length, got.rebuilds, got.image_version) == (2, 1, "sha256:feed")
+        old = store.calls(OWNER, "old-1")
+        assert [(c.seq, c.op, c.status, c.note, c.replays, c.replayed_at) for c in old] == [
+            (0, "create", "done", None, 0, None),
+            (1, "exec", "done", "rebuild 1: differed", 0, None),
+        ]
+        # the old rows take the new writes, and the log grows as before
+        store.write([TrajectoryStore.replayed(OWNER, "old-1", 1, T0)])
+        store.write([TrajectoryStore.start(call("old-1", 2)), finish("old-1", 2)])
+        assert [(c.seq, c.replays, c.replayed_at) for c in store.calls(OWNER, "old-1")] == [
+            (0, 0, None),
+            (1, 1, T0),
+            (2, 0, None),
+        ]
+    finally:
+        store.close()
+    again = TrajectoryStore(url)  # a second start finds nothing to add
+    try:
+        assert add_missing_columns(again.engine, META) == []
+        assert again.call(OWNER, "old-1", 1) is not None
+    finally:
+        again.close()
+
+
+def test_stores_opened_at_once_on_an_old_log(url: str) -> None:
+    """Nodes sharing one PostgreSQL database, upgraded together: each sees the columns missing, one adds
+    them, and none fails because another added them first."""
+    _make_old(url)
+    gate = threading.Barrier(6)
+
+    def open_one() -> None:
+        gate.wait()
+        TrajectoryStore(url).close()
+
+    with ThreadPoolExecutor(6) as pool:
+        for f in [pool.submit(open_one) for _ in range(6)]:
+            f.result()
+    assert {"replays", "replayed_at"} <= set(_columns(url, CALLS.name))
+
+
+def test_a_not_null_column_without_a_server_default_is_refused(url: str) -> None:
+    """A column that old rows could not fill is a programming error, said at start, not a half-migrated log."""
+    meta = sa.MetaData()
+    sa.Table("extra", meta, sa.Column("k", sa.Integer, primary_key=True))
+    engine = sa.create_engine(engine_url(url))
+    try:
+        meta.create_all(engine)
+        refused, nullable = sa.MetaData(), sa.MetaData()
+        sa.Table(
+            "extra", refused, sa.Column("k", sa.Integer, primary_key=True), sa.Column("n", sa.Integer, nullable=False)
+        )
+        sa.Table("extra", nullable, sa.Column("k", sa.Integer, primary_key=True), sa.Column("m", sa.Text))
+        with pytest.raises(ValueError, match=r"extra\.n"):
+            add_missing_columns(engine, refused)
+        assert add_missing_columns(engine, nullable) == ["extra.m"]
+        assert set(_columns(url, "extra")) == {"k", "m"}
+    finally:
+        engine.dispose()

@@ -157,6 +157,8 @@ class Trajectories:
                 info = rec.info() if rec is not None else await self._closed_info(row, first)
             else:
                 info = await self._rebuild(row, req, caller)
+            # the create at position 0, answered for the trajectory the log holds: a resume
+            self.writer.post(TrajectoryStore.replayed(*key, 0, time.time()))
             length = self._bound[key].length if key in self._bound else row.length
             return info.model_copy(update={"trajectory_length": length})
 
@@ -302,6 +304,8 @@ class Trajectories:
                 "effect is unknown",
                 detail={"position": seq, RECORDED_AT: seq},
             )
+        # counted without waiting for the commit: an answer from the log costs no commit of its own
+        self.writer.post(TrajectoryStore.replayed(st.owner, st.tid, seq, time.time()))
         if row.status == "error":
             err = decode_error(row.result)
             err.detail[RECORDED_AT] = seq

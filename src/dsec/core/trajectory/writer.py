@@ -2,7 +2,8 @@
 and the writes that arrive while one commits share the next. Thousands of trajectories writing at
 once cost one transaction per batch, not one each; a lone write pays one commit.
 
-Two writers with the same contract:
+Two writers with the same contract (``write`` waits for the commit; ``post`` queues a write that nobody
+waits for, e.g. a replay's count, which must not make a call answered from the log wait on the log):
 - ``LogWriter`` commits on a thread of its own: for commits that wait on a disk sync (SQLite with
   ``durable``) or on a network round trip (PostgreSQL), which must not stall the event loop.
 - ``InlineWriter`` commits on the event loop itself: for SQLite without a sync, whose commit is a
@@ -36,7 +37,7 @@ class InlineWriter:
         self.store = store
         self.commits = 0
         self.writes = 0
-        self._pending: list[tuple[Write, asyncio.Future[object]]] = []
+        self._pending: list[tuple[Write, asyncio.Future[object] | None]] = []
         self._last = 0.0
 
     async def write(self, w: Write) -> object:
@@ -53,8 +54,17 @@ class InlineWriter:
         self._pending.append((w, fut))
         return await asyncio.shield(fut)
 
+    def post(self, w: Write) -> None:
+        """Commit ``w`` with the next batch (at the end of this loop iteration at the latest), unawaited:
+        its failure is logged."""
+        if not self._pending:
+            asyncio.get_running_loop().call_soon(self._flush)
+        self._pending.append((w, None))
+
     def _flush(self) -> None:
         batch, self._pending = self._pending, []
+        if not batch:  # close() committed them already
+            return
         self._last = time.monotonic()
         try:
             results: list[object] = self.store.write([w for w, _ in batch])
@@ -64,7 +74,10 @@ class InlineWriter:
         self.commits += 1
         self.writes += len(batch)
         for (_, fut), res in zip(batch, results, strict=True):
-            _settle(fut, res)
+            if fut is None:
+                _unawaited(res)
+            else:
+                _settle(fut, res)
 
     def close(self) -> None:
         if self._pending:  # writes made after the last iteration ran: commit them before the store closes
@@ -86,6 +99,10 @@ class LogWriter:
         fut: asyncio.Future[object] = loop.create_future()
         self._q.put((w, fut, loop))
         return await asyncio.shield(fut)  # a cancelled caller does not un-write; it stops waiting
+
+    def post(self, w: Write) -> None:
+        """Commit ``w`` with the next batch, unawaited: its failure is logged."""
+        self._q.put((w, None, None))
 
     def close(self) -> None:
         self._q.put(_STOP)
@@ -115,10 +132,18 @@ class LogWriter:
             self.commits += 1
             self.writes += len(batch)
             for (_, fut, loop), res in zip(batch, results, strict=True):
+                if fut is None:
+                    _unawaited(res)
+                    continue
                 with contextlib.suppress(RuntimeError):  # the loop closed: nobody waits any more
                     loop.call_soon_threadsafe(_settle, fut, res)
             if stop:
                 return
+
+
+def _unawaited(res: object) -> None:
+    if isinstance(res, BaseException):
+        log.warning("trajectory log write (unawaited) failed: %s", res)
 
 
 def _settle(fut: asyncio.Future[object], res: object) -> None:
