@@ -1,13 +1,14 @@
-// The audit log (#/audit?sandbox=&tenant=&since=&method=&route=&status=&window=): the API filters by
-// sandbox, tenant (operator only) and time and answers the newest N; method, route and status narrow
-// those N here. Newest first, paged. Commands are the caller's text: shown as text.
-import { useState } from 'preact/hooks';
+// The audit log (#/audit?sandbox=&tenant=&since=&method=&route=&status=): the API filters by sandbox,
+// tenant (operator only) and time and answers the newest N before a time (`until`); method, route and
+// status narrow each answer here. Newest first, a page at a time: "Older" asks the API for what precedes
+// the oldest call shown, "Newer" goes back to a page already seen. Commands are the caller's text.
+import { useRef, useState } from 'preact/hooks';
 import { get } from '../api.js';
 import { hashFor, navigate } from '../router.js';
-import { ErrorBanner, PageHeader, Pager, Section, Table, fmtTime, html, useFetch } from '../ui/index.js';
+import { ErrorBanner, PageHeader, Section, Table, fmtTime, html, useFetch } from '../ui/index.js';
 
 const PAGE = 50;
-const WINDOWS = [100, 1000, 10000];
+const SEARCHED = 1000; // records asked for per page when method, route or status narrow them here
 const METHODS = ['GET', 'POST', 'PUT', 'PATCH', 'DELETE'];
 const STATUSES = { ok: [200, 399], '4xx': [400, 499], '5xx': [500, 599], refused: [401, 403] };
 
@@ -31,6 +32,25 @@ export function matches(rec, { method, route, status }) {
   return true;
 }
 
+/**
+ * One page from an answer of the API (newest first): the first `limit` records that match, plus any
+ * further ones of the last one's microsecond (`until` is to the microsecond: none may be left behind).
+ * `until` is where the next older page starts, null when the log holds nothing older.
+ */
+export function pageOf(records, f, limit, asked) {
+  const rows = [];
+  for (const r of records) {
+    if (!matches(r, f)) continue;
+    if (rows.length >= limit && r.time !== rows[rows.length - 1].time) {
+      return { rows, until: rows[rows.length - 1].time };
+    }
+    rows.push(r);
+  }
+  // the whole answer was used: older records exist if it was full (it ends on a whole microsecond)
+  const until = records.length >= asked ? records[records.length - 1].time : null;
+  return { rows, until };
+}
+
 export default function Page({ params, caller }) {
   const f = {
     sandbox: params.sandbox || '',
@@ -39,38 +59,58 @@ export default function Page({ params, caller }) {
     method: params.method || '',
     route: params.route || '',
     status: params.status || '',
-    window: WINDOWS.includes(Number(params.window)) ? Number(params.window) : 1000,
   };
   const [draft, setDraft] = useState(f);
-  const [offset, setOffset] = useState(0);
+  // the pages before the one shown, newest first: their `until` (null: the newest) and what they held,
+  // so that "Newer" shows what was seen, not the calls made since (reading this log is audited too)
+  const [back, setBack] = useState([]);
+  const [until, setUntil] = useState(null);
+  const seen = useRef(new Map());
   const operator = !!(caller && caller.operator);
-  const { data, error, loading, reload } = useFetch(
-    () =>
-      get('/v1/audit', {
-        sandbox: f.sandbox,
-        tenant: operator ? f.tenant : '',
-        since: f.since,
-        limit: f.window,
-      }),
-    [f.sandbox, f.tenant, f.since, f.window],
-  );
-  const all = data ? data.records.slice().reverse() : [];
-  const rows = all.filter((r) => matches(r, f));
-  const apply = (next) => {
-    setOffset(0);
-    navigate(hashFor('/audit', { ...next, window: next.window === 1000 ? '' : next.window }), true);
+  const narrowed = !!(f.method || f.route || f.status);
+  const asked = narrowed ? SEARCHED : PAGE;
+  const query = { sandbox: f.sandbox, tenant: operator ? f.tenant : '', since: f.since, limit: asked };
+  const key = JSON.stringify([query, f.method, f.route, f.status, until]);
+  const { data, error, loading, reload } = useFetch(async () => {
+    if (!seen.current.has(key)) {
+      const answer = await get('/v1/audit', { ...query, until: until || '' });
+      seen.current.set(key, pageOf(answer.records.slice().reverse(), f, PAGE, asked));
+    }
+    return seen.current.get(key);
+  }, [key]);
+  const rows = data ? data.rows : [];
+  const toNewest = () => {
+    seen.current.clear();
+    setBack([]);
+    setUntil(null);
   };
-  const set = (key) => (e) => setDraft({ ...draft, [key]: e.currentTarget.value });
+  const refresh = () => {
+    const newest = until === null;
+    toNewest();
+    if (newest) reload();
+  };
+  const older = () => {
+    setBack([until, ...back]);
+    setUntil(data.until);
+  };
+  const newer = () => {
+    setUntil(back[0]);
+    setBack(back.slice(1));
+  };
+  const apply = (next) => {
+    toNewest();
+    navigate(hashFor('/audit', next), true);
+  };
+  const set = (field) => (e) => setDraft({ ...draft, [field]: e.currentTarget.value });
   const submit = (e) => {
     e.preventDefault();
     apply(draft);
   };
   const clear = () => {
-    const empty = { sandbox: '', tenant: '', since: '', method: '', route: '', status: '', window: 1000 };
+    const empty = { sandbox: '', tenant: '', since: '', method: '', route: '', status: '' };
     setDraft(empty);
     apply(empty);
   };
-  const page = rows.slice(offset, offset + PAGE);
   const columns = [
     { key: 'time', label: 'time', className: 'nowrap', render: (r) => html`<span title=${r.time}>${fmtTime(r.time)}</span>` },
     { key: 'tenant', label: 'tenant', render: (r) => (r.tenant === null ? html`<span class="badge bad">unknown</span>` : r.tenant) },
@@ -88,7 +128,7 @@ export default function Page({ params, caller }) {
   ];
   return html`<div class="page audit">
     <${PageHeader} title="Audit">
-      <button type="button" data-testid="audit-refresh" onClick=${reload}>Refresh</button>
+      <button type="button" data-testid="audit-refresh" onClick=${refresh}>Refresh</button>
     </${PageHeader}>
     <form class="filters" onSubmit=${submit} data-testid="audit-filters">
       <label>sandbox<input data-testid="audit-filter-sandbox" value=${draft.sandbox} maxlength="64" onInput=${set('sandbox')} /></label>
@@ -123,27 +163,26 @@ export default function Page({ params, caller }) {
           <option value="5xx">5xx</option>
         </select>
       </label>
-      <label>search the newest
-        <select data-testid="audit-filter-window" value=${String(draft.window)} onChange=${(e) => setDraft({ ...draft, window: Number(e.currentTarget.value) })}>
-          ${WINDOWS.map((w) => html`<option key=${w} value=${String(w)}>${w}</option>`)}
-        </select>
-      </label>
       <button type="submit" class="primary" data-testid="audit-filter-apply">Filter</button>
       <button type="button" data-testid="audit-filter-clear" onClick=${clear}>Clear</button>
     </form>
     <${ErrorBanner} error=${error} />
     <${Section}
-      title=${html`<span data-testid="audit-count">${rows.length}</span> calls${all.length === f.window ? ` (among the newest ${f.window})` : ''}${operator ? '' : ' · your own'}`}
+      title=${html`<span data-testid="audit-count">${rows.length}</span> calls${until ? ` before ${fmtTime(until)}` : ', the newest'}${narrowed ? ` (matching, among ${asked} searched)` : ''}${operator ? '' : ' · your own'}`}
     >
       <${Table}
         testid="audit-table"
         columns=${columns}
-        rows=${page}
+        rows=${rows}
         rowKey=${(r) => `${r.time}|${r.route}|${r.method}|${r.sandbox}|${r.status}|${r.duration_ms}`}
-        rowProps=${(r) => ({ 'data-testid': 'audit-row', 'data-route': r.route, 'data-method': r.method, 'data-sandbox': r.sandbox || '', 'data-status': r.status })}
-        empty=${loading ? 'loading…' : 'No audited call matches.'}
+        rowProps=${(r) => ({ 'data-testid': 'audit-row', 'data-time': r.time, 'data-route': r.route, 'data-method': r.method, 'data-sandbox': r.sandbox || '', 'data-status': r.status })}
+        empty=${loading ? 'loading…' : data && data.until ? 'No audited call matches here: try older ones.' : 'No audited call matches.'}
       />
-      <${Pager} offset=${offset} limit=${PAGE} total=${rows.length} onChange=${setOffset} />
+      <div class="pager">
+        <button type="button" data-testid="page-prev" disabled=${back.length === 0 || loading} onClick=${newer}>‹ Newer</button>
+        <span class="pager-pos" data-testid="audit-page">page ${back.length + 1}</span>
+        <button type="button" data-testid="page-next" disabled=${!data || !data.until || loading} onClick=${older}>Older ›</button>
+      </div>
     </${Section}>
   </div>`;
 }

@@ -498,8 +498,18 @@ class Gateway:
                 code, message, detail = reply.error()
                 raise Failure.relay(reply.status, code, message, detail)
             records += json.loads(reply.content)["records"]
-        records.sort(key=lambda r: str(r.get("time", "")))  # ISO 8601 in UTC: sorts as text
-        await answer_json(send, 200, {"records": records[-limit:] if limit > 0 else records})
+
+        # parsed, not sorted as text: "…:05Z" (no fraction) would sort after "…:05.25Z"
+        def at(r: dict[str, Any]) -> datetime:
+            return datetime.fromisoformat(str(r["time"]))
+
+        records.sort(key=at)  # stable: a node's records of one microsecond keep their order
+        cut = max(len(records) - limit, 0) if limit > 0 else 0
+        # every node passed ``until`` on and answered whole microseconds: keep the oldest one whole too,
+        # so that a client paging back with the oldest time it got skips nothing
+        while 0 < cut < len(records) and at(records[cut - 1]) == at(records[cut]):
+            cut -= 1
+        await answer_json(send, 200, {"records": records[cut:]})
 
     async def _trajectories(self, scope: Scope, receive: Receive, send: Send, method: str, rest: list[str]) -> None:
         params = parse_qs(query(scope))

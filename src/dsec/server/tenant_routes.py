@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from datetime import UTC, datetime
+import math
+from datetime import UTC, datetime, timedelta
 from typing import Annotated
 
 from fastapi import APIRouter, Query
@@ -61,9 +62,15 @@ async def remove_tenant(name: TenantName, mgr: Mgr, _: OperatorDep) -> TenantRem
     return TenantRemoved(name=name, revoked_at=datetime.fromtimestamp(revoked_at, UTC), killed=killed)
 
 
+_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+_US = timedelta(microseconds=1)
+
+
 def _record(e: Entry) -> AuditRecord:
     return AuditRecord(
-        time=datetime.fromtimestamp(e.time, UTC),
+        # floored to the microsecond (fromtimestamp rounds): the time a client pages back ``until`` with
+        # must not be later than the record's own, or the record would come again
+        time=_EPOCH + math.floor(e.time * 1_000_000) * _US,
         tenant=e.tenant,
         method=e.method,
         route=e.route,
@@ -87,10 +94,19 @@ async def audit(
         Query(description="Only calls at or after this time (ISO 8601 or epoch seconds)."),
         WithJsonSchema(TIME_SCHEMA),
     ] = None,
+    until: Annotated[
+        datetime | None,
+        Query(
+            description="Only calls before this time (ISO 8601 or epoch seconds), to the microsecond: to page "
+            "back, pass the oldest `time` received. A page never ends inside a microsecond (it may exceed "
+            "`limit` to hold all of its oldest one's calls), so paging this way skips and repeats none."
+        ),
+        WithJsonSchema(TIME_SCHEMA),
+    ] = None,
     limit: Annotated[int, Query(ge=1, le=10_000, description="The newest this many.")] = 100,
 ) -> AuditList:
     """Audited API calls, oldest first: the caller's own; the operator's view has everyone's, refused
-    calls (tenant null) included."""
+    calls (tenant null) included. Newest first by time when choosing which: page back with ``until``."""
     if not caller.operator:
         # a tenant asking for someone else's records gets its own filter applied, never theirs
         tenant = caller.tenant
@@ -98,6 +114,7 @@ async def audit(
         tenant=tenant,
         sandbox=sandbox,
         since=None if since is None else since.timestamp(),
+        until=None if until is None else until.timestamp(),
         limit=limit,
         include_unknown=caller.operator,
     )

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import threading
 import time
 from collections.abc import Sequence
@@ -35,9 +36,14 @@ CREATE TABLE IF NOT EXISTS audit (
     command TEXT
 );
 CREATE INDEX IF NOT EXISTS audit_time ON audit(time);
-CREATE INDEX IF NOT EXISTS audit_sandbox ON audit(sandbox, id);
-CREATE INDEX IF NOT EXISTS audit_tenant ON audit(tenant, id);
+DROP INDEX IF EXISTS audit_sandbox;
+DROP INDEX IF EXISTS audit_tenant;
+CREATE INDEX IF NOT EXISTS audit_sandbox_time ON audit(sandbox, time);
+CREATE INDEX IF NOT EXISTS audit_tenant_time ON audit(tenant, time);
 """
+# Queries go newest first by (time, id): time is when a call ended, on the wall clock, so it usually
+# follows id, but a clock set back would break paging by time if the order were id's. The indexes carry
+# the rowid (id) after their columns: each filter's rows come out in that order without a sort.
 FLUSH_INTERVAL = 0.25
 PRUNE_INTERVAL = 60.0
 MAX_FLUSH = 4096  # a flush writes at most this many; the rest wait for the next tick
@@ -163,15 +169,28 @@ class AuditLog:
         tenant: str | None = None,
         sandbox: str | None = None,
         since: float | None = None,
+        until: float | None = None,
         limit: int = 100,
         include_unknown: bool = True,
     ) -> list[Entry]:
-        """The newest ``limit`` matching records, oldest first; pending ones are written first."""
+        """The newest ``limit`` matching records, oldest first; pending ones are written first.
+
+        ``until``: only records older than it, to the microsecond (a record's time counts as its whole
+        microsecond, floored, as the API shows it). Paging back with ``until`` = the oldest time received
+        loses nothing: a page never ends inside a microsecond; it holds every record of its oldest
+        microsecond, even beyond ``limit``."""
         await self.flush()
-        return await asyncio.to_thread(self._select, tenant, sandbox, since, limit, include_unknown)
+        until_us = None if until is None else round(until * 1_000_000)
+        return await asyncio.to_thread(self._select, tenant, sandbox, since, until_us, limit, include_unknown)
 
     def _select(
-        self, tenant: str | None, sandbox: str | None, since: float | None, limit: int, include_unknown: bool
+        self,
+        tenant: str | None,
+        sandbox: str | None,
+        since: float | None,
+        until_us: int | None,
+        limit: int,
+        include_unknown: bool,
     ) -> list[Entry]:
         where: list[str] = []
         args: list[str | float] = []
@@ -186,11 +205,27 @@ class AuditLog:
         if since is not None:
             where.append("time >= ?")
             args.append(since)
-        clause = f"WHERE {' AND '.join(where)}" if where else ""
-        sql = (
-            "SELECT time, tenant, method, route, sandbox, status, duration_ms, command FROM audit "
-            f"{clause} ORDER BY id DESC LIMIT ?"
-        )
+        if until_us is not None:
+            # loose, for the index on time; then exact: floor(time in µs) < until_us, computed as Python
+            # computes it (the same product of doubles)
+            where += ["time < ?", "time * 1000000 < ?"]
+            args += [(until_us + 1) / 1_000_000, until_us]
+        columns = "time, tenant, method, route, sandbox, status, duration_ms, command"
+        order = "ORDER BY time DESC, id DESC"
         with self._db_lock:
-            rows = self._db.execute(sql, (*args, limit)).fetchall()
-        return [Entry(*row) for row in reversed(rows)]
+            rows = self._db.execute(
+                f"SELECT id, {columns} FROM audit {_where(where)} {order} LIMIT ?", (*args, limit)
+            ).fetchall()
+            if len(rows) == limit:  # the rest of the oldest record's microsecond, so that paging skips none
+                last_id, last_time = rows[-1][0], rows[-1][1]
+                edge = math.floor(last_time * 1_000_000)
+                tied = [*where, "time >= ?", "time * 1000000 >= ?", "(time < ? OR (time = ? AND id < ?))"]
+                rows += self._db.execute(
+                    f"SELECT id, {columns} FROM audit {_where(tied)} {order}",
+                    (*args, (edge - 1) / 1_000_000, edge, last_time, last_time, last_id),
+                ).fetchall()
+        return [Entry(*row[1:]) for row in reversed(rows)]
+
+
+def _where(conditions: list[str]) -> str:
+    return f"WHERE {' AND '.join(conditions)}" if conditions else ""

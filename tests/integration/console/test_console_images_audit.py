@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Callable
+from datetime import datetime
 
+import httpx
 import pytest
 from playwright.sync_api import expect
 
@@ -91,10 +93,21 @@ def test_the_audit_log_shows_the_calls_and_filters_them(
     expect(rows.filter(has_text=marker)).to_have_count(1)
     expect(rows).to_have_count(50)  # a page
     first = rows.first.text_content() or ""
+    oldest = rows.last.get_attribute("data-time") or ""
     console.testid("page-next").click()
     expect(rows.first).not_to_have_text(first)
+    # the next page is the API's answer for what precedes the oldest call shown (`until`), newest first
+    older = httpx.get(
+        f"{daemon.url}/v1/audit",
+        params={"until": oldest, "limit": 50},
+        headers={"authorization": f"Bearer {daemon.token}"},
+        timeout=30,
+    ).json()["records"][::-1]
+    assert older and all(datetime.fromisoformat(r["time"]) < datetime.fromisoformat(oldest) for r in older)
+    expect(rows).to_have_count(len(older))
+    assert [r.get_attribute("data-time") for r in rows.all()] == [r["time"] for r in older]
     console.testid("page-prev").click()
-    expect(rows.first).to_have_text(first)
+    expect(rows.first).to_have_text(first)  # the page seen, not the calls made since
 
     # by sandbox (the API's filter): exactly that sandbox's calls
     console.testid("audit-filter-sandbox").fill(sb.id)

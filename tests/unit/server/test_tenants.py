@@ -8,6 +8,7 @@ import json
 import re
 import time
 from collections.abc import AsyncIterator, Iterator
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -431,6 +432,34 @@ def test_audit_filters(api: Api, two: tuple[dict[str, str], dict[str, str]]) -> 
     assert later == []
     for bad in ({"limit": 0}, {"limit": 10_001}, {"since": "yesterday"}, {"sandbox": "x" * 65}):
         assert api.client.get("/v1/audit", params=bad, headers=AUTH).status_code == 400, bad
+
+
+def test_audit_pages_back_with_until(api: Api, two: tuple[dict[str, str], dict[str, str]]) -> None:
+    alice, _ = two
+    sid = create(api, alice)
+    for i in range(9):
+        api.client.post(f"/v1/sandboxes/{sid}/exec", json={"cmd": f"echo {i}"}, headers=alice)
+    # read by the operator, whose own reads of the audit log are not alice's records
+    everything = audit(api, AUTH, tenant="alice", limit=10_000)
+    assert len(everything) == 10
+    got: list[dict[str, Any]] = []
+    until: str | None = None
+    while page := audit(api, AUTH, tenant="alice", limit=3, **({"until": until} if until else {})):
+        assert (
+            len(page) <= 3 or len({r["time"] for r in page[: len(page) - 2]}) == 1
+        )  # beyond the limit: its oldest µs only
+        got = page + got
+        until = page[0]["time"]  # the oldest received, sent back as received
+    assert got == everything
+    assert [r["command"] for r in got[1:]] == [f"echo {i}" for i in range(9)]
+    # as epoch seconds too; strictly before: the record at that time is not repeated
+    oldest = datetime.fromisoformat(everything[5]["time"].replace("Z", "+00:00"))
+    assert audit(api, AUTH, tenant="alice", until=str(oldest.timestamp())) == everything[:5]
+    assert audit(api, AUTH, tenant="alice", until=everything[5]["time"], limit=2) == everything[3:5]
+    assert audit(api, AUTH, tenant="alice", until="1970-01-02T00:00:00Z") == []
+    # a tenant's until applies to its own records only
+    assert {r["tenant"] for r in audit(api, alice, tenant="bob", until="2999-01-01T00:00:00Z")} == {"alice"}
+    assert api.client.get("/v1/audit", params={"until": "tomorrow"}, headers=AUTH).status_code == 400
 
 
 # ---- persistence --------------------------------------------------------------------------------------

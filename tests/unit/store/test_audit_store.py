@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import math
 import os
 import stat
 import time
@@ -112,5 +113,70 @@ async def test_recording_costs_microseconds(tmp_path: Path) -> None:
             await log.flush()
         assert min(per_round) < 20e-6, per_round  # the budget for the whole audit of an exec is 200 µs
         assert len(await log.query(limit=n * rounds)) == n * rounds
+    finally:
+        await log.close()
+
+
+def _wire(t: float) -> float:
+    """A record's time as the API shows it and a client sends it back: floored to the microsecond."""
+    return math.floor(t * 1_000_000) / 1_000_000
+
+
+async def _page_back(log: AuditLog, limit: int, **filters: object) -> list[list[Entry]]:
+    pages, until = [], None
+    while page := await log.query(until=until, limit=limit, **filters):  # type: ignore[arg-type]
+        pages.append(page)
+        until = _wire(page[0].time)  # the oldest received
+    return pages
+
+
+async def test_paging_back_with_until_gives_every_record_once_newest_first(tmp_path: Path) -> None:
+    log = AuditLog(tmp_path / "audit.db")
+    base = 1_733_241_600.0
+    times = [base + i * 0.001 for i in range(40)]
+    times[10:15] = [base + 0.0100001] * 5  # five calls in one microsecond, the same time to the last bit
+    times[20:24] = [base + 0.0200001, base + 0.0200002, base + 0.0200003, base + 0.0200009]  # one microsecond apart
+    times[30:33] = [base + 0.05, base + 0.04, base + 0.035]  # the clock set back: written later, older
+    for i, t in enumerate(times):
+        log.record(Entry(t, "alice" if i % 2 else "bob", "GET", f"/v1/r{i}", None, 200, 0.1))
+    try:
+        everything = await log.query(limit=10_000)
+        assert [e.time for e in everything] == sorted(times)  # oldest first, by time (not by when written)
+        for limit in (1, 3, 4, 7, 100):
+            pages = await _page_back(log, limit)
+            got = [e for page in reversed(pages) for e in page]
+            assert got == everything, limit  # nothing skipped, nothing twice, in order
+            assert all(len(p) >= limit for p in pages[:-1])
+            # a page exceeds its limit only to finish its oldest record's microsecond
+            for page in pages:
+                if len(page) > limit:
+                    edge = math.floor(page[0].time * 1e6)
+                    assert all(math.floor(e.time * 1e6) == edge for e in page[: len(page) - limit + 1])
+        # the five alike are never cut: a page of one holds all five
+        assert [e.route for e in await log.query(until=_wire(base + 0.011), limit=1)] == [
+            f"/v1/r{i}" for i in range(10, 15)
+        ]
+        # with a filter, the same
+        bob = await _page_back(log, 3, tenant="bob")
+        assert [e for p in reversed(bob) for e in p] == [e for e in everything if e.tenant == "bob"]
+    finally:
+        await log.close()
+
+
+async def test_until_is_to_the_microsecond(tmp_path: Path) -> None:
+    log = AuditLog(tmp_path / "audit.db")
+    t = 1_733_241_600.123456
+    for dt in (-1e-6, 0.0, 4e-7, 1e-6):
+        log.record(Entry(t + dt, "alice", "GET", f"/v1/{dt}", None, 200, 0.1))
+    try:
+        before = await log.query(until=_wire(t + 4e-7))  # the same microsecond as t: before it means before t
+        assert [e.route for e in before] == ["/v1/-1e-06"]
+        assert len(await log.query(until=_wire(t + 1e-6))) == 3
+        assert len(await log.query(until=t + 3600)) == 4
+        assert await log.query(until=t - 3600) == []
+        assert [e.route for e in await log.query(since=t - 3600, until=_wire(t + 1e-6), limit=1)] == [
+            "/v1/0.0",
+            "/v1/4e-07",
+        ]  # the limit's one, and the other of its microsecond
     finally:
         await log.close()
