@@ -150,6 +150,14 @@ def test_revocation_audit_and_restart(node: Daemon) -> None:
     first_exec = next(r for r in records if r.route.endswith("/exec"))
     assert first_exec.command == ("echo " + "x" * 400)[:256]
     assert all(r.tenant == "carol" for r in records)
+    # paging back with the SDK: pages of 5 from the newest, each before the oldest time of the last, give
+    # every record once
+    paged: list[Any] = []
+    page = carol.audit(sandbox=c.id, limit=5)
+    while page:
+        paged = page + paged
+        page = carol.audit(sandbox=c.id, limit=5, until=page[0].time)
+    assert [(r.time, r.route) for r in paged] == [(r.time, r.route) for r in records]
     refused = [r for r in op.audit(limit=10_000) if r.tenant is None]
     assert refused and all(r.status == 401 for r in refused)
     denied = op.audit(tenant="dave", sandbox=c.id)

@@ -34,10 +34,11 @@ class TenantClient:
         sandbox: str | None = None,
         tenant: str | None = None,
         since: datetime | None = None,
+        until: datetime | None = None,
         limit: int = 100,
     ) -> builtins.list[AuditRecord]:
         """The newest ``limit`` audited API calls, oldest first: the caller's own (the operator: everyone's,
-        or ``tenant``'s)."""
+        or ``tenant``'s); ``until``: only those before it (page back with the oldest ``time`` received)."""
         params: dict[str, str | int] = {"limit": limit}
         if sandbox is not None:
             params["sandbox"] = sandbox
@@ -45,5 +46,7 @@ class TenantClient:
             params["tenant"] = tenant
         if since is not None:
             params["since"] = since.isoformat()
+        if until is not None:
+            params["until"] = until.isoformat()
         reply = await self._transport.request("GET", "/v1/audit", params=params)
         return AuditList.model_validate_json(reply.content).records
