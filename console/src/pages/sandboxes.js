@@ -11,6 +11,8 @@ const POLL_MS = 2000;
 const PAGE = 50;
 const STATES = ['', 'creating', 'running', 'paused', 'stopping', 'stopped', 'failed', 'lost'];
 const TEXT_FILTERS = ['kind', 'image', 'owner', 'label'];
+// the API lists live sandboxes unless asked for the finished ones too: asking for an ended state asks for them
+const ENDED = ['stopped', 'failed', 'lost'];
 
 function filtersFrom(params) {
   return {
@@ -21,7 +23,7 @@ function filtersFrom(params) {
 
 /** The page of sandboxes; a server without paging (no "total") is paged here instead. */
 async function loadPage(filters, offset) {
-  const query = { ...filters, limit: PAGE, offset };
+  const query = { ...filters, limit: PAGE, offset, all: ENDED.includes(filters.state) ? 'true' : '' };
   const reply = await get('/v1/sandboxes', query);
   const all = reply.sandboxes || [];
   if (typeof reply.total === 'number') return { rows: all, total: reply.total };

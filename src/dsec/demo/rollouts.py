@@ -65,6 +65,7 @@ def _project_tar() -> bytes:
 def _console_listen() -> str:
     """Where a daemon the demo starts listens: loopback, on CONSOLE_PORT if it is free."""
     with socket.socket() as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds: TIME_WAIT is no owner
         try:
             probe.bind(("127.0.0.1", CONSOLE_PORT))
         except OSError:
@@ -174,6 +175,10 @@ async def run_demo(n: int, concurrency: int, state_dir: Path, url: str | None, t
                 await client.build_image(IMAGE)
             console.print(f"built {IMAGE} in {time.perf_counter() - t:.0f} s")
         project = _project_tar()
+        if daemon.console is not None and sys.stdin.isatty():
+            # the burst takes seconds: a person who wants to watch it opens the console first
+            console.print("log in to the console, then press Enter to start the rollouts")
+            await asyncio.to_thread(sys.stdin.readline)
         gate = asyncio.Semaphore(concurrency)
         outcomes: list[Outcome] = []
         columns = (

@@ -159,4 +159,7 @@ def test_pause_resume_and_kill_from_the_ui(
     except dsec.NotFound:
         state = "gone"
     assert state in ("stopped", "gone")
+    # an ended sandbox is listed when the list is asked for that state
+    console.goto("#/sandboxes?state=stopped")
+    expect(console.page.locator(f'[data-testid="sandbox-row"][data-id="{sb.id}"]')).to_be_visible()
     assert not console.watch.dialogs and not console.watch.page_errors
