@@ -110,7 +110,10 @@ class AuditLog:
             while batch := self._take():
                 self._insert(batch)
             self._closed = True
-            self._db.close()
+            # under the lock: a flush cancelled above was awaiting a thread that may still be inserting,
+            # and closing a connection under a running statement crashes the process (a segfault in CI)
+            with self._db_lock:
+                self._db.close()
 
     async def _flush_forever(self) -> None:
         while True:

@@ -180,3 +180,17 @@ async def test_until_is_to_the_microsecond(tmp_path: Path) -> None:
         ]  # the limit's one, and the other of its microsecond
     finally:
         await log.close()
+
+
+async def test_closing_while_a_flush_is_inserting_waits_for_it(tmp_path: Path) -> None:
+    """A daemon stopping while its audit flush runs on a thread: close must not pull the connection from
+    under the insert (that crashed the whole process with a segfault in CI)."""
+    for i in range(30):
+        log = AuditLog(tmp_path / f"audit-{i}.db")
+        await log.start()
+        for j in range(3000):
+            log.record(entry(j))
+        flush = asyncio.create_task(log.flush())
+        await asyncio.sleep(0.001)  # the flush's thread is inside an insert now, or about to be
+        flush.cancel()
+        await log.close()
