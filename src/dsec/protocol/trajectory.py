@@ -12,7 +12,7 @@ from datetime import datetime
 from typing import Any, Literal
 
 import blake3
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 SEQ_HEADER = "Dsec-Seq"  # a trajectory call's position; sent by the SDK on every call of a bound sandbox
 REPLAYED_HEADER = "Dsec-Replayed"  # "1" on an answer taken from the log
@@ -77,6 +77,22 @@ class RecordedCall(BaseModel):
         "SDK fast-forwards locally from a fetched page never reach the daemon and are not counted.",
     )
     replayed_at: datetime | None = Field(None, description="When it was last answered from the log.")
+
+
+class ReplayedCalls(BaseModel):
+    """Calls a client answered itself from the recorded log (the SDK fast-forwarding a resumed
+    trajectory), told to the daemon once the replay ends so each call's ``replays`` counts them."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    start: int = Field(ge=1, description="The first replayed position (0, the create, the daemon counts itself).")
+    end: int = Field(ge=2, description="One past the last replayed position.")
+
+    @model_validator(mode="after")
+    def _ordered(self) -> ReplayedCalls:
+        if self.end <= self.start:
+            raise ValueError("end must be greater than start")
+        return self
 
 
 class RecordedCalls(BaseModel):

@@ -18,6 +18,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+import httpx
 from pydantic import BaseModel
 
 from ..errors import CallInterrupted, DaemonUnreachable, DsecError, TrajectoryDiverged, error_from_wire
@@ -56,6 +57,7 @@ class Trajectory:
         self._t = transport
         self._lock = asyncio.Lock()
         self._page: dict[int, RecordedCall] = {}
+        self._unreported: int | None = None  # the first call answered here that the daemon was not told of
 
     def __repr__(self) -> str:
         return f"<Trajectory {self.id} at {self.position}: {self.replayed} replayed, {self.live} live>"
@@ -80,19 +82,24 @@ class Trajectory:
                     # made only to compare with the log: a live call is digested by the daemon
                     digest = call_digest(op, params() if callable(params) else params, payload)
                     if rec.digest != digest:
+                        await self._report_replays()
                         raise TrajectoryDiverged(
                             f"trajectory {self.id!r} diverged at call {seq}: the log holds {rec.op} "
                             f"{rec.digest[:16]}, this call is {op} {digest[:16]}; nothing was run",
                             detail={"position": seq, "recorded": rec.digest, "given": digest, "recorded_op": rec.op},
                         )
                     step.recorded = rec
+            if step.recorded is None:
+                await self._report_replays()  # the replay ends here: this call is sent
             try:
                 yield step
             except DsecError as e:
                 if e.detail.get(RECORDED_AT) == seq:  # the failure is the call's outcome in the log
                     self._advance(seq, op, replayed=step.recorded is not None)
+                    await self._replay_ended()
                 raise
             self._advance(seq, op, replayed=step.recorded is not None)
+            await self._replay_ended()
 
     async def call(
         self,
@@ -114,9 +121,29 @@ class Trajectory:
         self.last_replayed = replayed
         if replayed:
             self.replayed += 1
+            if self._unreported is None:
+                self._unreported = seq
         else:
             self.live += 1
         log.debug("trajectory %s call %d %s: %s", self.id, seq, op, "replayed" if replayed else "live")
+
+    async def _replay_ended(self) -> None:
+        if self.position >= self.recorded:  # the log is replayed to its end
+            await self._report_replays()
+
+    async def _report_replays(self) -> None:
+        """Tell the daemon which calls were answered here (one request per replay, not per call), so the
+        log shows them replayed. Best effort: a failure to tell never fails the trainer's call."""
+        start, self._unreported = self._unreported, None
+        if start is None or self.position <= start:
+            return
+        body = {"start": start, "end": self.position}
+        try:
+            await self._t.request("POST", "/v1/trajectories/replayed", params={"id": self.id}, json=body, timeout=30)
+        except (DsecError, httpx.HTTPError) as e:
+            log.warning(
+                "trajectory %s: could not report calls %d-%d as replayed: %s", self.id, start, self.position - 1, e
+            )
 
     async def _recorded(self, seq: int) -> RecordedCall | None:
         if seq not in self._page:

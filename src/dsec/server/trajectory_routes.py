@@ -13,7 +13,7 @@ from typing import Annotated
 from fastapi import APIRouter, Query, Response
 
 from ..protocol.sandbox import TRAJECTORY_ID
-from ..protocol.trajectory import RecordedCall, RecordedCalls, TrajectoryInfo, TrajectoryList
+from ..protocol.trajectory import RecordedCall, RecordedCalls, ReplayedCalls, TrajectoryInfo, TrajectoryList
 from ..store.trajectories import CallRow, TrajectoryRow
 from .auth import CallerDep
 from .routes import _ERRORS, Mgr
@@ -61,6 +61,13 @@ async def trajectory_calls(
     more = len(calls) < len(rows) or len(rows) == limit
     page = RecordedCalls(calls=calls, next=calls[-1].seq + 1 if calls and more else None)
     return Response(content=page.model_dump_json(), media_type="application/json")
+
+
+@router.post("/trajectories/replayed", status_code=204)
+async def trajectory_replayed(id: TrajectoryId, body: ReplayedCalls, mgr: Mgr, caller: CallerDep) -> Response:
+    """A client answered the calls ``start``..``end - 1`` from the log itself: each counts one replay."""
+    await mgr.trajectories.replayed_by_client(id, caller, body.start, body.end)
+    return Response(status_code=204)
 
 
 @router.delete("/trajectories", status_code=204)

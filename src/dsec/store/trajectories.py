@@ -150,7 +150,16 @@ BIND = _Sql(
     )
 )
 ANNOTATE = _Sql(sa.update(CALLS).where(*_CALL_KEY).values(note=sa.bindparam("note")))
-REPLAYED = _Sql(sa.update(CALLS).where(*_CALL_KEY).values(replays=CALLS.c.replays + 1, replayed_at=sa.bindparam("now")))
+REPLAYED = _Sql(  # the calls at k_seq .. k_end - 1 (one, for a replay the daemon answered itself)
+    sa.update(CALLS)
+    .where(
+        CALLS.c.owner == sa.bindparam("k_owner"),
+        CALLS.c.trajectory == sa.bindparam("k_id"),
+        CALLS.c.seq >= sa.bindparam("k_seq"),
+        CALLS.c.seq < sa.bindparam("k_end"),
+    )
+    .values(replays=CALLS.c.replays + 1, replayed_at=sa.bindparam("now"))
+)
 
 
 @dataclass(frozen=True)
@@ -386,9 +395,9 @@ class TrajectoryStore:
         return w
 
     @staticmethod
-    def replayed(owner: str, tid: str, seq: int, now: float) -> Write:
-        """One more answer from the log for the call at ``seq``."""
-        values = {"k_owner": owner, "k_id": tid, "k_seq": seq, "now": now}
+    def replayed(owner: str, tid: str, seq: int, now: float, *, end: int | None = None) -> Write:
+        """One more answer from the log for the call at ``seq`` (with ``end``: each call up to it)."""
+        values = {"k_owner": owner, "k_id": tid, "k_seq": seq, "k_end": seq + 1 if end is None else end, "now": now}
 
         def w(tx: Tx) -> None:
             REPLAYED.run(tx, values)

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+import dsec
 from dsec.core.trajectory.recorder import TrajectoryOptions
 from dsec.core.trajectory.writer import InlineWriter, LogWriter
 from dsec.protocol.trajectory import REPLAYED_HEADER, RecordedCalls
@@ -102,3 +103,39 @@ async def test_a_posted_write_is_committed_by_close(
         assert writer.writes == 2
     finally:
         store.close()
+
+
+async def test_calls_the_sdk_answers_itself_are_counted_once_its_replay_ends(daemon: Daemon) -> None:
+    """A resumed trainer's SDK fast-forwards locally; when its replay ends (a live call, or the end of
+    the log) it tells the daemon in one request, so the log shows those calls replayed too."""
+    d, tid = daemon, "t/sdk-replays"
+    await recorded_four(d, tid)  # calls 0-4
+    # a resume that replays two calls and then goes live
+    again = await (await d.client()).create(image=IMAGE, trajectory=tid)
+    await again.exec(["echo", "1"])
+    await again.files.write("/f", b"one")
+    assert replays(d, tid) == [1, 0, 0, 0, 0]  # told nothing yet: the replay goes on
+    diverged = again.exec(["echo", "not-3"])
+    with pytest.raises(dsec.TrajectoryDiverged):
+        await diverged
+    await wait_until(lambda: replays(d, tid) == [1, 1, 1, 0, 0], "the SDK's report of calls 1-2")
+    # a resume that replays to the end of the log, then one live call
+    third = await (await d.client()).create(image=IMAGE, trajectory=tid)
+    await third.exec(["echo", "1"])
+    await third.files.write("/f", b"one")
+    await third.exec(["echo", "3"])
+    await third.exec(["echo", "4"])
+    await wait_until(lambda: replays(d, tid) == [2, 2, 2, 1, 1], "the report at the end of the log")
+    await third.exec(["echo", "5"])  # live: nothing more to report
+    assert replays(d, tid)[:5] == [2, 2, 2, 1, 1] and replays(d, tid)[5] == 0
+
+
+async def test_a_report_of_calls_the_log_does_not_hold_is_refused(daemon: Daemon) -> None:
+    d, tid = daemon, "t/bad-report"
+    await recorded_four(d, tid)
+    for body, status in (({"start": 1, "end": 9}, 400), ({"start": 0, "end": 2}, 400), ({"start": 3, "end": 3}, 400)):
+        reply = await d.raw("POST", "/v1/trajectories/replayed", params={"id": tid}, json=body)
+        assert reply.status_code == status, (body, reply.text)
+    reply = await d.raw("POST", "/v1/trajectories/replayed", params={"id": "t/none"}, json={"start": 1, "end": 2})
+    assert reply.status_code == 404
+    assert replays(d, tid) == [0, 0, 0, 0, 0]

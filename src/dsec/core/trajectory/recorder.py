@@ -372,6 +372,13 @@ class Trajectories:
         await self.info(tid, caller)
         return await asyncio.to_thread(self.store.calls, caller.tenant, tid, start, limit)
 
+    async def replayed_by_client(self, tid: str, caller: Caller, start: int, end: int) -> None:
+        """Count one replay for each of the calls ``start``..``end - 1``, which a client answered itself."""
+        row = await self.info(tid, caller)
+        if end > row.length:
+            raise InvalidRequest(f"trajectory {tid!r} holds {row.length} calls: it has no call {end - 1} to replay")
+        self.writer.post(TrajectoryStore.replayed(caller.tenant, tid, start, time.time(), end=end))
+
     async def remove(self, tid: str, caller: Caller) -> None:
         key = (caller.tenant, tid)
         async with self._binding.setdefault(key, asyncio.Lock()):
