@@ -72,6 +72,7 @@ TARGET = "sandbox_id"  # the path parameter that names the live sandbox in every
 # stays as generated: invalid on purpose)
 SMALL = {"count": 2, "n": 2, "concurrency": 4, "timeout": 10.0, "idle_timeout": 10.0, "queue_timeout": 1.0}
 MAX_RUNS = 2
+STREAMS_OPEN = ("/execs/live",)  # answers that stay open until the request's timeout (Server-Sent Events)
 
 
 @dataclass
@@ -193,6 +194,8 @@ def _prepare(case: Case[Any], on: str | None) -> None:
     """``on``: the live target's id, for the case's path parameter ``TARGET`` names."""
     if on is not None and case.path_parameters is not None:
         case.path_parameters = {**case.path_parameters, TARGET: on}
+        if case.path.endswith(STREAMS_OPEN):  # open until its timeout, with keepalives: keep each one short
+            case.query = {**(case.query or {}), "timeout": 1}
     mode = case.meta.generation.mode if case.meta is not None else GenerationMode.POSITIVE
     if mode == GenerationMode.POSITIVE and isinstance(case.body, dict | list):
         case.body = make_small(case.body)

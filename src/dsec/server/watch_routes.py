@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections.abc import AsyncIterator
 from typing import Annotated
 
-from fastapi import APIRouter, Path
+from fastapi import APIRouter, Path, Query
 from fastapi.responses import StreamingResponse
 
 from ..core.exec_feed import FeedEvent
@@ -20,6 +21,7 @@ from .routes import _ERRORS, Mgr
 
 router = APIRouter(prefix="/v1", responses=_ERRORS)
 SandboxId = Annotated[str, Path(max_length=128)]
+RECONNECT_MS = 1000  # what an EventSource waits before it opens the stream again
 KEEPALIVE_S = 15.0  # a comment line this often: proxies keep the stream open, and a gone sandbox is noticed
 
 
@@ -40,18 +42,27 @@ async def usage(sandbox_id: SandboxId, mgr: Mgr, caller: CallerDep) -> UsageSeri
     response_class=StreamingResponse,
     responses={200: {"content": {"text/event-stream": {}}, "description": "start, output, end, lost, gone events."}},
 )
-async def execs_live(sandbox_id: SandboxId, mgr: Mgr, caller: CallerDep) -> StreamingResponse:
+async def execs_live(
+    sandbox_id: SandboxId,
+    mgr: Mgr,
+    caller: CallerDep,
+    timeout: Annotated[
+        float,
+        Query(gt=0, le=3600, description="Seconds the stream stays open; then it ends (an EventSource reconnects)."),
+    ] = 600.0,
+) -> StreamingResponse:
     """The sandbox's commands from now on, as they run: ``start`` (exec number, command), ``output``
     (stream, text), ``end`` (exit code or error); ``lost`` when the reader fell behind; ``gone`` when
-    the sandbox ended."""
+    the sandbox ended. Every stream ends after ``timeout``: no client holds one forever unawares."""
     watching = mgr.watch_execs(sandbox_id, caller=caller)  # refused here, before the stream starts
+    deadline = time.monotonic() + timeout
 
     async def events() -> AsyncIterator[bytes]:
         with watching as watcher:
-            yield b": watching\n\n"
-            while True:
+            yield f"retry: {RECONNECT_MS}\n: watching\n\n".encode()
+            while (left := deadline - time.monotonic()) > 0:
                 try:
-                    event = await asyncio.wait_for(watcher.next(), KEEPALIVE_S)
+                    event = await asyncio.wait_for(watcher.next(), min(KEEPALIVE_S, left))
                 except TimeoutError:
                     if _ended(mgr, sandbox_id, caller):
                         yield _sse(FeedEvent("gone"))

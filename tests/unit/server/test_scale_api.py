@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -257,3 +258,16 @@ async def test_a_trajectory_resumed_with_another_queue_timeout_has_not_diverged(
     assert again.json()["id"] == first.json()["id"]
     other = await http.post("/v1/sandboxes", json={"image": IMAGE, "trajectory": "q/1", "labels": {"x": "y"}})
     assert other.status_code == 409 and other.json()["error"]["code"] == "trajectory_diverged"
+
+
+async def test_a_live_exec_stream_ends_after_its_timeout(node: Node) -> None:
+    """GET .../execs/live is open until its timeout (an EventSource then reconnects, after the retry the
+    stream names): no client holds a stream forever without asking for it."""
+    http = node.http()
+    [sid] = await fill(http, 1)
+    started = time.monotonic()
+    reply = await http.get(f"/v1/sandboxes/{sid}/execs/live", params={"timeout": 0.5})
+    assert reply.status_code == 200 and reply.headers["content-type"].startswith("text/event-stream")
+    assert reply.content.startswith(b"retry: 1000\n") and time.monotonic() - started < 5
+    for bad in (0, -1, 3601):
+        assert (await http.get(f"/v1/sandboxes/{sid}/execs/live", params={"timeout": bad})).status_code == 400
