@@ -27,7 +27,7 @@ KIND = "container"
 WAIT_MS = 15_000
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def daemon(request: pytest.FixtureRequest) -> Iterator[Daemon]:
     """Overrides the suite's daemon: the console needs an HTTP origin, not the unix socket."""
     with scratch_dir("dsec-console-") as work:
@@ -42,7 +42,9 @@ def daemon(request: pytest.FixtureRequest) -> Iterator[Daemon]:
                 print(f"\n[dsec] console daemon log kept: {kept}")
 
 
-@pytest.fixture(scope="session")
+# Package-scoped, not session-scoped: Playwright's sync API keeps an event loop running on the main thread
+# while it is open, and the suite's tests after this package call asyncio.run().
+@pytest.fixture(scope="package")
 def browser() -> Iterator[Browser]:
     if not CHROMIUM.exists():
         message = f"{CHROMIUM} is missing (apt-get install chromium)"
