@@ -219,18 +219,23 @@ function Files({ id, live }) {
   const [draft, setDraft] = useState('/');
   const [list, setList] = useState(null);
   const [error, setError] = useState(null);
+  const asked = useRef(null); // the listing last asked for: an older one answering late is dropped
   const load = async (p) => {
+    asked.current = p;
     try {
       const reply = await get(`${base(id)}/files/list`, { path: p });
+      if (asked.current !== p) return;
       setList(reply.entries || []);
       setError(null);
     } catch (e) {
+      if (asked.current !== p) return;
       setList([]);
       setError(e);
     }
   };
+  // the box shows the directory shown, but only when that changes: what is being typed is kept
+  useEffect(() => setDraft(path), [path]);
   useEffect(() => {
-    setDraft(path);
     if (live) load(path);
   }, [id, path, live]);
   const go = (p) => setPath(p || '/');
