@@ -151,13 +151,9 @@ def _csrf_refusal(scope: Scope, session: Session) -> DsecError | None:
     if scope["method"] in SAFE:
         return None
     sent = _header(scope, CSRF_HEADER)
-    if not sent or not _same(sent, session.csrf):
+    if not sent or not secrets.compare_digest(sent.encode(), session.csrf.encode()):
         return Forbidden("a console call that changes anything needs the session's X-CSRF-Token header")
     return None
-
-
-def _same(a: str, b: str) -> bool:
-    return secrets.compare_digest(a.encode(), b.encode())
 
 
 def _header(scope: Scope, name: bytes) -> str:

@@ -13,10 +13,9 @@ import pytest
 from fastapi import FastAPI
 
 from dsec.core.admission import AdmissionOptions
-from dsec.core.manager import SandboxManager
-from dsec.images.store import ImageStore
 
-from ..conftest import IMAGE, TOKEN, FakeBackend, ManagerSwitch, make_image
+from ..conftest import IMAGE, ManagerSwitch
+from .test_scale_api import running_node
 
 HELD = 3000
 ROOMY = AdmissionOptions(cpu_capacity=4096, memory_capacity=64 << 40, cpu_ratio=1, node_name="n1")
@@ -24,27 +23,8 @@ ROOMY = AdmissionOptions(cpu_capacity=4096, memory_capacity=64 << 40, cpu_ratio=
 
 @pytest.fixture
 async def http(workdir: Path, shared_app: tuple[FastAPI, ManagerSwitch]) -> AsyncIterator[httpx.AsyncClient]:
-    app, switch = shared_app
-    make_image(workdir / "images", IMAGE, env={"PATH": "/usr/bin:/bin"})
-    mgr = SandboxManager(
-        state_dir=workdir / "state",
-        images=ImageStore(workdir / "images", lazy=False, mount=False),
-        kinds=["container"],
-        admission=ROOMY,
-    )
-    mgr.backends["container"] = FakeBackend(mgr.ctx)
-    switch.target = mgr
-    await mgr.start()
-    mgr.tenants.set_operator_token(TOKEN)
-    transport = httpx.ASGITransport(app=app)
-    try:
-        async with httpx.AsyncClient(
-            transport=transport, base_url="http://dsec", headers={"authorization": f"Bearer {TOKEN}"}
-        ) as client:
-            yield client
-    finally:
-        await mgr.close()
-        switch.target = None
+    async with running_node(workdir, shared_app, ROOMY) as node:
+        yield node.http()
 
 
 async def best_of(n: int, call: object) -> float:

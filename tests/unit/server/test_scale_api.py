@@ -4,6 +4,7 @@ the fake backend (the real node is tested in tests/integration/test_scale.py).""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 from collections.abc import AsyncIterator
@@ -50,13 +51,22 @@ class Node:
 
 @pytest.fixture
 async def node(workdir: Path, shared_app: tuple[FastAPI, ManagerSwitch]) -> AsyncIterator[Node]:
+    async with running_node(workdir, shared_app, SMALL) as n:
+        yield n
+
+
+@contextlib.asynccontextmanager
+async def running_node(
+    workdir: Path, shared_app: tuple[FastAPI, ManagerSwitch], admission: AdmissionOptions
+) -> AsyncIterator[Node]:
+    """A node of fake container sandboxes behind the real app, admitting as ``admission`` says."""
     app, switch = shared_app
     make_image(workdir / "images", IMAGE, env={"PATH": "/usr/bin:/bin"})
     mgr = SandboxManager(
         state_dir=workdir / "state",
         images=ImageStore(workdir / "images", lazy=False, mount=False),
         kinds=["container"],
-        admission=SMALL,
+        admission=admission,
     )
     backend = FakeBackend(mgr.ctx)
     mgr.backends["container"] = backend
