@@ -13,6 +13,7 @@ from .errors import (
     BackendError,
     BuildFailed,
     CallInterrupted,
+    CheckpointNotFound,
     DaemonUnreachable,
     DigestMismatch,
     DsecError,
@@ -60,6 +61,7 @@ from .protocol.volumes import VolumeInfo
 
 if TYPE_CHECKING:
     from .sdk.aio import AsyncClient, AsyncSandbox
+    from .sdk.checkpoints import Forked
     from .sdk.sync import Client, Sandbox, run
     from .sdk.trajectory import Trajectory
 
@@ -70,6 +72,7 @@ _CLIENT = {
     "Sandbox": ".sdk.sync",
     "run": ".sdk.sync",
     "Trajectory": ".sdk.trajectory",
+    "Forked": ".sdk.checkpoints",
 }
 
 __all__ = [
@@ -80,6 +83,7 @@ __all__ = [
     "BuildResult",
     "BuildSpec",
     "CallInterrupted",
+    "CheckpointNotFound",
     "Client",
     "CodeError",
     "CodeResult",
@@ -90,6 +94,7 @@ __all__ = [
     "FileEntry",
     "FileNotFoundInSandbox",
     "Forbidden",
+    "Forked",
     "GradeResult",
     "IdempotencyConflict",
     "ImageExists",

@@ -128,6 +128,12 @@ class VolumeNotFound(NotFound):
     code = "volume_not_found"
 
 
+class CheckpointNotFound(NotFound):
+    """The sandbox has no checkpoint of this id or name."""
+
+    code = "checkpoint_not_found"
+
+
 class VolumeExists(DsecError, FileExistsError):
     """A volume with this name exists on the node."""
 
@@ -288,6 +294,7 @@ ERRORS_BY_CODE: dict[str, type[DsecError]] = {
         ImageExists,
         ImageInUse,
         VolumeNotFound,
+        CheckpointNotFound,
         VolumeExists,
         VolumeInUse,
         IdempotencyConflict,

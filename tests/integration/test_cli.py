@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import json
 import os
 import secrets
 import subprocess
@@ -21,7 +22,7 @@ def dsec_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.Comple
 
 def test_help_for_every_command(daemon: object) -> None:
     commands = ("serve", "run", "ps", "exec", "rm", "images", "version", "demo", "bench", "snapshot", "image")
-    for cmd in (*commands, "pause", "resume", "fork"):
+    for cmd in (*commands, "pause", "resume", "fork", "rollback", "checkpoint"):
         res = dsec_cli(cmd, "--help")
         assert res.returncode == 0, res.stderr
         assert "Usage" in res.stdout
@@ -53,9 +54,27 @@ def test_pause_resume_fork(daemon: object) -> None:
         ps = dsec_cli("ps", "--label", "cli=pause", "--json")
         assert '"state": "paused"' in ps.stdout
         assert dsec_cli("resume", sb.id).returncode == 0 and sb.info().state == dsec.State.running
-        # a container has no memory snapshot to fork from: a clear error, no traceback
-        fork = dsec_cli("fork", sb.id, "-n", "2")
-        assert fork.returncode == 2 and "memory snapshot" in fork.stderr and "Traceback" not in fork.stderr
+        # a container's copies carry its files, not its processes: asked for, a clear error, no traceback
+        fork = dsec_cli("fork", sb.id, "-n", "2", "--processes")
+        assert fork.returncode == 2 and "files only" in fork.stderr and "Traceback" not in fork.stderr
+        sb.exec("echo kept > /kept")
+        made = dsec_cli("checkpoint", "create", sb.id, "--name", "start")
+        assert made.returncode == 0 and made.stdout.startswith("c1 "), made.stderr
+        listed = dsec_cli("checkpoint", "ls", sb.id, "--json")
+        assert [(c["id"], c["name"]) for c in json.loads(listed.stdout)] == [("c1", "start")]
+        sb.exec("rm /kept")
+        assert dsec_cli("rollback", sb.id, "start").returncode == 0
+        assert sb.exec("cat /kept").stdout == "kept\n"
+        copies = dsec_cli("fork", sb.id, "-n", "2", "--checkpoint", "c1")
+        ids = copies.stdout.split()
+        assert copies.returncode == 0 and len(ids) == 2, copies.stderr
+        for sid in ids:
+            assert dsec.Sandbox.connect(sid).exec("cat /kept").stdout == "kept\n"
+            assert dsec_cli("rm", sid).returncode == 0
+        missing = dsec_cli("rollback", sb.id, "nope")
+        assert missing.returncode == 2 and "checkpoint_not_found" in missing.stderr
+        assert dsec_cli("checkpoint", "rm", sb.id, "c1").returncode == 0
+        assert dsec_cli("checkpoint", "ls", sb.id, "--json").stdout.strip() == "[]"
         bad = dsec_cli("fork", sb.id, "-n", "0")
         assert bad.returncode == 2 and "Traceback" not in bad.stderr
         gone = dsec_cli("pause", "sb-000000000000")

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Annotated
 
 import typer
+from rich.markup import escape
 
 from ..errors import DsecError
 from .common import TokenOpt, UrlOpt, console, err
@@ -46,24 +47,37 @@ def _each(sandbox_ids: list[str], action: str, url: str | None, token: str | Non
 
 
 def fork(
-    sandbox_id: Annotated[str, typer.Argument(help="The sandbox to copy (a running or paused VM).")],
+    sandbox_id: Annotated[str, typer.Argument(help="The sandbox to copy (running).")],
     n: Annotated[int, typer.Option("-n", "--n", min=1, max=64, help="How many copies.")] = 1,
     timeout: Annotated[
         float | None, typer.Option(help="Time to live of each copy in seconds (default: the parent's).")
     ] = None,
+    checkpoint: Annotated[
+        str | None, typer.Option(help="Copies of this checkpoint (id or name) instead of now (containers).")
+    ] = None,
+    processes: Annotated[
+        bool | None,
+        typer.Option("--processes/--files-only", help="Carry processes and memory (VM kinds) or files only."),
+    ] = None,
     url: UrlOpt = None,
     token: TokenOpt = None,
 ) -> None:
-    """Restore N new sandboxes from one memory snapshot of a running VM; prints their ids."""
+    """Make N copies of a sandbox; prints their ids. A VM's are restored from one memory snapshot of it (all
+    or none); a container's get its files, now or at a checkpoint, and each is made or fails on its own."""
     from ..sdk.sync import Sandbox
 
     try:
-        copies = Sandbox.connect(sandbox_id, client=_client(url, token)).fork(n, timeout=timeout)
+        sb = Sandbox.connect(sandbox_id, client=_client(url, token))
+        copies = sb.fork(n, timeout=timeout, checkpoint=checkpoint, processes=processes)
     except DsecError as e:
         _fail(e)
         return
-    for sb in copies:
-        console.print(sb.id)
+    for copy in copies:
+        console.print(copy.id)
+    for index, error in copies.failed:
+        err.print(f"[red]error[/red] copy {index} ({error.code}): {escape(error.message)}")
+    if copies.failed:
+        raise typer.Exit(2)
 
 
 def expose(

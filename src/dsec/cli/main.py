@@ -17,6 +17,7 @@ from dsec_bench.cli import bench_app
 from ..errors import DsecError, InvalidRequest
 from ..protocol.names import PullPolicy
 from ..protocol.version import __version__
+from .checkpoint import checkpoint_app, rollback
 from .cluster import cluster_app
 from .common import TokenOpt, UrlOpt, console, err, ident, show
 from .common import client as _client
@@ -32,6 +33,7 @@ from .volume import VolumeOpt, parse_volumes, volume_app
 
 app = typer.Typer(help="dsec: elastic sandboxes for training and evaluating AI agents.", no_args_is_help=True)
 app.add_typer(bench_app, name="bench")
+app.add_typer(checkpoint_app, name="checkpoint")
 app.add_typer(cluster_app, name="cluster")
 app.add_typer(image_app, name="image")
 app.add_typer(pool_app, name="pool")
@@ -307,7 +309,7 @@ def demo(
     raise typer.Exit(demo_main(n=n, concurrency=concurrency, state_dir=state_dir, url=url, token=token))
 
 
-for _command in (pause, resume, fork, expose, unexpose, audit, top):
+for _command in (pause, resume, fork, rollback, expose, unexpose, audit, top):
     app.command()(_command)
 
 

@@ -17,6 +17,7 @@ from ..errors import InvalidRequest, InvalidState
 from ..kinds.base import OutputCallback
 from ..kinds.execio import ExecIO
 from ..protocol import network as policy
+from ..protocol.checkpoints import CheckpointInfo, CheckpointRequest, RollbackRequest
 from ..protocol.grade import GradeRequest, GradeResult
 from ..protocol.network import NetworkSpec
 from ..protocol.sandbox import (
@@ -75,6 +76,12 @@ class Target(Protocol):
     async def set_network(self, sandbox_id: str, policy: NetworkSpec, *, caller: Caller) -> NetworkStatus: ...
 
     async def kill(self, sandbox_id: str, *, caller: Caller) -> SandboxInfo: ...
+
+    async def checkpoint(self, sandbox_id: str, req: CheckpointRequest, *, caller: Caller) -> CheckpointInfo: ...
+
+    async def remove_checkpoint(self, sandbox_id: str, checkpoint: str, *, caller: Caller) -> None: ...
+
+    async def rollback(self, sandbox_id: str, req: RollbackRequest, *, caller: Caller) -> SandboxInfo: ...
 
 
 # target, sandbox id, request, payload (the bytes a write or an upload carries), caller, output
@@ -188,6 +195,18 @@ async def _kill(t: Target, sid: str, _: Any, __: bytes | None, c: Caller, ___: O
     return await t.kill(sid, caller=c)
 
 
+async def _checkpoint(t: Target, sid: str, req: Any, _: bytes | None, c: Caller, __: OutputCallback | None) -> Any:
+    return await t.checkpoint(sid, req, caller=c)
+
+
+async def _uncheckpoint(t: Target, sid: str, req: Any, _: bytes | None, c: Caller, __: OutputCallback | None) -> Any:
+    await t.remove_checkpoint(sid, req["checkpoint"], caller=c)
+
+
+async def _rollback(t: Target, sid: str, req: Any, _: bytes | None, c: Caller, __: OutputCallback | None) -> Any:
+    return await t.rollback(sid, req, caller=c)
+
+
 ACTIONS: dict[str, Action] = {
     action.name: action
     for action in (
@@ -206,6 +225,9 @@ ACTIONS: dict[str, Action] = {
         Action("grade", _grade, GradeRequest, GradeResult),
         Action("set_network", _network, None, NetworkStatus),
         Action("kill", _kill, None, SandboxInfo),
+        Action("checkpoint", _checkpoint, CheckpointRequest, CheckpointInfo),
+        Action("remove_checkpoint", _uncheckpoint),
+        Action("rollback", _rollback, RollbackRequest, SandboxInfo),
     )
 }
 

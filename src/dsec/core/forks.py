@@ -1,4 +1,4 @@
-"""Fork: copies of a VM sandbox restored from one memory snapshot of it."""
+"""Fork: copies of a VM sandbox restored from one memory snapshot of it (containers: core/checkpoints.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import contextlib
 import logging
 import time
 
-from ..errors import BackendError, DsecError
+from ..errors import BackendError, DsecError, InvalidRequest
 from ..protocol.sandbox import ForkRequest, ForkResult, State
 from ..store.records import SandboxRecord, new_record
 from ..tenancy import Caller
@@ -26,6 +26,15 @@ async def fork(sandboxes: Sandboxes, sandbox_id: str, req: ForkRequest, caller: 
     started = time.monotonic()
     parent = sandboxes.get(sandbox_id, caller)
     backend = sandboxes.backends[parent.kind]
+    if req.checkpoint is not None:
+        raise InvalidRequest(
+            f"sandboxes of kind {parent.kind!r} are forked from their memory as it is now, not from a checkpoint"
+        )
+    if req.processes is False:
+        raise InvalidRequest(
+            f"sandboxes of kind {parent.kind!r} are forked with their processes and memory; "
+            "processes=false is for containers"
+        )
     children: list[SandboxRecord] = []
     # the copies are sandboxes like any: admitted against the node's capacity before anything is made
     claims: list[Claim] = []

@@ -25,6 +25,7 @@ from ..isolation.network.options import NetworkOptions
 from ..kinds import registry
 from ..kinds.base import Backend, BackendContext, OutputCallback
 from ..kinds.execio import ExecIO
+from ..protocol.checkpoints import CheckpointInfo, CheckpointRequest, RollbackRequest
 from ..protocol.grade import GradeRequest, GradeResult
 from ..protocol.network import NetworkSpec
 from ..protocol.node import NodeHistory, UsageSample, UsageSeries
@@ -59,6 +60,7 @@ from . import forks
 from .actions import Actions
 from .admission import Admission, AdmissionOptions
 from .builds import Builder
+from .checkpoints import Checkpoints
 from .code import CodeRunner
 from .dockerfile.build import DockerfileBuild
 from .exec_feed import Watcher
@@ -123,6 +125,7 @@ class SandboxManager:
             self.node_name,
         )
         self.files = FileActions(self.sandboxes)
+        self.checkpoints = Checkpoints(self.lifecycle, state_dir / "checkpoints")
         self.ports = PortActions(self.sandboxes)
         self.image_actions = ImageActions(self.sandboxes, self.images)
         self.grader = Grader(self.lifecycle, self.images)
@@ -177,6 +180,8 @@ class SandboxManager:
                 continue
             self.backends[kind] = backend
         await self.lifecycle.readopt()
+        if swept := await self.checkpoints.start():
+            log.info("removed the checkpoints of %d sandbox(es) that ended while the daemon was down", swept)
         self.notes += await self.volumes.start()  # in-use counts rebuilt by the re-adoption
         await self.trajectories.start()
         for backend in self.backends.values():
@@ -354,7 +359,11 @@ class SandboxManager:
         return await self.lifecycle.resume(sandbox_id, caller=caller)
 
     async def fork(self, sandbox_id: str, req: ForkRequest, *, caller: Caller = OPERATOR) -> ForkResult:
-        """``req.n`` new sandboxes restored from one memory snapshot of this one (see forks.fork)."""
+        """``req.n`` copies of a sandbox: a container's on its files (checkpoints.fork), a VM's restored
+        from one memory snapshot of it (forks.fork)."""
+        rec = self.sandboxes.get(sandbox_id, caller)
+        if self.checkpoints.restackable(rec):
+            return await self.checkpoints.fork(sandbox_id, req, caller=caller)
         return await forks.fork(self.sandboxes, sandbox_id, req, caller)
 
     async def set_network(self, sandbox_id: str, policy: NetworkSpec, *, caller: Caller = OPERATOR) -> NetworkStatus:
@@ -415,6 +424,20 @@ class SandboxManager:
 
     async def remove_volume(self, name: str, *, caller: Caller = OPERATOR) -> None:
         await self.volumes.remove(name, caller)
+
+    # ---- checkpoints -------------------------------------------------------------------------------
+
+    async def checkpoint(self, sandbox_id: str, req: CheckpointRequest, *, caller: Caller = OPERATOR) -> CheckpointInfo:
+        return await self.checkpoints.take(sandbox_id, req, caller=caller)
+
+    def list_checkpoints(self, sandbox_id: str, *, caller: Caller = OPERATOR) -> builtins.list[CheckpointInfo]:
+        return self.checkpoints.listed(sandbox_id, caller=caller)
+
+    async def remove_checkpoint(self, sandbox_id: str, checkpoint: str, *, caller: Caller = OPERATOR) -> None:
+        await self.checkpoints.remove(sandbox_id, checkpoint, caller=caller)
+
+    async def rollback(self, sandbox_id: str, req: RollbackRequest, *, caller: Caller = OPERATOR) -> SandboxInfo:
+        return await self.checkpoints.rollback(sandbox_id, req, caller=caller)
 
     # ---- images and grading --------------------------------------------------------------------------
 

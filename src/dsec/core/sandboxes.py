@@ -12,10 +12,10 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Coroutine, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterator
 from typing import Any, TypeVar
 
-from ..errors import InvalidState, SandboxGone, SandboxNotFound
+from ..errors import DsecError, InvalidState, SandboxGone, SandboxNotFound
 from ..kinds.base import Backend
 from ..protocol.sandbox import TERMINAL_STATES, State
 from ..store.records import SandboxRecord
@@ -56,7 +56,10 @@ class Sandboxes:
         self._ephemeral: set[str] = set()
         # set while a sandbox's writable layer is being packed: host-side file writes wait for it
         self._packing: dict[str, asyncio.Event] = {}
+        # sandboxes being rolled back (their processes ended, their root made again): calls wait
+        self._resetting: set[str] = set()
         self._background: set[asyncio.Task[None]] = set()
+        self.on_end: list[Callable[[str], None]] = []  # told of each sandbox that ends, after its state
 
     # ---- the live table ----------------------------------------------------------------------------
 
@@ -111,6 +114,8 @@ class Sandboxes:
                 f"sandbox {rec.id} is {rec.state.value}; this needs a running sandbox",
                 detail={"state": rec.state.value},
             )
+        if rec.id in self._resetting:
+            raise InvalidState(f"sandbox {rec.id} is being rolled back; call again once the rollback answered")
         if rec.expires_at <= time.time():
             raise SandboxGone(f"sandbox {rec.id} reached its time to live")
         return rec, self.backends[rec.kind]
@@ -139,6 +144,8 @@ class Sandboxes:
             self.admission.release(rec.id)
             if self.volumes is not None:
                 self.volumes.release(rec.id)
+            for ended in self.on_end:
+                ended(rec.id)
         else:
             self._live[rec.id] = rec
 
@@ -180,6 +187,16 @@ class Sandboxes:
             done.set()
             self._packing.pop(sandbox_id, None)
 
+    @contextlib.contextmanager
+    def resetting(self, sandbox_id: str) -> Iterator[None]:
+        """The sandbox is rolled back for the duration: new calls are refused, and a call it ends is
+        answered as ended by the rollback, not taken for the sandbox's death."""
+        self._resetting.add(sandbox_id)
+        try:
+            yield
+        finally:
+            self._resetting.discard(sandbox_id)
+
     async def not_packing(self, sandbox_id: str) -> None:
         packing = self._packing.get(sandbox_id)
         if packing is not None:
@@ -191,7 +208,11 @@ class Sandboxes:
         """Run an operation; if the sandbox died under it, report that rather than a runtime error."""
         try:
             return await op
-        except SandboxGone as e:
+        except DsecError as e:
+            if rec.id in self._resetting:  # its processes were ended by the rollback, on purpose
+                raise InvalidState(f"the call was ended by a rollback of sandbox {rec.id}") from e
+            if not isinstance(e, SandboxGone):
+                raise
             current = self._live.get(rec.id)
             if current is not None and current.state == State.running:
                 self.died(current, str(e))

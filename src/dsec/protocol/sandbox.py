@@ -9,6 +9,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from .build import BuildSpec
+from .checkpoints import CHECKPOINT_REF
 from .names import PULL_POLICY_DOC, ImageName, PullPolicy, TenantName
 from .network import NetworkSpec
 from .residue import MAX_CANARIES, Canaries, ScrubRule
@@ -223,16 +224,36 @@ class NetworkStatus(BaseModel):
 
 
 class ForkRequest(_Strict):
-    n: int = Field(1, ge=1, le=64, description="How many copies to restore from one memory snapshot.")
+    n: int = Field(1, ge=1, le=64, description="How many copies.")
     timeout: float | None = Field(
         None, gt=0, le=MAX_TTL_S, description="Time to live of each copy in seconds; default: the parent's."
     )
     labels: Labels | None = Field(None, description="Labels of the copies; default: the parent's.")
+    checkpoint: str | None = Field(
+        None,
+        pattern=CHECKPOINT_REF,
+        description="Copies of this checkpoint (id or name) rather than of the sandbox as it is now (container kind).",
+    )
+    processes: bool | None = Field(
+        None,
+        description="Carry processes and memory into the copies: true asks for it (VM kinds do it; an error "
+        "elsewhere), false for files only; default: what the kind can.",
+    )
+
+
+class ForkFailure(BaseModel):
+    index: int = Field(ge=0, description="Which copy (0 .. n-1).")
+    error: ErrorBody
 
 
 class ForkResult(BaseModel):
     sandboxes: list[SandboxInfo]
     seconds: float = Field(description="From the request to the last copy answering.")
+    failed: list[ForkFailure] = Field(
+        default_factory=list,
+        description="Copies that failed, each with its error (container kind: each copy stands alone; VM kinds "
+        "keep all or none).",
+    )
 
 
 class SandboxList(BaseModel):

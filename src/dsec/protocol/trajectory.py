@@ -22,7 +22,22 @@ RECORDED_AT = "recorded_at"
 
 # Calls that change a sandbox: a rebuild re-applies them in order. The others are recorded for their
 # results only (reads, grades, snapshots).
-MUTATING_OPS = frozenset({"exec", "write", "mkdir", "remove", "move", "upload", "set_metadata", "set_network", "kill"})
+MUTATING_OPS = frozenset(
+    {
+        "exec",
+        "write",
+        "mkdir",
+        "remove",
+        "move",
+        "upload",
+        "set_metadata",
+        "set_network",
+        "kill",
+        "checkpoint",
+        "remove_checkpoint",
+        "rollback",
+    }
+)
 OPS = MUTATING_OPS | {"create", "read", "list", "stat", "download", "snapshot", "grade"}
 
 

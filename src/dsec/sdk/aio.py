@@ -12,6 +12,7 @@ from types import TracebackType
 from typing import Any, Literal, TypeVar
 
 from ..errors import DsecError, InvalidRequest, error_from_wire, validation_message
+from ..protocol.checkpoints import CheckpointInfo
 from ..protocol.grade import GRADE_DIR, GradeRequest, GradeResult
 from ..protocol.names import PullPolicy
 from ..protocol.network import NetworkSpec
@@ -32,6 +33,7 @@ from ..protocol.sandbox import (
     SnapshotRequest,
 )
 from ..protocol.trajectory import RecordedCall
+from .checkpoints import CheckpointMixin, Forked
 from .code import CodeMixin
 from .creating import (
     CREATE_TIMEOUT,
@@ -101,7 +103,7 @@ def default_client() -> AsyncClient:
     return client
 
 
-class AsyncSandbox(CodeMixin):
+class AsyncSandbox(CheckpointMixin, CodeMixin):
     """One sandbox. Create with ``await AsyncSandbox.create(...)``; ``async with`` kills it on exit."""
 
     def __init__(self, info: SandboxInfo, client: AsyncClient) -> None:
@@ -466,22 +468,33 @@ class AsyncSandbox(CodeMixin):
         self._info = SandboxInfo.model_validate_json(reply.content)
 
     async def fork(
-        self, n: int = 1, *, timeout: float | None = None, labels: dict[str, str] | None = None
-    ) -> builtins.list[AsyncSandbox]:
-        """``n`` new sandboxes restored from one memory snapshot of this one (VM kinds): same processes,
-        same files, each with its own copy, clocks and random state refreshed. This sandbox is left
-        running (or paused) as it was. All or none: if a copy fails, the call raises and keeps none.
+        self,
+        n: int = 1,
+        *,
+        timeout: float | None = None,
+        labels: dict[str, str] | None = None,
+        checkpoint: str | CheckpointInfo | None = None,
+        processes: bool | None = None,
+    ) -> Forked[AsyncSandbox]:
+        """``n`` new sandboxes, copies of this one; this sandbox is left running (or paused) as it was.
 
-        ``timeout``: each copy's time to live (default: this sandbox's); ``labels``: theirs (default: its).
+        VM kinds restore each copy from one memory snapshot: same processes, same files, clocks and random
+        state refreshed; all or none. Containers: copies of its files (now, or at ``checkpoint``) on shared
+        read-only layers with a writable layer each, processes started afresh (``processes=True`` is an
+        error there); each copy is made or fails on its own, and the result's ``failed`` lists those that
+        failed with their errors. ``timeout``: each copy's time to live (default: this sandbox's);
+        ``labels``: theirs (default: its).
         """
-        body: dict[str, Any] = {"n": n, "timeout": timeout, "labels": labels}
+        ref = checkpoint.id if isinstance(checkpoint, CheckpointInfo) else checkpoint
+        body: dict[str, Any] = {"n": n, "timeout": timeout, "labels": labels, "checkpoint": ref, "processes": processes}
         try:
             ForkRequest.model_validate(body)
         except ValueError as e:
             raise InvalidRequest(validation_message(e)) from None
         reply = await self._t.request("POST", f"/v1/sandboxes/{self.id}/fork", json=body, timeout=CREATE_TIMEOUT)
         result = ForkResult.model_validate_json(reply.content)
-        return [AsyncSandbox(info, self._client) for info in result.sandboxes]
+        failed = [(f.index, error_from_wire(f.error.code, f.error.message, f.error.detail)) for f in result.failed]
+        return Forked([AsyncSandbox(info, self._client) for info in result.sandboxes], failed)
 
     async def set_network(self, policy: NetworkSpec | dict[str, Any]) -> NetworkStatus:
         """Change the network policy of this running sandbox; new and open connections follow it at once.

@@ -29,6 +29,7 @@ from typing import Any, Literal
 
 from ..errors import DsecError
 from ..protocol.build import BuildSpec, ImageSpec
+from ..protocol.checkpoints import CheckpointInfo
 from ..protocol.code import CodeResult
 from ..protocol.grade import GradeResult
 from ..protocol.network import NetworkSpec
@@ -56,6 +57,7 @@ from ..protocol.sandbox import (
 )
 from ..protocol.trajectory import RecordedCall, TrajectoryInfo
 from ..protocol.volumes import VolumeInfo
+from .checkpoints import Forked
 from .files import LoggedCall
 from .transport import Transport
 """

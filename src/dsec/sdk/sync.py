@@ -55,7 +55,14 @@ def _wrap(value: Any) -> Any:
         obj._impl = value
         return obj
     if isinstance(value, list):
-        return [_wrap(v) for v in value]
+        items = [_wrap(v) for v in value]
+        if type(value) is list:
+            return items
+        # a list with more to say (a fork's failures): the same type, its attributes kept
+        same = list.__new__(type(value))
+        same.extend(items)
+        same.__dict__.update(vars(value))
+        return same
     return value
 
 

@@ -10,6 +10,7 @@ from fastapi import FastAPI
 from ..protocol.version import __version__
 from ..web import telemetry
 from . import (
+    checkpoint_routes,
     code_routes,
     image_routes,
     node_routes,
@@ -37,6 +38,7 @@ def include_routes(app: FastAPI) -> None:
     app.include_router(port_routes.router)
     app.include_router(code_routes.router)
     app.include_router(pool_routes.router)
+    app.include_router(checkpoint_routes.router)
 
 
 def openapi_spec() -> dict[str, Any]:

@@ -30,6 +30,7 @@ CORE_KEYS = (
     "ports",
     "pool",
     "on_timeout",
+    "checkpoints",
 )
 
 
@@ -54,6 +55,31 @@ class VolumeMount:
         if not (isinstance(path, str) and isinstance(name, str) and isinstance(source, str)):
             return None
         return VolumeMount(path, name, value.get("read_only") is True, source)
+
+
+@dataclass
+class CheckpointRecord:
+    """A checkpoint the sandbox took (core/checkpoints.py keeps its layers on the node's disk)."""
+
+    id: str  # c1, c2, ... in the order the sandbox took them
+    name: str | None
+    created_at: float
+    size: int  # bytes of the layer it added
+    seconds: float  # how long taking it held the sandbox still
+
+    def to_json(self) -> dict[str, Any]:
+        return {"id": self.id, "name": self.name, "at": self.created_at, "size": self.size, "s": self.seconds}
+
+    @staticmethod
+    def from_json(value: object) -> CheckpointRecord | None:
+        if not isinstance(value, dict) or not isinstance(value.get("id"), str):
+            return None
+        try:
+            return CheckpointRecord(
+                value["id"], _text(value.get("name")), float(value["at"]), int(value["size"]), float(value["s"])
+            )
+        except (KeyError, TypeError, ValueError):
+            return None
 
 
 @dataclass
@@ -87,6 +113,8 @@ class SandboxRecord:
     # the warm pool it idles in, until a creation claims it (core/warm.py): listed nowhere, no tenant's
     pool: str | None = None
     on_timeout: OnTimeout = "stop"  # what its time to live's end does: stop it, or pause it
+    checkpoints: list[CheckpointRecord] = field(default_factory=list)
+    checkpoints_taken: int = 0  # numbers the next one: ids are never reused within a sandbox
 
     def persisted(self) -> dict[str, Any]:
         """The kind's state and the core's fields, as stored."""
@@ -103,6 +131,9 @@ class SandboxRecord:
             "ports": {str(p): [secret, at] for p, (secret, at) in self.ports.items()} or None,
             "pool": self.pool,
             "on_timeout": None if self.on_timeout == "stop" else self.on_timeout,
+            "checkpoints": {"taken": self.checkpoints_taken, "list": [c.to_json() for c in self.checkpoints]}
+            if self.checkpoints_taken
+            else None,
         }
         return {**self.runtime, **{k: v for k, v in core.items() if v is not None}}
 
@@ -128,6 +159,13 @@ class SandboxRecord:
         volumes = core.get("volumes")
         mounts = [VolumeMount.from_json(v) for v in volumes] if isinstance(volumes, list) else []
         self.volumes = [m for m in mounts if m is not None]
+        taken = core.get("checkpoints")
+        if isinstance(taken, dict):
+            count = taken.get("taken")
+            self.checkpoints_taken = count if isinstance(count, int) else 0
+            listed = taken.get("list")
+            found = [CheckpointRecord.from_json(c) for c in listed] if isinstance(listed, list) else []
+            self.checkpoints = [c for c in found if c is not None]
         ports = core.get("ports")
         self.ports = {
             int(p): (str(g[0]), float(g[1]))

@@ -159,6 +159,10 @@ REQUESTS: dict[tuple[str, str], dict[str, Any]] = {
     ("GET", "/code/contexts"): {},
     ("DELETE", "/code/contexts/{context}"): {},
     ("POST", "/grade"): {"json": {"cmd": "true", "paths": ["/work"], "tests": {"t.sh": "exit 0"}}},
+    ("GET", "/checkpoints"): {},
+    ("POST", "/checkpoints"): {"json": {"name": "stolen"}},
+    ("DELETE", "/checkpoints/{checkpoint}"): {},
+    ("POST", "/rollback"): {"json": {"checkpoint": "c1"}},
 }
 
 
@@ -183,7 +187,7 @@ def test_every_sandbox_route_answers_another_tenants_sandbox_like_a_missing_one(
     api.client.put(f"/v1/sandboxes/{sid}/files", params={"path": "/secret"}, content=b"alice's", headers=alice)
     for method, suffix in routes:
         kwargs = REQUESTS[(method, suffix)]
-        path = suffix.replace("{port}", "8000").replace("{context}", "default")
+        path = suffix.replace("{port}", "8000").replace("{context}", "default").replace("{checkpoint}", "c1")
         theirs = api.client.request(method, f"/v1/sandboxes/{sid}{path}", headers=bob, **kwargs)
         missing = api.client.request(method, f"/v1/sandboxes/{MISSING}{path}", headers=bob, **kwargs)
         assert theirs.status_code == 404, (method, suffix, theirs.text)

@@ -7,7 +7,8 @@ import json
 from typing import Any
 
 from ...errors import DsecError, error_from_wire
-from ...protocol.sandbox import ExecResult
+from ...protocol.checkpoints import CheckpointInfo
+from ...protocol.sandbox import ExecResult, SandboxInfo
 from ...protocol.trajectory import call_digest
 from ..actions import Action
 
@@ -28,5 +29,9 @@ def outcome(op: Action, value: Any) -> str:
     """What a rebuild compares between a recorded result and a re-run's: the result without timings."""
     if isinstance(value, ExecResult):
         value = value.model_copy(update={"duration": 0.0, "replayed": False})
+    elif isinstance(value, CheckpointInfo):  # which checkpoint it is; not when, how big or whose
+        return call_digest(op.name, {"id": value.id, "name": value.name})
+    elif op.name == "rollback" and isinstance(value, SandboxInfo):
+        return call_digest(op.name, {"state": value.state.value})
     text, blob = op.encode(value)
     return call_digest(op.name, {"result": text}, blob)

@@ -61,6 +61,7 @@ _names = random.Random(secrets.randbits(128))
 
 class ContainerBackend(ContainerFiles, PolicyNetwork, UserNamespaces):
     kind = "container"
+    restackable = True
     volumes_unsupported = None  # bound in at create (volumes.py)
 
     def __init__(self, ctx: BackendContext) -> None:

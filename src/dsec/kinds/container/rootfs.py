@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from ...errors import BackendError
+from ...images.lazy import mount_layer
 from ...isolation.idmap import idmapped_bind
 from ...isolation.mntns import MountNamespaces, is_mount_namespace
 from ...isolation.mounts import MS_NODEV, MS_NOSUID, mount, umount
@@ -207,6 +208,7 @@ def mount_rootfs(
 ) -> Path:
     """``scratch``: also a ``tmp/`` beside the writable layer, bound at the sandbox's /tmp (function
     workers, whose /tmp is emptied between users without touching the overlay)."""
+    layers = _mount_stacked(bundle, layers)
     for layer in layers:
         # a layer mount detached under this creation (the layer fetcher was replaced) is an empty
         # directory: a clear error, not a sandbox without its files
@@ -263,9 +265,29 @@ def bind_volumes(bundle: Path, volumes: Sequence[VolumeMount], userns_fd: int | 
         idmapped_bind(Path(volume.source), target, userns_fd, read_only=volume.read_only)
 
 
+def _mount_stacked(bundle: Path, layers: Sequence[Path]) -> list[Path]:
+    """Layers given as EROFS files (a checkpoint's stack, core/checkpoints.py) are mounted here, in the
+    sandbox's own namespace, and go with it; the image's own layers come mounted already."""
+    mounted = []
+    for i, layer in enumerate(layers):
+        if layer.is_file():
+            target = bundle / f"stack-{i}"
+            target.mkdir(parents=True)
+            mount_layer(layer, target)
+            layer = target
+        mounted.append(layer)
+    return mounted
+
+
 def unmount_rootfs(bundle: Path) -> None:
     """Undo mount_rootfs and bind_volumes, overlay first; a missing mount is fine (half-created sandboxes)."""
-    targets = [bundle / "rootfs", *sorted(bundle.glob("lower-*")), *sorted(bundle.glob("volume-*")), bundle / "disk"]
+    targets = [
+        bundle / "rootfs",
+        *sorted(bundle.glob("lower-*")),
+        *sorted(bundle.glob("stack-*")),
+        *sorted(bundle.glob("volume-*")),
+        bundle / "disk",
+    ]
     for target in targets:
         try:
             umount(target)

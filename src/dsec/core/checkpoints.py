@@ -1,0 +1,256 @@
+"""Checkpoints: a sandbox's state kept under an id (and a name), to roll back to in place.
+
+What a checkpoint captures is the writable layer, packed like a snapshot's (pack_diff) but kept on this
+node beside the sandbox instead of published as an image, and never scrubbed: it is the sandbox's own
+state, for the sandbox's own use. A rollback ends every process of the sandbox and starts it again, with
+the same id, limits, network policy, volumes and exposed ports, on its image with the checkpoint's
+layers on top and an empty writable layer: its files are exactly as they were at the checkpoint, its
+processes are new. Layers are stacked, never merged: a checkpoint taken after a rollback adds one layer
+to the stack the rollback put in place (core/checkpoint_files.py keeps them).
+
+Checkpoint ids are numbered per sandbox (c1, c2, ...), so a trajectory's rebuild, which makes the same
+calls in the same order on a new sandbox, takes the same ids, and a rollback in its log names the same
+checkpoint in the rebuilt one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import secrets
+import time
+from pathlib import Path
+from typing import cast
+
+from ..errors import BackendError, CheckpointNotFound, DsecError, InvalidRequest, LimitExceeded
+from ..images.store import ImageRef
+from ..kinds.base import Backend
+from ..protocol.checkpoints import MAX_CHECKPOINTS, CheckpointInfo, CheckpointRequest, RollbackRequest
+from ..protocol.sandbox import (
+    MAX_TTL_S,
+    CreateSandbox,
+    ErrorBody,
+    ForkFailure,
+    ForkRequest,
+    ForkResult,
+    Kind,
+    SandboxInfo,
+    State,
+)
+from ..store.records import CheckpointRecord, SandboxRecord
+from ..tenancy import OPERATOR, Caller
+from .checkpoint_files import BASE, CheckpointFiles
+from .lifecycle import Lifecycle
+
+log = logging.getLogger("dsec.core")
+
+
+def _ttl(parent: SandboxRecord) -> float:
+    """A copy's time to live by default: the parent's, within the bound (a parent's own may have been
+    extended past it, E2B's set_timeout counting from now)."""
+    return min(parent.expires_at - parent.created_at, MAX_TTL_S)
+
+
+def _info(rec: SandboxRecord, c: CheckpointRecord) -> CheckpointInfo:
+    return CheckpointInfo(
+        id=c.id, name=c.name, sandbox_id=rec.id, created_at=c.created_at, size=c.size, seconds=c.seconds
+    )
+
+
+class Checkpoints:
+    def __init__(self, lifecycle: Lifecycle, root: Path) -> None:
+        self.lifecycle = lifecycle
+        self.sandboxes = lifecycle.sandboxes
+        self.images = lifecycle.images
+        self.files = CheckpointFiles(root)
+        self.sandboxes.on_end.append(self._ended)
+
+    def _ended(self, sid: str) -> None:
+        # the layers a running copy was made from stay open in its mounts: only the names go
+        self.sandboxes.in_background(asyncio.to_thread(self.files.remove_all, sid))
+
+    async def start(self) -> int:
+        """After a restart: drop the checkpoints of sandboxes that ended while the daemon was down."""
+        live = {rec.id for rec in self.sandboxes.live()}
+        return await asyncio.to_thread(self.files.sweep, live)
+
+    def restackable(self, rec: SandboxRecord) -> bool:
+        backend = self.sandboxes.backends.get(rec.kind)
+        return backend is not None and backend.restackable
+
+    def _restackable(self, rec: SandboxRecord, what: str) -> None:
+        if not self.restackable(rec):
+            raise InvalidRequest(
+                f"sandboxes of kind {rec.kind!r} cannot {what} yet (containers can); snapshot() it and create "
+                "new sandboxes from that image instead"
+            )
+
+    async def _pack(self, rec: SandboxRecord, backend: Backend) -> tuple[Path, float]:
+        """The sandbox's writable layer, packed (it is held still meanwhile); and how long that took."""
+        scratch = await asyncio.to_thread(self.files.scratch, rec.id)
+        began = time.monotonic()
+        async with self.sandboxes.packing(rec.id), backend.frozen_upper(rec) as upper:
+            staged = await self.images.pack(upper, None, into=scratch)
+        return staged.blob, time.monotonic() - began
+
+    async def take(self, sandbox_id: str, req: CheckpointRequest, *, caller: Caller = OPERATOR) -> CheckpointInfo:
+        """Pack the sandbox's writable layer into a new checkpoint. Allowed in: running."""
+        rec, _ = self.sandboxes.running(sandbox_id, caller)
+        self._restackable(rec, "take checkpoints")
+        async with self.sandboxes.lock(rec.id):
+            rec, backend = self.sandboxes.running(sandbox_id)
+            if len(rec.checkpoints) >= MAX_CHECKPOINTS:
+                raise LimitExceeded(
+                    f"sandbox {rec.id} holds {len(rec.checkpoints)} checkpoints, the most it may: remove one first"
+                )
+            if req.name is not None and any(c.name == req.name or c.id == req.name for c in rec.checkpoints):
+                raise InvalidRequest(f"sandbox {rec.id} already has a checkpoint named {req.name!r}")
+            blob, held = await self._pack(rec, backend)
+            try:
+                size = blob.stat().st_size
+                used = await asyncio.to_thread(self.files.size, rec.id)
+                if used + size > rec.limits.disk:
+                    raise LimitExceeded(
+                        f"checkpoints of sandbox {rec.id} would hold {used + size} bytes on disk, over its disk "
+                        f"limit of {rec.limits.disk}: remove one first"
+                    )
+                cid = f"c{rec.checkpoints_taken + 1}"
+                below = await asyncio.to_thread(self.files.stack, rec.id)
+                await asyncio.to_thread(self.files.save, rec.id, cid, below, blob)
+            finally:
+                blob.unlink(missing_ok=True)
+            record = CheckpointRecord(cid, req.name, time.time(), size, round(held, 6))
+            rec.checkpoints.append(record)
+            rec.checkpoints_taken += 1
+            self.sandboxes.store.put(rec)
+        log.info("sandbox %s checkpoint %s: %d bytes, held %.1f ms", rec.id, cid, size, held * 1000)
+        return _info(rec, record)
+
+    def listed(self, sandbox_id: str, *, caller: Caller = OPERATOR) -> list[CheckpointInfo]:
+        rec = self.sandboxes.get(sandbox_id, caller)
+        return [_info(rec, c) for c in rec.checkpoints]
+
+    def _find(self, rec: SandboxRecord, ref: str) -> CheckpointRecord:
+        for c in rec.checkpoints:
+            if c.id == ref or c.name == ref:
+                return c
+        raise CheckpointNotFound(f"sandbox {rec.id} has no checkpoint {ref!r}; `checkpoints()` lists them")
+
+    async def remove(self, sandbox_id: str, ref: str, *, caller: Caller = OPERATOR) -> None:
+        rec = self.sandboxes.get(sandbox_id, caller)
+        async with self.sandboxes.lock(rec.id):
+            found = self._find(rec, ref)
+            await asyncio.to_thread(self.files.remove, rec.id, found.id)
+            rec.checkpoints.remove(found)
+            if rec.state not in (State.stopped, State.failed, State.lost):
+                self.sandboxes.store.put(rec)
+
+    async def image_at(self, rec: SandboxRecord, layers: list[Path]) -> ImageRef:
+        """The sandbox's image version with ``layers`` on top."""
+        base = await self.images.resolve(rec.image, version=rec.image_digest or None)
+        return dataclasses.replace(
+            base, layers=(*base.layers, *layers), layer_files=(*base.layer_files, *layers), layer_digests=()
+        )
+
+    async def rollback(self, sandbox_id: str, req: RollbackRequest, *, caller: Caller = OPERATOR) -> SandboxInfo:
+        """End every process of the sandbox and start it again on the checkpoint's files. Allowed in: running."""
+        rec, _ = self.sandboxes.running(sandbox_id, caller)
+        self._restackable(rec, "roll back")
+        async with self.sandboxes.lock(rec.id):
+            rec, backend = self.sandboxes.running(sandbox_id)
+            found = self._find(rec, req.checkpoint)
+            layers = await asyncio.to_thread(self.files.stack, rec.id, found.id)
+            image = await self.image_at(rec, layers)
+            began = time.monotonic()
+            timings = dict(rec.timings)
+            with self.sandboxes.resetting(rec.id):
+                try:
+                    await backend.destroy(rec)
+                    await asyncio.to_thread(self.files.save, rec.id, BASE, layers, None)
+                    await backend.create(rec, image)
+                except BaseException as e:
+                    why = e.message if isinstance(e, DsecError) else f"{type(e).__name__}: {e}"
+                    self.sandboxes.set_state(rec, State.failed, f"rollback to {found.id} failed: {why}")
+                    self.sandboxes.in_background(backend.destroy(rec))
+                    raise
+                finally:
+                    rec.timings = timings
+            self.sandboxes.store.put(rec)
+        log.info("sandbox %s rolled back to %s in %.1f ms", rec.id, found.id, (time.monotonic() - began) * 1000)
+        return rec.info()
+
+    # ---- fork ------------------------------------------------------------------------------------------
+
+    async def fork(self, sandbox_id: str, req: ForkRequest, *, caller: Caller = OPERATOR) -> ForkResult:
+        """``req.n`` new sandboxes on the files of this one (now, or at ``req.checkpoint``): its image with
+        the layers of that state on top, shared read-only by every copy (nothing is copied), each with a
+        writable layer of its own. Each copy is made, or fails, on its own. Allowed in: running."""
+        started = time.monotonic()
+        parent, _ = self.sandboxes.running(sandbox_id, caller)
+        if req.processes:
+            raise InvalidRequest(
+                f"sandboxes of kind {parent.kind!r} are forked with their files only on this node: their "
+                "processes are not carried (ask processes=false, or fork a microvm or vm)"
+            )
+        temporary = None
+        async with self.sandboxes.lock(parent.id):
+            parent, backend = self.sandboxes.running(sandbox_id)
+            if req.checkpoint is not None:
+                name = self._find(parent, req.checkpoint).id
+            else:  # the sandbox as it is now: a checkpoint of it that nobody lists, gone after the copies
+                blob, _ = await self._pack(parent, backend)
+                temporary = name = f".fork-{secrets.token_hex(4)}"
+                below = await asyncio.to_thread(self.files.stack, parent.id)
+                try:
+                    await asyncio.to_thread(self.files.save, parent.id, name, below, blob)
+                finally:
+                    blob.unlink(missing_ok=True)
+            layers = await asyncio.to_thread(self.files.stack, parent.id, name)
+        try:
+            image = await self.image_at(parent, layers)
+            spec = CreateSandbox(
+                image=parent.image,
+                kind=cast(Kind, parent.kind),
+                limits=parent.limits,
+                timeout=req.timeout if req.timeout is not None else _ttl(parent),
+                env=parent.env,
+                labels=parent.labels if req.labels is None else req.labels,
+                network=parent.network,
+                on_timeout=parent.on_timeout,
+            )
+            copies = [self._copy(parent, spec, image, layers) for _ in range(req.n)]
+            results = await asyncio.gather(*copies, return_exceptions=True)
+        finally:
+            if temporary is not None:
+                await asyncio.to_thread(self.files.remove, parent.id, temporary)
+        made = [r for r in results if isinstance(r, SandboxRecord)]
+        failed = []
+        for i, r in enumerate(results):
+            if isinstance(r, BaseException) and not isinstance(r, Exception):
+                raise r
+            if isinstance(r, Exception):
+                e = r if isinstance(r, DsecError) else BackendError(f"{type(r).__name__}: {r}")
+                failed.append(ForkFailure(index=i, error=ErrorBody(code=e.code, message=e.message, detail=e.detail)))
+        if not made:
+            first = results[0]
+            raise (
+                first if isinstance(first, DsecError) else BackendError(f"every copy failed: {failed[0].error.message}")
+            )
+        seconds = time.monotonic() - started
+        log.info("sandbox %s forked into %d of %d in %.2fs", parent.id, len(made), req.n, seconds)
+        return ForkResult(sandboxes=[c.info() for c in made], seconds=round(seconds, 3), failed=failed)
+
+    async def _copy(
+        self, parent: SandboxRecord, spec: CreateSandbox, image: ImageRef, layers: list[Path]
+    ) -> SandboxRecord:
+        child = await self.lifecycle.create_on(spec, image, owner=parent.owner)
+        try:
+            # its own links to the layers it stands on: the parent's checkpoints may go, it stays whole
+            await asyncio.to_thread(self.files.save, child.id, BASE, layers, None)
+        except BaseException:
+            await self.lifecycle.kill(child.id)
+            raise
+        child.forked_from = parent.id
+        self.sandboxes.store.put(child)
+        return child

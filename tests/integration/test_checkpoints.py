@@ -1,0 +1,254 @@
+"""Checkpoints of a container sandbox and rollbacks in place, through the SDK against a real daemon."""
+
+from __future__ import annotations
+
+import secrets
+import threading
+import time
+from collections.abc import Callable
+
+import httpx
+import pytest
+
+import dsec
+
+from .conftest import Daemon
+
+CHANGES = r"""
+set -e
+mkdir -p /work/dir
+echo one > /work/file
+chmod 4755 /work/file
+ln -s file /work/link
+echo owned > /work/owned && chown 1234:4321 /work/owned && chmod 0640 /work/owned
+rm /bin/vi
+mv /etc/hostname /etc/hostname.renamed
+"""
+
+STATE = r"""
+cd /work
+stat -c '%n %a %u:%g' file owned dir
+readlink link
+cat file
+[ -e /bin/vi ] && echo vi-present || echo vi-absent
+ls /etc/hostname* | tr '\n' ' '; echo
+ls /work | tr '\n' ' '; echo
+"""
+
+
+def state(sb: dsec.Sandbox) -> str:
+    out = sb.exec(STATE)
+    assert out.exit_code == 0, out
+    return out.stdout
+
+
+def test_rollback_puts_the_files_back_exactly(make_sandbox: Callable[..., dsec.Sandbox]) -> None:
+    sb = make_sandbox()
+    assert sb.exec(CHANGES).exit_code == 0
+    at_checkpoint = state(sb)
+    c1 = sb.checkpoint("prepared")
+    assert (c1.id, c1.name, c1.sandbox_id, c1.files, c1.processes) == ("c1", "prepared", sb.id, True, False)
+    assert c1.size > 0
+    # an episode changes, adds and removes files, over what the checkpoint holds and under it
+    episode = "echo two > /work/file; rm /work/owned; touch /work/new; mkdir -p /x/y; echo z > /x/y/z; rm -r /usr/sbin"
+    assert sb.exec(episode).exit_code == 0
+    assert state(sb) != at_checkpoint
+    sb.rollback("prepared")
+    assert state(sb) == at_checkpoint
+    assert sb.exec("[ -e /x ] || [ -e /work/new ] || ls /usr/sbin >/dev/null && echo ok").stdout == "ok\n"
+    info = sb.info()
+    assert info.id == sb.id and info.state == "running"
+    # again, from the rolled-back state: the same checkpoint, by its id this time
+    sb.exec("echo three > /work/file")
+    sb.rollback(c1)
+    assert state(sb) == at_checkpoint
+
+
+def test_checkpoints_stack_after_a_rollback(make_sandbox: Callable[..., dsec.Sandbox]) -> None:
+    sb = make_sandbox()
+    sb.exec("echo 1 > /gen; mkdir /opq; touch /opq/a /opq/b")
+    c1 = sb.checkpoint()
+    sb.exec("echo 2 > /gen; rm -r /opq; mkdir /opq; touch /opq/c")
+    c2 = sb.checkpoint()
+    sb.exec("echo 3 > /gen; touch /opq/d")
+    sb.rollback(c1)
+    assert sb.exec("cat /gen; ls /opq").stdout == "1\na\nb\n"
+    # a checkpoint taken on the rolled-back sandbox holds only what changed since, on c1's layer
+    sb.exec("echo 4 > /gen")
+    c3 = sb.checkpoint()
+    assert [c.id for c in sb.checkpoints()] == ["c1", "c2", "c3"]
+    sb.rollback(c2)
+    assert sb.exec("cat /gen; ls /opq").stdout == "2\nc\n"
+    # removing c1 does not take the layer c3 stands on
+    sb.remove_checkpoint(c1)
+    sb.rollback(c3)
+    assert sb.exec("cat /gen; ls /opq").stdout == "4\na\nb\n"
+    assert [c.id for c in sb.checkpoints()] == ["c2", "c3"]
+    # ids are never reused
+    assert sb.checkpoint().id == "c4"
+
+
+def test_a_rollback_ends_running_commands_and_keeps_the_sandbox(make_sandbox: Callable[..., dsec.Sandbox]) -> None:
+    sb = make_sandbox(network="full")
+    c1 = sb.checkpoint()
+    errors: list[BaseException] = []
+
+    def long_command() -> None:
+        try:
+            sb.exec("sleep 60", timeout=90)
+        except BaseException as e:
+            errors.append(e)
+
+    t = threading.Thread(target=long_command)
+    t.start()
+    deadline = time.monotonic() + 10
+    while "sleep 60" not in sb.exec("ps -o args").stdout:
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    began = time.monotonic()
+    sb.rollback(c1)
+    t.join(10)
+    assert not t.is_alive()
+    assert len(errors) == 1 and isinstance(errors[0], dsec.InvalidState), errors
+    assert "rollback" in str(errors[0])
+    assert "sleep 60" not in sb.exec("ps -o args").stdout
+    assert time.monotonic() - began < 5
+    assert sb.info().network == "full"
+    assert sb.network_status().policy == "full"
+
+
+def test_checkpoint_errors(make_sandbox: Callable[..., dsec.Sandbox], daemon: Daemon) -> None:
+    sb = make_sandbox(disk="4Mi")
+    with pytest.raises(dsec.CheckpointNotFound):
+        sb.rollback("c1")
+    with pytest.raises(dsec.InvalidRequest):
+        sb.checkpoint("no spaces")
+    sb.checkpoint("a")
+    with pytest.raises(dsec.InvalidRequest, match="already has a checkpoint named"):
+        sb.checkpoint("a")
+    # the checkpoints' bytes count against the sandbox's disk limit
+    sb.exec("head -c 3000000 /dev/urandom > /blob")
+    sb.checkpoint("b")
+    with pytest.raises(dsec.LimitExceeded, match="disk limit"):
+        sb.checkpoint("c")
+    sb.remove_checkpoint("b")
+    sb.checkpoint("c")
+    # another tenant's sandbox is answered as one that does not exist
+    token = daemon.client().create_tenant(f"ckpt-{secrets.token_hex(3)}").token
+    http = httpx.Client(
+        transport=httpx.HTTPTransport(uds=daemon.url.removeprefix("unix://")),
+        base_url="http://dsec",
+        headers={"Authorization": f"Bearer {token}"},
+    )
+    for method, path, body in (
+        ("POST", "checkpoints", {}),
+        ("GET", "checkpoints", None),
+        ("DELETE", "checkpoints/a", None),
+        ("POST", "rollback", {"checkpoint": "a"}),
+    ):
+        reply = http.request(method, f"/v1/sandboxes/{sb.id}/{path}", json=body)
+        assert reply.status_code == 404 and reply.json()["error"]["code"] == "sandbox_not_found", reply.text
+    assert [c.name for c in sb.checkpoints()] == ["a", "c"]
+    sb.kill()
+    with pytest.raises(dsec.SandboxGone):
+        sb.checkpoint()
+
+
+def test_other_kinds_say_they_cannot_yet(make_sandbox: Callable[..., dsec.Sandbox], daemon: Daemon) -> None:
+    fn = make_sandbox(kind="function")
+    with pytest.raises(dsec.InvalidRequest, match="cannot take checkpoints yet"):
+        fn.checkpoint()
+
+
+def test_fork_a_container_from_now_and_from_a_checkpoint(make_sandbox: Callable[..., dsec.Sandbox]) -> None:
+    parent = make_sandbox(labels={"role": "parent"}, network="full")
+    parent.exec("mkdir /work; echo prepared > /work/state; head -c 64 /dev/urandom > /work/seed")
+    prepared = parent.checkpoint("prepared")
+    parent.exec("echo stepped > /work/state")
+    began = time.monotonic()
+    copies = parent.fork(3)
+    assert time.monotonic() - began < 10
+    assert len(copies) == 3 and copies.failed == []
+    seed = parent.exec("cat /work/seed | od -An -tx1").stdout
+    for c in copies:
+        info = c.info()
+        assert info.forked_from == parent.id and info.started_from == "fork"
+        assert info.labels == {"role": "parent"} and info.network == "full"
+        assert c.exec("cat /work/state").stdout == "stepped\n"
+        assert c.exec("cat /work/seed | od -An -tx1").stdout == seed
+    # no shared writable state: each copy writes its own, the parent sees none of it
+    for i, c in enumerate(copies):
+        c.exec(f"echo copy-{i} > /work/state; touch /work/only-{i}")
+    for i, c in enumerate(copies):
+        assert c.exec("cat /work/state; ls /work").stdout == f"copy-{i}\nonly-{i}\nseed\nstate\n"
+    assert parent.exec("cat /work/state; ls /work").stdout == "stepped\nseed\nstate\n"
+    # separate identities: own hostnames and addresses, fresh kernel random state
+    addresses = {c.network_status().address for c in [parent, *copies]}
+    assert len(addresses) == 4, addresses
+    randoms = {c.exec("head -c 16 /dev/urandom | od -An -tx1").stdout for c in copies}
+    assert len(randoms) == 3
+    # from the checkpoint, with labels of their own
+    from_ckpt = parent.fork(2, checkpoint=prepared, labels={"role": "child"})
+    assert [c.exec("cat /work/state").stdout for c in from_ckpt] == ["prepared\n", "prepared\n"]
+    assert all(c.info().labels == {"role": "child"} for c in from_ckpt)
+    # a copy's own checkpoints and rollbacks stand on what it was made from, after its parent is gone
+    child = from_ckpt[0]
+    child.exec("echo child > /work/state")
+    mine = child.checkpoint()
+    assert mine.id == "c1"
+    parent.kill()
+    child.exec("rm -r /work")
+    child.rollback(mine)
+    assert child.exec("cat /work/state").stdout == "child\n"
+    for c in [*copies, *from_ckpt]:
+        c.kill()
+
+
+def test_fork_errors(make_sandbox: Callable[..., dsec.Sandbox]) -> None:
+    sb = make_sandbox()
+    with pytest.raises(dsec.InvalidRequest, match="files only"):
+        sb.fork(1, processes=True)
+    with pytest.raises(dsec.CheckpointNotFound):
+        sb.fork(1, checkpoint="nope")
+    with pytest.raises(dsec.InvalidRequest):
+        sb.fork(0)
+    copies = sb.fork(1, processes=False)
+    assert len(copies) == 1
+    copies[0].kill()
+
+
+def test_a_rebuild_takes_the_same_checkpoints_and_rollbacks(daemon: Daemon) -> None:
+    client = daemon.client()
+    tid = f"it/ckpt-{secrets.token_hex(3)}"
+    sb = dsec.Sandbox.create("dsec/busybox", trajectory=tid, client=client)
+    sb.exec("echo prepared > /state")
+    sb.checkpoint("start")
+    sb.exec("echo episode-1 > /state; touch /episode-1")
+    sb.rollback("start")
+    sb.exec("echo episode-2 >> /state")
+    second = sb.checkpoint()
+    assert second.id == "c2"
+    sb.exec("rm /state")
+    sb.rollback(second)
+    assert sb.exec("cat /state; ls /").stdout.startswith("prepared\nepisode-2\n")
+    # lost from outside the trajectory; the trainer resumes, and the log answers every call
+    dsec.Sandbox.connect(sb.id, client=client).kill()
+    resumed = dsec.Sandbox.create("dsec/busybox", trajectory=tid, client=daemon.client())
+    assert resumed.id != sb.id
+    assert resumed.exec("echo prepared > /state").replayed
+    assert resumed.checkpoint("start").id == "c1"
+    resumed.exec("echo episode-1 > /state; touch /episode-1")
+    resumed.rollback("start")
+    resumed.exec("echo episode-2 >> /state")
+    assert resumed.checkpoint().id == "c2"
+    resumed.exec("rm /state")
+    resumed.rollback("c2")
+    assert resumed.trajectory.replayed == 8
+    assert resumed.exec("cat /state; ls /").replayed
+    # the rebuilt sandbox went through the same checkpoints and rollbacks: the same state, the same ids
+    out = resumed.exec("cat /state; [ -e /episode-1 ] && echo leaked || echo clean")
+    assert not out.replayed and out.stdout == "prepared\nepisode-2\nclean\n"
+    assert [(c.id, c.name) for c in resumed.checkpoints()] == [("c1", "start"), ("c2", None)]
+    notes = {c.seq: c.note for c in client.trajectory_calls(tid)}
+    assert not any(notes.values()), notes  # every re-applied call answered as recorded
+    resumed.kill()
