@@ -96,8 +96,16 @@ def test_clear_errors_for_bad_input_and_unsupported_features(e2b_env: dict[str, 
     assert Sandbox.kill("sb-000000000000") is False
     box = Sandbox.create(timeout=120)
     boxes.append(box)
-    with pytest.raises(SandboxException, match="cannot be forked"):
-        box.fork(count=2)  # a memory snapshot: VM kinds only
+    # a container's copies get its files, each made on its own: one entry per copy asked
+    box.files.write("/home/user/state.txt", "forked\n")
+    copies = box.fork(count=2)
+    assert len(copies) == 2 and all(isinstance(c, Sandbox) for c in copies), copies
+    for c in copies:
+        boxes.append(c)
+        assert c.sandbox_id != box.sandbox_id
+        assert c.files.read("/home/user/state.txt") == "forked\n"
+    copies[0].files.write("/home/user/state.txt", "mine\n")
+    assert box.files.read("/home/user/state.txt") == copies[1].files.read("/home/user/state.txt") == "forked\n"
     url = e2b_env["E2B_API_URL"]
     templates = httpx.get(f"{url}/templates", headers={"X-API-KEY": e2b_env["E2B_API_KEY"]})
     assert templates.status_code == 501 and "not supported" in templates.json()["message"]

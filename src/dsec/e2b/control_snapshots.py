@@ -13,7 +13,7 @@ from typing import Annotated, Any
 
 from fastapi import Body, Query, Response
 
-from ..errors import NotFound
+from ..errors import ERRORS_BY_CODE, DsecError, NotFound
 from ..protocol.names import ImageName
 from ..protocol.sandbox import ForkRequest, ImageInfo, SnapshotRequest
 from . import control_models as m
@@ -94,11 +94,21 @@ async def delete_snapshot(template_id: ImageName, svc: Svc, caller: Who) -> Resp
 
 @router.post("/sandboxes/{sandbox_id}/fork", **doc(201, list[m.ForkResult], m.ForkRequest))
 async def fork(sandbox_id: str, svc: Svc, caller: Who, body: Annotated[Any, Body()] = None) -> Response:
-    """VM kinds: copies restored from one memory snapshot (all or none in dsec)."""
+    """One entry per copy asked, a sandbox or its error. VM kinds: restored from one memory snapshot (all or
+    none in dsec); containers: copies of the files, each made or failed on its own."""
     req: m.ForkRequest = parse(m.ForkRequest, body)
     live_info(svc, sandbox_id, caller)
     result = await svc.mgr.fork(
         sandbox_id, ForkRequest(n=req.count, timeout=float(req.timeout) if req.timeout else None), caller=caller
     )
-    items = [m.ForkResult(sandbox=sandbox_model(svc, info)).wire().decode() for info in result.sandboxes]
+    failed = {f.index: f.error for f in result.failed}
+    made = iter(result.sandboxes)
+    items = []
+    for i in range(req.count):
+        if i in failed:
+            status = ERRORS_BY_CODE.get(failed[i].code, DsecError).http_status
+            item = m.ForkResult(error=m.ForkError(code=status, message=failed[i].message))
+        else:
+            item = m.ForkResult(sandbox=sandbox_model(svc, next(made)))
+        items.append(item.wire().decode())
     return Response("[" + ",".join(items) + "]", status_code=201, media_type="application/json")
