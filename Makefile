@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 # docker-registry, skopeo, apache2-utils (htpasswd) and openssl: the registry client's tests run real registries;
 # podman runs what `dsec image push` wrote, as a Docker user would;
 # e2fsprogs: named volumes are ext4 images; chromium: the web console's browser tests (Playwright drives it)
-APT_PACKAGES := crun runc busybox-static catatonit mmdebstrap ca-certificates gcc libc6-dev erofs-utils e2fsprogs qemu-system-x86 nftables iproute2 postgresql docker-registry skopeo apache2-utils openssl podman chromium
+APT_PACKAGES := crun runc criu busybox-static catatonit mmdebstrap ca-certificates gcc libc6-dev erofs-utils e2fsprogs qemu-system-x86 nftables iproute2 postgresql docker-registry skopeo apache2-utils openssl podman chromium
 # node and npm build the web console; a machine that has them already (any packaging) keeps its own
 NODE_PACKAGES := nodejs npm
 STAMP := $(VENV)/.installed

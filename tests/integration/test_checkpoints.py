@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import secrets
+import subprocess
 import threading
 import time
 from collections.abc import Callable
@@ -252,3 +253,26 @@ def test_a_rebuild_takes_the_same_checkpoints_and_rollbacks(daemon: Daemon) -> N
     notes = {c.seq: c.note for c in client.trajectory_calls(tid)}
     assert not any(notes.values()), notes  # every re-applied call answered as recorded
     resumed.kill()
+
+
+def test_the_node_says_what_a_checkpoint_captures(make_sandbox: Callable[..., dsec.Sandbox], daemon: Daemon) -> None:
+    status = daemon.client().node()
+    container = status.checkpoints["container"]
+    assert container.files and not container.processes and container.why
+    # what the node reports is what CRIU itself answers here (make installs Debian's criu)
+    check = subprocess.run(["criu", "check"], capture_output=True, text=True, timeout=60)
+    if check.returncode != 0:
+        said = [line for line in (check.stdout + check.stderr).splitlines() if line.startswith("Error")]
+        assert said and said[0].split("): ", 1)[-1] in container.why, (said, container.why)
+        assert "cannot checkpoint on this kernel" in container.why
+    else:
+        assert "passes its checks" in container.why
+    for kind, support in status.checkpoints.items():
+        if kind != "container":
+            assert not support.files and "not built yet" in (support.why or "")
+    sb = make_sandbox()
+    for ask in (lambda: sb.checkpoint(processes=True), lambda: sb.fork(1, processes=True)):
+        with pytest.raises(dsec.InvalidRequest, match="files only") as refused:
+            ask()
+        assert container.why in str(refused.value)
+    assert sb.checkpoint(processes=False).processes is False

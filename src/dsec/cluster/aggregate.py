@@ -74,6 +74,7 @@ def node_total(name: str, statuses: Sequence[NodeStatus], top: int = 0) -> NodeS
         memory_pressure=max((s.memory_pressure for s in statuses), default=0.0),
         evictions=sum(s.evictions for s in statuses),
         top=used[:top] if top > 0 else [],
+        checkpoints={k: v for s in reversed(statuses) for k, v in s.checkpoints.items()},
     )
 
 

@@ -86,6 +86,14 @@ class Checkpoints:
                 "new sandboxes from that image instead"
             )
 
+    def _files_only(self, rec: SandboxRecord, what: str) -> None:
+        support = self.sandboxes.backends[rec.kind].checkpoint_support()
+        if not support.processes:
+            raise InvalidRequest(
+                f"sandboxes of kind {rec.kind!r} are {what} with their files only on this node, not their "
+                f"processes ({support.why}); ask processes=false"
+            )
+
     async def _pack(self, rec: SandboxRecord, backend: Backend) -> tuple[Path, float]:
         """The sandbox's writable layer, packed (it is held still meanwhile); and how long that took."""
         scratch = await asyncio.to_thread(self.files.scratch, rec.id)
@@ -98,6 +106,8 @@ class Checkpoints:
         """Pack the sandbox's writable layer into a new checkpoint. Allowed in: running."""
         rec, _ = self.sandboxes.running(sandbox_id, caller)
         self._restackable(rec, "take checkpoints")
+        if req.processes:
+            self._files_only(rec, "checkpointed")
         async with self.sandboxes.lock(rec.id):
             rec, backend = self.sandboxes.running(sandbox_id)
             if len(rec.checkpoints) >= MAX_CHECKPOINTS:
@@ -189,10 +199,7 @@ class Checkpoints:
         started = time.monotonic()
         parent, _ = self.sandboxes.running(sandbox_id, caller)
         if req.processes:
-            raise InvalidRequest(
-                f"sandboxes of kind {parent.kind!r} are forked with their files only on this node: their "
-                "processes are not carried (ask processes=false, or fork a microvm or vm)"
-            )
+            self._files_only(parent, "forked")
         temporary = None
         async with self.sandboxes.lock(parent.id):
             parent, backend = self.sandboxes.running(sandbox_id)

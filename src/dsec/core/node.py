@@ -70,4 +70,5 @@ def node_status(mgr: SandboxManager, caller: Caller, top: int = 0) -> NodeStatus
         top=usage[:top],
         e2b_url=mgr.e2b_url,
         warm_pools=mgr.warm_pools(caller=caller),
+        checkpoints={k: b.checkpoint_support() for k, b in sorted(mgr.backends.items())},
     )

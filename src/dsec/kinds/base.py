@@ -15,6 +15,7 @@ from ..errors import FileNotFoundInSandbox, InvalidRequest
 from ..images.store import ImageRef
 from ..isolation.idmap import UidSlots
 from ..isolation.network.host import NetworkHost
+from ..protocol.checkpoints import CheckpointSupport
 from ..protocol.network import NetworkSpec, describe
 from ..protocol.run import PoolInfo
 from ..protocol.sandbox import ExecRequest, ExecResult, FileEntry, NetworkStatus
@@ -264,6 +265,15 @@ class Backend(ABC):
     async def resume(self, rec: SandboxRecord) -> None:
         """Let a paused sandbox run on."""
         raise InvalidRequest(f"sandboxes of kind {self.kind!r} cannot be paused")
+
+    def checkpoint_support(self) -> CheckpointSupport:
+        """What a checkpoint (and a copy) of this kind's sandboxes captures on this node."""
+        fork = " (fork copies a running one, processes and memory included)" if self.forks_memory else ""
+        return CheckpointSupport(files=False, processes=False, why=f"not built yet for kind {self.kind!r}{fork}")
+
+    @property
+    def forks_memory(self) -> bool:
+        return type(self).checkpoint is not Backend.checkpoint
 
     def checkpoint(self, rec: SandboxRecord) -> contextlib.AbstractAsyncContextManager[Any]:
         """A memory snapshot of the whole sandbox (fork), valid inside the context; the sandbox is left

@@ -18,6 +18,11 @@ class CheckpointRequest(BaseModel):
         pattern=CHECKPOINT_NAME,
         description="A name to roll back to it by, unique within the sandbox (1-64 of A-Z a-z 0-9 . _ -).",
     )
+    processes: bool | None = Field(
+        None,
+        description="Keep processes and memory too: true asks for it (an error where the node cannot: GET "
+        "/v1/node says, per kind), false for files only; default: what the kind can.",
+    )
 
 
 class CheckpointInfo(BaseModel):
@@ -42,3 +47,11 @@ class RollbackRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     checkpoint: str = Field(pattern=CHECKPOINT_REF, description="The checkpoint's id or name.")
+
+
+class CheckpointSupport(BaseModel):
+    """What a checkpoint of a kind's sandbox captures on this node (GET /v1/node, ``checkpoints``)."""
+
+    files: bool = Field(description="Its files (the writable layer): checkpoint, rollback and fork of files.")
+    processes: bool = Field(description="Its processes and memory too.")
+    why: str | None = Field(None, description="Why not everything is captured, where it is not.")

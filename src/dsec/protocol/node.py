@@ -12,6 +12,7 @@ from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from .checkpoints import CheckpointSupport
 from .pools import WarmPoolInfo
 from .sandbox import TRAJECTORY_ID, ErrorBody, SandboxInfo, SandboxSpec
 from .types import Size, int_range, on_type
@@ -93,6 +94,10 @@ class NodeStatus(BaseModel):
         default_factory=list,
         description="The node's warm pools (a tenant: those serving it); their idle sandboxes are counted in "
         "sandboxes and requested, never listed.",
+    )
+    checkpoints: dict[str, CheckpointSupport] = Field(
+        default_factory=dict,
+        description="Per kind, what its checkpoints and forks capture on this node (in a cluster: one node's).",
     )
 
 

@@ -62,12 +62,14 @@ class CheckpointMixin:
     ) -> T:
         raise NotImplementedError
 
-    async def checkpoint(self, name: str | None = None) -> CheckpointInfo:
+    async def checkpoint(self, name: str | None = None, *, processes: bool | None = None) -> CheckpointInfo:
         """Keep this sandbox's files as they are now; ``rollback`` puts them back. The sandbox is held
         still while its writable layer is packed (like ``snapshot``, but kept on its node, unscrubbed, and
         named ``c1``, ``c2``, ... or ``name``). At most 16 per sandbox, their bytes within its disk limit.
-        Processes are not kept: a rollback starts them afresh."""
-        body = {"name": name}
+        ``processes=True`` asks for processes and memory too, an error where the node cannot
+        (``client.node().checkpoints`` says, per kind); containers keep files only, and a rollback starts
+        their processes afresh."""
+        body = {"name": name, "processes": processes}
         _checked(CheckpointRequest, body)
 
         async def live(headers: dict[str, str]) -> CheckpointInfo:

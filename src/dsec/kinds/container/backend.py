@@ -37,17 +37,18 @@ from ...isolation.netns import connect_in_netns
 from ...isolation.network.host import Attached
 from ...isolation.rootpath import RootFS
 from ...proc import run
+from ...protocol.checkpoints import CheckpointSupport
 from ...protocol.network import NetworkSpec
 from ...protocol.sandbox import ExecRequest, ExecResult
 from ...store.records import SandboxRecord
 from ..base import BackendContext, OutputCallback, each_of
 from ..execio import ExecIO
 from ..network import PolicyNetwork
-from . import agent, spec
+from . import agent, criu, spec
 from .agent import AgentChannel
 from .execution import ExecPlan, run_via_agent, run_via_runtime
 from .files import ContainerFiles
-from .host import no_space, repair_host_devices
+from .host import install_helpers, no_space, repair_host_devices
 from .rootfs import SandboxRoots, bind_volumes, mount_rootfs
 from .state import ContainerState
 from .userns import UserNamespaces
@@ -75,6 +76,7 @@ class ContainerBackend(ContainerFiles, PolicyNetwork, UserNamespaces):
         self.cgroup_hierarchies: list[str] = []
         self._seq = itertools.count(1)
         self.agent_error: str | None = None
+        self.processes_error = "not probed yet"  # why checkpoints keep files only (criu.py)
         self.seccomp_bpf: str | None = None
         self.userns_error: str | None = None
         self.uid_slots = ctx.uid_slots
@@ -112,7 +114,7 @@ class ContainerBackend(ContainerFiles, PolicyNetwork, UserNamespaces):
             # A file system of its own: a bind of a host directory shows that directory's host path in
             # the sandbox's /proc/self/mountinfo; the root of a tmpfs shows as "/".
             mount("dsec-helpers", self.helper_dir, "tmpfs", MS_NOSUID | MS_NODEV, "size=64m,mode=0755")
-        await asyncio.to_thread(self._install_helpers)
+        await asyncio.to_thread(install_helpers, self.helper_dir)
         try:
             await asyncio.to_thread(agent.build, self.helper_dir)
         except KindUnavailable as e:
@@ -134,25 +136,13 @@ class ContainerBackend(ContainerFiles, PolicyNetwork, UserNamespaces):
                 notes.append(f"container kind: no user namespaces ({e}); sandbox root is host root")
         if os.environ.get("DSEC_CONTAINER_EXEC") == "runtime":
             self.agent_error = "disabled by DSEC_CONTAINER_EXEC=runtime"
+        self.processes_error = await criu.processes_unsupported()
         notes.append(
             f"container kind: runtime {self.runtime}, cgroups {self.layout.mode}, "
             f"exec via {'the sandbox agent' if self.agent_error is None else self.runtime_name + ' exec'}, "
             f"user namespaces {'on' if self.userns_error is None else 'off'}"
         )
         return notes
-
-    def _install_helpers(self) -> None:
-        """Static busybox and catatonit, copied so that a host package upgrade never changes a running sandbox."""
-        for name in ("busybox", "catatonit"):
-            src = shutil.which(name)
-            if src is None:
-                raise BackendError(f"{name} is not installed (apt-get install busybox-static catatonit)")
-            dst = self.helper_dir / name
-            if not dst.exists() or os.path.getsize(dst) != os.path.getsize(src):
-                tmp = dst.with_suffix(".tmp")
-                shutil.copy2(src, tmp)
-                os.chmod(tmp, 0o555)
-                tmp.rename(dst)
 
     async def _compile_seccomp(self) -> str:
         """The seccomp profile as crun compiles it, taken from a probe container's state (cached on disk)."""
@@ -561,6 +551,9 @@ class ContainerBackend(ContainerFiles, PolicyNetwork, UserNamespaces):
             if not await self.alive(rec):
                 raise SandboxGone(f"the container of sandbox {rec.id} is gone")
             raise BackendError(f"cannot {action} sandbox {rec.id}: {out.decode(errors='replace')[-400:]}")
+
+    def checkpoint_support(self) -> CheckpointSupport:
+        return CheckpointSupport(files=True, processes=False, why=f"files only: {self.processes_error}")
 
     @contextlib.asynccontextmanager
     async def frozen_upper(self, rec: SandboxRecord) -> AsyncIterator[Path]:

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
+
+from ...errors import BackendError
 
 
 def repair_host_devices() -> list[str]:
@@ -30,3 +33,17 @@ def no_space(path: Path) -> bool:
     except OSError:
         return False
     return st.f_bavail * st.f_frsize < 1 << 20
+
+
+def install_helpers(helper_dir: Path) -> None:
+    """Static busybox and catatonit, copied so that a host package upgrade never changes a running sandbox."""
+    for name in ("busybox", "catatonit"):
+        src = shutil.which(name)
+        if src is None:
+            raise BackendError(f"{name} is not installed (apt-get install busybox-static catatonit)")
+        dst = helper_dir / name
+        if not dst.exists() or os.path.getsize(dst) != os.path.getsize(src):
+            tmp = dst.with_suffix(".tmp")
+            shutil.copy2(src, tmp)
+            os.chmod(tmp, 0o555)
+            tmp.rename(dst)
