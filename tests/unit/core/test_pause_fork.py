@@ -13,6 +13,7 @@ import pytest
 from dsec.core import lifecycle
 from dsec.core.manager import SandboxManager
 from dsec.errors import BackendError, InvalidRequest, InvalidState, SandboxGone
+from dsec.protocol.checkpoints import CheckpointRequest, RollbackRequest
 from dsec.protocol.sandbox import MAX_TTL_S, CreateSandbox, ExecRequest, ForkRequest, State
 from dsec.store.records import SandboxRecord
 
@@ -121,6 +122,13 @@ async def test_a_kind_that_cannot_pause_or_fork_says_so(fresh: Core) -> None:
         with pytest.raises(InvalidRequest, match="memory snapshot"):
             await mgr.fork(sid, ForkRequest(n=2))
         assert [s.id for s in mgr.list()] == [sid]  # and no half-made copies
+        with pytest.raises(InvalidRequest, match="cannot take checkpoints yet"):
+            await mgr.checkpoint(sid, CheckpointRequest())
+        with pytest.raises(InvalidRequest, match="cannot roll back yet"):
+            await mgr.rollback(sid, RollbackRequest(checkpoint="c1"))
+        with pytest.raises(InvalidRequest, match="not from a checkpoint"):
+            await mgr.fork(sid, ForkRequest(n=1, checkpoint="c1"))
+        assert mgr.list_checkpoints(sid) == []
         with pytest.raises(InvalidRequest, match=r"on_timeout 'pause'.*cannot be paused"):
             await _create(mgr, on_timeout="pause")
     finally:

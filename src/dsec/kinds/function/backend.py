@@ -27,6 +27,7 @@ from pathlib import Path
 
 from ...errors import InvalidRequest, KindUnavailable, SandboxGone
 from ...images.store import ImageRef
+from ...protocol.checkpoints import CheckpointSupport
 from ...protocol.network import NetworkSpec, describe
 from ...protocol.run import PoolInfo
 from ...protocol.sandbox import ExecRequest, ExecResult, FileEntry, Limits, NetworkStatus, State
@@ -63,6 +64,7 @@ class Worker:
 
 class FunctionBackend(Backend):
     kind = "function"
+    restackable = True
     keeps_metadata = True  # its worker container's
     volumes_unsupported = None  # on a worker made for the sandbox (create)
 
@@ -262,11 +264,12 @@ class FunctionBackend(Backend):
         return self.containers.cgroup(worker.rec) if worker is not None else None
 
     async def create(self, rec: SandboxRecord, image: ImageRef) -> None:
-        if rec.volumes:
+        stacked = any(layer.is_file() for layer in image.layers)  # a checkpoint's layers on top (restackable)
+        if rec.volumes or stacked:
             # a worker of its own, its mounts made for it, destroyed when the sandbox ends: a pooled worker's
-            # mounts were made before any request named a volume, and an idle one must hold none
+            # mounts were made before any request named a volume or a checkpoint, and an idle one holds none
             worker = await self._new_worker(image, rec.limits, rec.network, rec.owner, rec.volumes)
-            await self._lend(rec, worker, warm=False, key=("volumes", rec.id))
+            await self._lend(rec, worker, warm=False, key=("own", rec.id))
             return
         pool = self.pool_for(rec.owner, image, rec)
         worker, warm = await self.pools.acquire(pool)
@@ -384,6 +387,10 @@ class FunctionBackend(Backend):
 
     async def download_tar(self, rec: SandboxRecord, path: str) -> bytes:
         return await self.containers.download_tar(self._worker(rec).rec, path)
+
+    def checkpoint_support(self) -> CheckpointSupport:
+        why = self.containers.checkpoint_support().why
+        return CheckpointSupport(files=True, processes=False, why=f"{why}; /tmp, a worker's scratch space, is not kept")
 
     @contextlib.asynccontextmanager
     async def frozen_upper(self, rec: SandboxRecord) -> AsyncIterator[Path]:
