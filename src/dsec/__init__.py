@@ -48,6 +48,7 @@ from .errors import (
     VolumeNotFound,
 )
 from .protocol.build import BuildSpec, ImageSpec
+from .protocol.checkpoints import CheckpointInfo, CheckpointSupport
 from .protocol.code import CodeError, CodeResult
 from .protocol.grade import GradeResult
 from .protocol.network import NetworkAllow, NetworkDeny
@@ -83,7 +84,9 @@ __all__ = [
     "BuildResult",
     "BuildSpec",
     "CallInterrupted",
+    "CheckpointInfo",
     "CheckpointNotFound",
+    "CheckpointSupport",
     "Client",
     "CodeError",
     "CodeResult",

@@ -93,6 +93,20 @@ def test_the_agent_survives_systemd_and_cannot_be_replaced(vm: dsec.Sandbox) -> 
     assert vm.exec("/.dsec/busybox pidof dsec-agent").stdout.split() == [pid]
 
 
+def test_a_checkpoint_of_a_full_vm_rolls_back_its_services_and_files(vm: dsec.Sandbox) -> None:
+    vm.files.write("/etc/systemd/system/kept.service", UNIT.replace("hello", "kept"))
+    assert vm.exec("systemctl daemon-reload && systemctl start kept && systemctl is-active kept").exit_code == 0
+    vm.files.write("/srv/state", "at the checkpoint\n")
+    c1 = vm.checkpoint()
+    assert c1.processes
+    vm.exec("systemctl stop kept; rm /srv/state")
+    vm.rollback(c1)
+    assert vm.files.read_text("/srv/state") == "at the checkpoint\n"
+    assert vm.exec("systemctl is-active kept").stdout == "active\n"  # systemd's own state came back
+    vm.exec("systemctl stop kept")
+    vm.remove_checkpoint(c1)
+
+
 def test_an_image_without_an_init_is_refused_before_booting(daemon: Daemon) -> None:
     client = daemon.client()
     client.build_image("dsec/debian:12")  # a minbase: no init system

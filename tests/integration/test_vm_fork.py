@@ -79,8 +79,8 @@ def test_fork_of_a_paused_machine_and_of_a_container(parent: dsec.Sandbox, daemo
     finally:
         parent.resume()
     with dsec.Sandbox.create(image="dsec/busybox", client=daemon.client()) as box:
-        with pytest.raises(dsec.InvalidRequest, match="memory snapshot"):
-            box.fork(1)
+        with pytest.raises(dsec.InvalidRequest, match="files only"):
+            box.fork(1, processes=True)  # a container's copies carry its files (test_checkpoints.py)
         box.pause()  # containers pause through the cgroup freezer
         assert box.info().state == dsec.State.paused
         box.resume()
@@ -109,3 +109,37 @@ def test_a_full_vm_forks_and_pauses_too(daemon: Daemon) -> None:
         assert again.info().started_from == "snapshot"
     finally:
         again.kill()
+
+
+def test_checkpoint_rollback_and_fork_from_a_checkpoint(parent: dsec.Sandbox) -> None:
+    """A VM's checkpoint is its saved memory: files and processes. A rollback restores it in place (same
+    id, its clock and random state refreshed); copies can be made from it later."""
+    parent.files.write("/work/ckpt.txt", "at the checkpoint\n")
+    parent.exec("(while true; do echo x >> /tmp/kept-ticks; sleep 0.2; done) >/dev/null 2>&1 &")
+    c1 = parent.checkpoint("vm-start")
+    assert c1.processes and c1.files and c1.size > 0
+    parent.files.write("/work/ckpt.txt", "after\n")
+    parent.exec("touch /work/later; sh -c 'while true; do sleep 1; done' later-marker >/dev/null 2>&1 &")
+    marked = "ps -o args | grep later-marker | grep -vc grep"
+    assert parent.exec(marked).stdout == "1\n"
+    before = parent.exec("head -c 16 /dev/urandom | od -An -tx1").stdout
+    parent.rollback(c1)
+    info = parent.info()
+    assert info.id == parent.id and info.state == dsec.State.running
+    assert parent.files.read_text("/work/ckpt.txt") == "at the checkpoint\n"
+    assert parent.exec("[ -e /work/later ] && echo there || echo gone").stdout == "gone\n"
+    assert parent.exec(marked).stdout == "0\n"  # started after the checkpoint: not there any more
+    grown = parent.exec("a=$(wc -l < /tmp/kept-ticks); sleep 1; b=$(wc -l < /tmp/kept-ticks); echo $a $b")
+    a, b = map(int, grown.stdout.split())
+    assert b > a  # the loop running at the checkpoint runs again
+    assert abs(int(parent.exec("date +%s").stdout) - time.time()) < 5
+    assert parent.exec("head -c 16 /dev/urandom | od -An -tx1").stdout != before
+    copies = parent.fork(1, checkpoint="vm-start")
+    try:
+        assert len(copies) == 1
+        assert copies[0].files.read_text("/work/ckpt.txt") == "at the checkpoint\n"
+    finally:
+        for c in copies:
+            c.kill()
+    parent.remove_checkpoint(c1)
+    assert parent.checkpoints() == []

@@ -6,7 +6,8 @@ fork's copy, there are some), then the writable layer packed at that moment. Eac
 whole stack as hard links, so removing one checkpoint never takes a layer another still needs, and
 nothing is copied: ``<root>/<sandbox>/c3/0.erofs`` may be the same file as ``.../base/0.erofs``.
 
-``base`` is the stack the sandbox runs on now (absent: its image alone). Every function here blocks
+``base`` is the stack the sandbox runs on now (absent: its image alone). A VM's checkpoint is one file
+instead, its saved memory (``memory``), which holds its writable layer as well. Every function here blocks
 (disk work): the core calls them on a thread.
 """
 
@@ -19,6 +20,7 @@ import shutil
 from pathlib import Path
 
 BASE = "base"
+MEMORY = "memory"
 
 
 class CheckpointFiles:
@@ -46,9 +48,13 @@ class CheckpointFiles:
     def exists(self, sid: str, name: str) -> bool:
         return (self.root / sid / name).is_dir()
 
-    def save(self, sid: str, name: str, below: list[Path], packed: Path | None) -> None:
-        """Make ``name`` hold ``below`` and then ``packed`` (moved in), atomically: a crash leaves it
-        whole or absent."""
+    def memory(self, sid: str, name: str) -> Path:
+        """A VM checkpoint's saved memory (its files and processes are in it)."""
+        return self.root / sid / name / MEMORY
+
+    def save(self, sid: str, name: str, below: list[Path], packed: Path | None, as_name: str | None = None) -> None:
+        """Make ``name`` hold ``below`` and then ``packed`` (moved in, as ``as_name`` if given), atomically:
+        a crash leaves it whole or absent."""
         d = self.root / sid
         tmp = d / f".new-{secrets.token_hex(4)}"
         tmp.mkdir(parents=True)
@@ -56,7 +62,7 @@ class CheckpointFiles:
             for i, layer in enumerate(below):
                 os.link(layer, tmp / f"{i}.erofs")
             if packed is not None:
-                os.rename(packed, tmp / f"{len(below)}.erofs")
+                os.rename(packed, tmp / (as_name or f"{len(below)}.erofs"))
             old = d / f".old-{secrets.token_hex(4)}"
             with contextlib.suppress(FileNotFoundError):
                 os.rename(d / name, old)
@@ -88,7 +94,7 @@ class CheckpointFiles:
                     st = f.stat()
                     if st.st_ino not in seen:
                         seen.add(st.st_ino)
-                        total += st.st_size
+                        total += st.st_blocks * 512  # on disk: a saved memory has holes
         return total
 
     def sweep(self, live: set[str]) -> int:

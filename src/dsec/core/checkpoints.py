@@ -40,7 +40,8 @@ from ..protocol.sandbox import (
 )
 from ..store.records import CheckpointRecord, SandboxRecord
 from ..tenancy import OPERATOR, Caller
-from .checkpoint_files import BASE, CheckpointFiles
+from . import forks
+from .checkpoint_files import BASE, MEMORY, CheckpointFiles
 from .lifecycle import Lifecycle
 
 log = logging.getLogger("dsec.core")
@@ -52,9 +53,15 @@ def _ttl(parent: SandboxRecord) -> float:
     return min(parent.expires_at - parent.created_at, MAX_TTL_S)
 
 
-def _info(rec: SandboxRecord, c: CheckpointRecord) -> CheckpointInfo:
+def _info(rec: SandboxRecord, c: CheckpointRecord, processes: bool) -> CheckpointInfo:
     return CheckpointInfo(
-        id=c.id, name=c.name, sandbox_id=rec.id, created_at=c.created_at, size=c.size, seconds=c.seconds
+        id=c.id,
+        name=c.name,
+        sandbox_id=rec.id,
+        created_at=c.created_at,
+        size=c.size,
+        seconds=c.seconds,
+        processes=processes,
     )
 
 
@@ -79,11 +86,12 @@ class Checkpoints:
         backend = self.sandboxes.backends.get(rec.kind)
         return backend is not None and backend.restackable
 
-    def _restackable(self, rec: SandboxRecord, what: str) -> None:
-        if not self.restackable(rec):
+    def _supported(self, rec: SandboxRecord, what: str) -> None:
+        backend = self.sandboxes.backends[rec.kind]
+        if not (backend.restackable or backend.forks_memory):
             raise InvalidRequest(
-                f"sandboxes of kind {rec.kind!r} cannot {what} yet (containers can); snapshot() it and create "
-                "new sandboxes from that image instead"
+                f"sandboxes of kind {rec.kind!r} cannot {what} yet; snapshot() it and create new sandboxes from "
+                "that image instead"
             )
 
     def _files_only(self, rec: SandboxRecord, what: str) -> None:
@@ -102,10 +110,22 @@ class Checkpoints:
             staged = await self.images.pack(upper, None, into=scratch)
         return staged.blob, time.monotonic() - began
 
+    async def _keep(self, rec: SandboxRecord, backend: Backend) -> tuple[Path, float]:
+        """The whole sandbox saved with its memory (a VM: its files are in its memory); how long it took."""
+        scratch = await asyncio.to_thread(self.files.scratch, rec.id)
+        memory = scratch / f"memory-{secrets.token_hex(4)}"
+        began = time.monotonic()
+        try:
+            await backend.keep_memory(rec, memory)
+        except BaseException:
+            memory.unlink(missing_ok=True)
+            raise
+        return memory, time.monotonic() - began
+
     async def take(self, sandbox_id: str, req: CheckpointRequest, *, caller: Caller = OPERATOR) -> CheckpointInfo:
         """Pack the sandbox's writable layer into a new checkpoint. Allowed in: running."""
         rec, _ = self.sandboxes.running(sandbox_id, caller)
-        self._restackable(rec, "take checkpoints")
+        self._supported(rec, "take checkpoints")
         if req.processes:
             self._files_only(rec, "checkpointed")
         async with self.sandboxes.lock(rec.id):
@@ -116,9 +136,12 @@ class Checkpoints:
                 )
             if req.name is not None and any(c.name == req.name or c.id == req.name for c in rec.checkpoints):
                 raise InvalidRequest(f"sandbox {rec.id} already has a checkpoint named {req.name!r}")
-            blob, held = await self._pack(rec, backend)
+            if backend.forks_memory:
+                blob, held = await self._keep(rec, backend)
+            else:
+                blob, held = await self._pack(rec, backend)
             try:
-                size = blob.stat().st_size
+                size = blob.stat().st_blocks * 512  # what it holds on disk: a saved memory has holes
                 used = await asyncio.to_thread(self.files.size, rec.id)
                 if used + size > rec.limits.disk:
                     raise LimitExceeded(
@@ -126,8 +149,11 @@ class Checkpoints:
                         f"limit of {rec.limits.disk}: remove one first"
                     )
                 cid = f"c{rec.checkpoints_taken + 1}"
-                below = await asyncio.to_thread(self.files.stack, rec.id)
-                await asyncio.to_thread(self.files.save, rec.id, cid, below, blob)
+                if backend.forks_memory:
+                    await asyncio.to_thread(self.files.save, rec.id, cid, [], blob, MEMORY)
+                else:
+                    below = await asyncio.to_thread(self.files.stack, rec.id)
+                    await asyncio.to_thread(self.files.save, rec.id, cid, below, blob)
             finally:
                 blob.unlink(missing_ok=True)
             record = CheckpointRecord(cid, req.name, time.time(), size, round(held, 6))
@@ -135,11 +161,12 @@ class Checkpoints:
             rec.checkpoints_taken += 1
             self.sandboxes.store.put(rec)
         log.info("sandbox %s checkpoint %s: %d bytes, held %.1f ms", rec.id, cid, size, held * 1000)
-        return _info(rec, record)
+        return _info(rec, record, backend.forks_memory)
 
     def listed(self, sandbox_id: str, *, caller: Caller = OPERATOR) -> list[CheckpointInfo]:
         rec = self.sandboxes.get(sandbox_id, caller)
-        return [_info(rec, c) for c in rec.checkpoints]
+        backend = self.sandboxes.backends.get(rec.kind)
+        return [_info(rec, c, backend is not None and backend.forks_memory) for c in rec.checkpoints]
 
     def _find(self, rec: SandboxRecord, ref: str) -> CheckpointRecord:
         for c in rec.checkpoints:
@@ -166,19 +193,15 @@ class Checkpoints:
     async def rollback(self, sandbox_id: str, req: RollbackRequest, *, caller: Caller = OPERATOR) -> SandboxInfo:
         """End every process of the sandbox and start it again on the checkpoint's files. Allowed in: running."""
         rec, _ = self.sandboxes.running(sandbox_id, caller)
-        self._restackable(rec, "roll back")
+        self._supported(rec, "roll back")
         async with self.sandboxes.lock(rec.id):
             rec, backend = self.sandboxes.running(sandbox_id)
             found = self._find(rec, req.checkpoint)
-            layers = await asyncio.to_thread(self.files.stack, rec.id, found.id)
-            image = await self.image_at(rec, layers)
             began = time.monotonic()
             timings = dict(rec.timings)
             with self.sandboxes.resetting(rec.id):
                 try:
-                    await backend.destroy(rec)
-                    await asyncio.to_thread(self.files.save, rec.id, BASE, layers, None)
-                    await backend.create(rec, image)
+                    await self._start_again(rec, backend, found.id)
                 except BaseException as e:
                     why = e.message if isinstance(e, DsecError) else f"{type(e).__name__}: {e}"
                     self.sandboxes.set_state(rec, State.failed, f"rollback to {found.id} failed: {why}")
@@ -190,6 +213,20 @@ class Checkpoints:
         log.info("sandbox %s rolled back to %s in %.1f ms", rec.id, found.id, (time.monotonic() - began) * 1000)
         return rec.info()
 
+    async def _start_again(self, rec: SandboxRecord, backend: Backend, cid: str) -> None:
+        """The sandbox stopped and started again at checkpoint ``cid``: a VM restored from its memory, any
+        other kind made again on its image with the checkpoint's layers on top."""
+        if backend.forks_memory:
+            kept = backend.kept(rec, self.files.memory(rec.id, cid))  # its shape, read before it stops
+            await backend.destroy(rec)
+            await backend.restore(rec, rec, kept)
+            return
+        layers = await asyncio.to_thread(self.files.stack, rec.id, cid)
+        image = await self.image_at(rec, layers)
+        await backend.destroy(rec)
+        await asyncio.to_thread(self.files.save, rec.id, BASE, layers, None)
+        await backend.create(rec, image)
+
     # ---- fork ------------------------------------------------------------------------------------------
 
     async def fork(self, sandbox_id: str, req: ForkRequest, *, caller: Caller = OPERATOR) -> ForkResult:
@@ -197,6 +234,13 @@ class Checkpoints:
         the layers of that state on top, shared read-only by every copy (nothing is copied), each with a
         writable layer of its own. Each copy is made, or fails, on its own. Allowed in: running."""
         started = time.monotonic()
+        parent = self.sandboxes.get(sandbox_id, caller)
+        backend = self.sandboxes.backends[parent.kind]
+        if not backend.restackable:  # a VM's copies come from its memory: now, or a checkpoint's
+            kept = None
+            if req.checkpoint is not None and backend.forks_memory:
+                kept = self.files.memory(parent.id, self._find(parent, req.checkpoint).id)
+            return await forks.fork(self.sandboxes, sandbox_id, req, caller, kept=kept)
         parent, _ = self.sandboxes.running(sandbox_id, caller)
         if req.processes:
             self._files_only(parent, "forked")

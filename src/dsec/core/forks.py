@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from pathlib import Path
 
 from ..errors import BackendError, DsecError, InvalidRequest
 from ..protocol.sandbox import ForkRequest, ForkResult, State
@@ -17,7 +18,9 @@ from .sandboxes import Sandboxes
 log = logging.getLogger("dsec.core")
 
 
-async def fork(sandboxes: Sandboxes, sandbox_id: str, req: ForkRequest, caller: Caller) -> ForkResult:
+async def fork(
+    sandboxes: Sandboxes, sandbox_id: str, req: ForkRequest, caller: Caller, *, kept: Path | None = None
+) -> ForkResult:
     """``req.n`` new sandboxes restored from one memory snapshot of this one, each with its own copy
     of its memory and writable layer. All or nothing: if one copy fails, none is kept.
 
@@ -26,10 +29,8 @@ async def fork(sandboxes: Sandboxes, sandbox_id: str, req: ForkRequest, caller: 
     started = time.monotonic()
     parent = sandboxes.get(sandbox_id, caller)
     backend = sandboxes.backends[parent.kind]
-    if req.checkpoint is not None:
-        raise InvalidRequest(
-            f"sandboxes of kind {parent.kind!r} are forked from their memory as it is now, not from a checkpoint"
-        )
+    if req.checkpoint is not None and kept is None:
+        raise InvalidRequest(f"sandboxes of kind {parent.kind!r} cannot be forked from a checkpoint")
     if req.processes is False:
         raise InvalidRequest(
             f"sandboxes of kind {parent.kind!r} are forked with their processes and memory; "
@@ -52,7 +53,8 @@ async def fork(sandboxes: Sandboxes, sandbox_id: str, req: ForkRequest, caller: 
             parent = sandboxes.get(sandbox_id)
             if parent.state != State.paused:
                 sandboxes.running(sandbox_id)  # raises the precise error for any other state
-            async with backend.checkpoint(parent) as checkpoint:
+            source = backend.checkpoint(parent) if kept is None else contextlib.nullcontext(backend.kept(parent, kept))
+            async with source as checkpoint:
                 ttl = req.timeout if req.timeout is not None else parent.expires_at - parent.created_at
                 labels = parent.labels if req.labels is None else req.labels
                 for _ in range(req.n):

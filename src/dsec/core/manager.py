@@ -56,7 +56,6 @@ from ..store.sqlite import SandboxStore
 from ..store.tenants import TenantStore
 from ..store.volumes import VolumeStore
 from ..tenancy import OPERATOR, Caller
-from . import forks
 from .actions import Actions
 from .admission import Admission, AdmissionOptions
 from .builds import Builder
@@ -361,10 +360,7 @@ class SandboxManager:
     async def fork(self, sandbox_id: str, req: ForkRequest, *, caller: Caller = OPERATOR) -> ForkResult:
         """``req.n`` copies of a sandbox: a container's on its files (checkpoints.fork), a VM's restored
         from one memory snapshot of it (forks.fork)."""
-        rec = self.sandboxes.get(sandbox_id, caller)
-        if self.checkpoints.restackable(rec):
-            return await self.checkpoints.fork(sandbox_id, req, caller=caller)
-        return await forks.fork(self.sandboxes, sandbox_id, req, caller)
+        return await self.checkpoints.fork(sandbox_id, req, caller=caller)
 
     async def set_network(self, sandbox_id: str, policy: NetworkSpec, *, caller: Caller = OPERATOR) -> NetworkStatus:
         return await self.lifecycle.set_network(sandbox_id, policy, caller=caller)

@@ -268,11 +268,14 @@ class Backend(ABC):
 
     def checkpoint_support(self) -> CheckpointSupport:
         """What a checkpoint (and a copy) of this kind's sandboxes captures on this node."""
-        fork = " (fork copies a running one, processes and memory included)" if self.forks_memory else ""
-        return CheckpointSupport(files=False, processes=False, why=f"not built yet for kind {self.kind!r}{fork}")
+        if self.forks_memory:
+            return CheckpointSupport(files=True, processes=True)
+        return CheckpointSupport(files=False, processes=False, why=f"not built yet for kind {self.kind!r}")
 
     @property
     def forks_memory(self) -> bool:
+        """Whether its copies and checkpoints carry memory and processes (a VM's saved memory holds its
+        files too): then ``checkpoint``, ``restore``, ``keep_memory`` and ``kept`` are the kind's own."""
         return type(self).checkpoint is not Backend.checkpoint
 
     def checkpoint(self, rec: SandboxRecord) -> contextlib.AbstractAsyncContextManager[Any]:
@@ -284,5 +287,15 @@ class Backend(ABC):
         )
 
     async def restore(self, rec: SandboxRecord, parent: SandboxRecord, checkpoint: Any) -> None:
-        """Make ``rec`` run as a copy of ``parent`` at the moment ``checkpoint`` was taken."""
+        """Make ``rec`` run as a copy of ``parent`` at the moment ``checkpoint`` was taken (``rec`` may be
+        ``parent`` itself, stopped: a rollback in place)."""
         raise InvalidRequest(f"sandboxes of kind {self.kind!r} cannot be forked")
+
+    async def keep_memory(self, rec: SandboxRecord, into: Path) -> None:
+        """Save the whole sandbox, memory and processes with its files, as the file ``into`` (a kept
+        checkpoint: core/checkpoints.py), leaving it running as it was."""
+        raise InvalidRequest(f"sandboxes of kind {self.kind!r} cannot be saved with their memory")
+
+    def kept(self, rec: SandboxRecord, memory: Path) -> Any:
+        """The checkpoint ``restore`` takes for a memory ``keep_memory`` saved from ``rec``."""
+        raise InvalidRequest(f"sandboxes of kind {self.kind!r} cannot be saved with their memory")

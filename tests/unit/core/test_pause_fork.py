@@ -126,7 +126,7 @@ async def test_a_kind_that_cannot_pause_or_fork_says_so(fresh: Core) -> None:
             await mgr.checkpoint(sid, CheckpointRequest())
         with pytest.raises(InvalidRequest, match="cannot roll back yet"):
             await mgr.rollback(sid, RollbackRequest(checkpoint="c1"))
-        with pytest.raises(InvalidRequest, match="not from a checkpoint"):
+        with pytest.raises(InvalidRequest, match="cannot be forked from a checkpoint"):
             await mgr.fork(sid, ForkRequest(n=1, checkpoint="c1"))
         assert mgr.list_checkpoints(sid) == []
         with pytest.raises(InvalidRequest, match=r"on_timeout 'pause'.*cannot be paused"):

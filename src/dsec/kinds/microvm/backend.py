@@ -63,14 +63,6 @@ BOOTS = {"kvm": max(1, (os.cpu_count() or 1)), "tcg": max(1, (os.cpu_count() or 
 # A restore maps a saved memory image and runs on: cheap enough to run a few per core at once.
 RESTORES = {"kvm": 4 * (os.cpu_count() or 1), "tcg": 2 * (os.cpu_count() or 1)}
 VM_CACHE = Path(os.environ.get("DSEC_VM_CACHE", "/var/cache/dsec/vm"))
-TEMPLATE_TRIM = r"""
-b=/.dsec/busybox
-$b sync
-echo 3 > /proc/sys/vm/drop_caches
-free=$($b awk '/^MemFree:/ { print int($2 / 1024) - 32 }' /proc/meminfo)
-[ "$free" -gt 0 ] && $b dd if=/dev/zero of=/dev/null bs="${free}M" count=1 2>/dev/null
-exit 0
-"""
 # Memory-snapshot templates: on by default; DSEC_VM_TEMPLATES=0 makes every VM boot cold.
 TEMPLATES = os.environ.get("DSEC_VM_TEMPLATES", "1") != "0"
 
@@ -312,7 +304,7 @@ class MicroVMBackend(PolicyNetwork):
                     # what a template saves is every non-zero page: drop the boot's caches and zero the
                     # free pages (a process fills them with zeros and exits), so restored VMs load and
                     # hold only what the guest uses
-                    await chan.run(["/.dsec/busybox", "sh", "-c", TEMPLATE_TRIM], {}, "/", None, 120.0, 4096)
+                    await chan.run(["/.dsec/busybox", "sh", "-c", templates.TRIM], {}, "/", None, 120.0, 4096)
                 finally:
                     await chan.aclose()
                 await asyncio.sleep(0.3)  # the agent notices the hangup: a restored one greets its new host
@@ -488,6 +480,15 @@ class MicroVMBackend(PolicyNetwork):
         rec.accelerator = parent.accelerator
         await self._prepare_guest(rec, await self._launch(rec, spec, checkpoint.memory))
         rec.started_from = "snapshot"
+        if rec.network is not None:  # a rollback in place keeps its policy (a fork's copies have none)
+            await self._join_network(rec, rec.network)
+
+    async def keep_memory(self, rec: SandboxRecord, into: Path) -> None:
+        async with self.checkpoint(rec) as saved:
+            await asyncio.to_thread(os.link, saved.memory, into)  # the same file system: state_dir
+
+    def kept(self, rec: SandboxRecord, memory: Path) -> Checkpoint:
+        return Checkpoint(spec=self._spec_of(rec), memory=memory)
 
     @contextlib.asynccontextmanager
     async def frozen_upper(self, rec: SandboxRecord) -> AsyncIterator[Path]:
