@@ -461,6 +461,50 @@ def bench_chaos(
     _exit_with(lambda: chaos_main(chosen, state_dir, repository, json_out))
 
 
+@bench_app.command("checkpoint")
+def bench_checkpoint(
+    kinds: Annotated[
+        str,
+        typer.Option(
+            help="Kinds to measure, comma-separated (container,function,microvm,vm); a kind that cannot take "
+            "checkpoints is recorded with the error it answers."
+        ),
+    ] = "container",
+    rounds: Annotated[int, typer.Option(help="Timed rounds of each operation, per kind and diff size.", min=1)] = 20,
+    big_mb: Annotated[int, typer.Option(help="MB of random bytes in the big diff.", min=1, max=16_384)] = 200,
+    json_out: Annotated[
+        Path | None, typer.Option("--json", help="Where to write the JSON results (default OUT/checkpoint.json).")
+    ] = None,
+    out: Annotated[Path, typer.Option(help="Directory for the PNG plots (and the JSON by default).")] = OUT_DIR,
+    state_dir: DaemonState = Path("/var/lib/dsec-bench-checkpoint"),
+    repository: Annotated[
+        Path | None,
+        typer.Option(
+            help="Layer repository holding dsec/busybox (default /var/tmp/dsec-images/repository): the bench's "
+            "daemon publishes its snapshots into a repository of its own in the state dir, seeded from this "
+            "one by hard links (nothing is written to it)."
+        ),
+    ] = None,
+) -> None:
+    """checkpoint, rollback → first exec and fork(8) → all answered, with a small and a big diff, against
+    snapshot → new image → create (kill + create → first exec; 8 creations → all answered)."""
+    from .checkpoint import KINDS
+    from .checkpoint import main as checkpoint_main
+
+    chosen = _choose(kinds, KINDS, "--kinds")
+    _exit_with(
+        lambda: checkpoint_main(
+            kinds=chosen,
+            rounds=rounds,
+            big_mb=big_mb,
+            json_out=json_out,
+            out=out,
+            state_dir=state_dir,
+            repository=repository,
+        )
+    )
+
+
 def _choose(text: str, allowed: Iterable[str], flag: str) -> list[str]:
     """A comma-separated option's items, each one of ``allowed`` (else exit 2 saying which are)."""
     names = list(allowed)

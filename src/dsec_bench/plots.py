@@ -121,7 +121,14 @@ def scatter(
     return _save(fig, ax, path, title)
 
 
-def cdf(path: Path, title: str, samples_ms: Mapping[str, Sequence[float]], *, log_x: bool = True) -> Path:
+def cdf(
+    path: Path,
+    title: str,
+    samples_ms: Mapping[str, Sequence[float]],
+    *,
+    log_x: bool = True,
+    ylabel: str = "share of creations at or below",
+) -> Path:
     """Empirical CDF per series (milliseconds): where p50 and p99 sit, and how far the tail goes."""
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=SIZE)
@@ -134,7 +141,7 @@ def cdf(path: Path, title: str, samples_ms: Mapping[str, Sequence[float]], *, lo
     for q in (0.5, 0.99):
         ax.axhline(q, color="grey", linewidth=0.6, linestyle=":")
     ax.set_xlabel("milliseconds")
-    ax.set_ylabel("share of creations at or below")
+    ax.set_ylabel(ylabel)
     ax.set_ylim(0, 1.02)
     if log_x and any(v > 0 for values in samples_ms.values() for v in values):
         ax.set_xscale("log")
@@ -168,15 +175,21 @@ def cumulative(path: Path, title: str, done_at: Mapping[str, Sequence[float]]) -
     return lines(path, title, "seconds since the burst started", "done", series, steps=True)
 
 
-def bars(path: Path, title: str, ylabel: str, groups: Mapping[str, Mapping[str, float]]) -> Path:
-    """Grouped bars: one group per measure (the inner keys), one bar per series (the outer keys) in each."""
+def bars(
+    path: Path, title: str, ylabel: str, groups: Mapping[str, Mapping[str, float]], *, log_y: bool = False
+) -> Path:
+    """Grouped bars: one group per measure (the inner keys), one bar per series (the outer keys) in each;
+    ``log_y`` where the bars differ by orders of magnitude (a missing bar is then left out, not drawn at 0)."""
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=SIZE)
     measures = list(dict.fromkeys(m for values in groups.values() for m in values))
     width = 0.8 / max(1, len(groups))
     for i, (label, values) in enumerate(groups.items()):
         x = [j + i * width for j in range(len(measures))]
-        ax.bar(x, [values.get(m, 0.0) for m in measures], width, label=label, color=f"C{i}")
+        heights = [values.get(m, math.nan if log_y else 0.0) for m in measures]
+        ax.bar(x, heights, width, label=label, color=f"C{i}")
+    if log_y and any(v > 0 for values in groups.values() for v in values.values()):
+        ax.set_yscale("log")
     ax.set_xticks([j + width * (len(groups) - 1) / 2 for j in range(len(measures))])
     ax.set_xticklabels(measures)
     ax.set_ylabel(ylabel)

@@ -1,0 +1,78 @@
+"""`dsec bench checkpoint`, small, end to end through the CLI against a daemon it starts: containers are
+measured at both diff sizes, and the function kind's refusal is recorded instead of figures."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from dsec_bench.checkpoint import MEASURES, RATIOS
+
+from .conftest import IMAGES_DIR
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture(autouse=True)
+def _env() -> None:
+    """The bench starts a daemon of its own: the session's shared daemon is not needed here."""
+
+
+@pytest.fixture
+def work() -> Iterator[Path]:
+    d = Path(tempfile.mkdtemp(prefix="dsec-bench-checkpoint-"))
+    d.chmod(0o755)  # sandboxes' users traverse the state directory
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.mark.timeout(150)
+def test_checkpoint_bench_measures_containers_and_records_a_refusal(work: Path) -> None:
+    argv = [sys.executable, "-m", "dsec", "bench", "checkpoint", "--kinds", "container,function"]
+    argv += ["--rounds", "2", "--big-mb", "4", "--json", str(work / "result.json"), "--out", str(work / "plots")]
+    argv += ["--state-dir", str(work / "state"), "--repository", str(IMAGES_DIR / "repository")]
+    env = {**os.environ, "COLUMNS": "200"}
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=140, env=env, stdin=subprocess.DEVNULL)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    data = json.loads((work / "result.json").read_text())
+    assert data["bench"] == "checkpoint" and data["failures"] == []
+    assert {"when", "host", "params", "targets", "plots"} <= set(data)
+    assert data["params"]["rounds"] == 2 and data["params"]["big_mb"] == 4
+
+    refused = data["kinds"]["function"]
+    assert refused["status"] == "refused" and refused["refused"]["code"] == "invalid_request"
+    assert "cannot take checkpoints yet" in refused["refused"]["message"]
+
+    container = data["kinds"]["container"]
+    assert container["status"] == "measured"
+    for size, diff_bytes in (("small", 8192), ("big", 4 << 20)):
+        entry = container[size]
+        assert "error" not in entry and entry["diff"]["bytes"] == diff_bytes
+        assert set(entry["measurements"]) == set(MEASURES)
+        for stats in entry["measurements"].values():
+            assert stats["n"] == 2 and 0 < stats["p50_ms"] <= stats["max_ms"] < 60_000
+        m = entry["measurements"]
+        assert m["rollback_call"]["max_ms"] <= m["rollback_first_exec"]["max_ms"]
+        assert m["fork8_call"]["max_ms"] <= m["fork8_all_answered"]["max_ms"]
+        assert set(entry["ratios"]) == set(RATIOS) and all(r > 0 for r in entry["ratios"].values())
+    # the big diff's random bytes are in its checkpoint: packing does not shrink them
+    assert container["big"]["checkpoint_bytes"] >= 4 << 20 > container["small"]["checkpoint_bytes"]
+
+    targets = data["targets"]
+    assert all(isinstance(t["met"], bool) and t["value"] > 0 for t in targets.values()), targets
+    assert set(data["plots"]) == {"checkpoint-container-p50.png", "checkpoint-container-rollback-cdf.png"}
+    for plot in data["plots"]:
+        png = (work / "plots" / plot).read_bytes()
+        assert png[:8] == PNG_MAGIC and len(png) > 1000, plot
+    # nothing the bench made outlives it: no mount under its state dir, its snapshots gone from its repository
+    assert str(work / "state") not in Path("/proc/self/mountinfo").read_text()
+    tags = list((work / "state" / "repository" / "tags").rglob("*.json"))
+    assert len(tags) == 1, tags  # dsec/busybox, seeded
