@@ -123,7 +123,7 @@ class Checkpoints:
         return memory, time.monotonic() - began
 
     async def take(self, sandbox_id: str, req: CheckpointRequest, *, caller: Caller = OPERATOR) -> CheckpointInfo:
-        """Pack the sandbox's writable layer into a new checkpoint. Allowed in: running."""
+        """A new checkpoint: the sandbox's writable layer packed, or a VM's memory saved. Allowed in: running."""
         rec, _ = self.sandboxes.running(sandbox_id, caller)
         self._supported(rec, "take checkpoints")
         if req.processes:
