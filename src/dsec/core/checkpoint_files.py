@@ -26,6 +26,8 @@ MEMORY = "memory"
 class CheckpointFiles:
     def __init__(self, root: Path) -> None:
         self.root = root
+        # sandboxes with a directory here: the others' ends cost nothing (a removal only for these)
+        self.holding: set[str] = set()
 
     def sandbox_dir(self, sid: str) -> Path:
         return self.root / sid
@@ -34,6 +36,7 @@ class CheckpointFiles:
         """Where a new layer is packed before it joins a checkpoint (same file system: renamed, not copied)."""
         d = self.root / sid
         d.mkdir(parents=True, exist_ok=True)
+        self.holding.add(sid)
         return d
 
     def stack(self, sid: str, name: str = BASE) -> list[Path]:
@@ -56,6 +59,7 @@ class CheckpointFiles:
         """Make ``name`` hold ``below`` and then ``packed`` (moved in, as ``as_name`` if given), atomically:
         a crash leaves it whole or absent."""
         d = self.root / sid
+        self.holding.add(sid)
         tmp = d / f".new-{secrets.token_hex(4)}"
         tmp.mkdir(parents=True)
         try:
@@ -77,6 +81,7 @@ class CheckpointFiles:
 
     def remove_all(self, sid: str) -> None:
         shutil.rmtree(self.root / sid, ignore_errors=True)
+        self.holding.discard(sid)
 
     def size(self, sid: str) -> int:
         """Bytes the sandbox's checkpoints hold on disk, each file counted once however many link it."""
@@ -106,4 +111,5 @@ class CheckpointFiles:
         gone = [d for d in dirs if d.name not in live]
         for d in gone:
             shutil.rmtree(d, ignore_errors=True)
+        self.holding = {d.name for d in dirs if d.name in live}
         return len(gone)

@@ -28,7 +28,7 @@ from ..images.store import ImageRef
 from ..kinds.base import Backend
 from ..protocol.checkpoints import MAX_CHECKPOINTS, CheckpointInfo, CheckpointRequest, RollbackRequest
 from ..protocol.sandbox import (
-    MAX_TTL_S,
+    TERMINAL_STATES,
     CreateSandbox,
     ErrorBody,
     ForkFailure,
@@ -45,12 +45,6 @@ from .checkpoint_files import BASE, MEMORY, CheckpointFiles
 from .lifecycle import Lifecycle
 
 log = logging.getLogger("dsec.core")
-
-
-def _ttl(parent: SandboxRecord) -> float:
-    """A copy's time to live by default: the parent's, within the bound (a parent's own may have been
-    extended past it, E2B's set_timeout counting from now)."""
-    return min(parent.expires_at - parent.created_at, MAX_TTL_S)
 
 
 def _info(rec: SandboxRecord, c: CheckpointRecord, processes: bool) -> CheckpointInfo:
@@ -75,16 +69,13 @@ class Checkpoints:
 
     def _ended(self, sid: str) -> None:
         # the layers a running copy was made from stay open in its mounts: only the names go
-        self.sandboxes.in_background(asyncio.to_thread(self.files.remove_all, sid))
+        if sid in self.files.holding:
+            self.sandboxes.in_background(asyncio.to_thread(self.files.remove_all, sid))
 
     async def start(self) -> int:
         """After a restart: drop the checkpoints of sandboxes that ended while the daemon was down."""
         live = {rec.id for rec in self.sandboxes.live()}
         return await asyncio.to_thread(self.files.sweep, live)
-
-    def restackable(self, rec: SandboxRecord) -> bool:
-        backend = self.sandboxes.backends.get(rec.kind)
-        return backend is not None and backend.restackable
 
     def _supported(self, rec: SandboxRecord, what: str) -> None:
         backend = self.sandboxes.backends[rec.kind]
@@ -180,15 +171,13 @@ class Checkpoints:
             found = self._find(rec, ref)
             await asyncio.to_thread(self.files.remove, rec.id, found.id)
             rec.checkpoints.remove(found)
-            if rec.state not in (State.stopped, State.failed, State.lost):
+            if rec.state not in TERMINAL_STATES:
                 self.sandboxes.store.put(rec)
 
     async def image_at(self, rec: SandboxRecord, layers: list[Path]) -> ImageRef:
         """The sandbox's image version with ``layers`` on top."""
         base = await self.images.resolve(rec.image, version=rec.image_digest or None)
-        return dataclasses.replace(
-            base, layers=(*base.layers, *layers), layer_files=(*base.layer_files, *layers), layer_digests=()
-        )
+        return dataclasses.replace(base, stack=tuple(layers))
 
     async def rollback(self, sandbox_id: str, req: RollbackRequest, *, caller: Caller = OPERATOR) -> SandboxInfo:
         """End every process of the sandbox and start it again on the checkpoint's files. Allowed in: running."""
@@ -264,7 +253,7 @@ class Checkpoints:
                 image=parent.image,
                 kind=cast(Kind, parent.kind),
                 limits=parent.limits,
-                timeout=req.timeout if req.timeout is not None else _ttl(parent),
+                timeout=forks.copy_ttl(parent, req),
                 env=parent.env,
                 labels=parent.labels if req.labels is None else req.labels,
                 network=parent.network,

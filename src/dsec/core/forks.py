@@ -9,13 +9,19 @@ import time
 from pathlib import Path
 
 from ..errors import BackendError, DsecError, InvalidRequest
-from ..protocol.sandbox import ForkRequest, ForkResult, State
+from ..protocol.sandbox import MAX_TTL_S, ForkRequest, ForkResult, State
 from ..store.records import SandboxRecord, new_record
 from ..tenancy import Caller
 from .admission import Claim
 from .sandboxes import Sandboxes
 
 log = logging.getLogger("dsec.core")
+
+
+def copy_ttl(parent: SandboxRecord, req: ForkRequest) -> float:
+    """A copy's time to live: as asked, else the parent's within the bound (a parent's own may have been
+    extended past it, E2B's set_timeout counting from now)."""
+    return req.timeout if req.timeout is not None else min(parent.expires_at - parent.created_at, MAX_TTL_S)
 
 
 async def fork(
@@ -55,7 +61,7 @@ async def fork(
                 sandboxes.running(sandbox_id)  # raises the precise error for any other state
             source = backend.checkpoint(parent) if kept is None else contextlib.nullcontext(backend.kept(parent, kept))
             async with source as checkpoint:
-                ttl = req.timeout if req.timeout is not None else parent.expires_at - parent.created_at
+                ttl = copy_ttl(parent, req)
                 labels = parent.labels if req.labels is None else req.labels
                 for _ in range(req.n):
                     child = new_record(

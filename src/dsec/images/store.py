@@ -55,6 +55,8 @@ class ImageRef:
     user: str = "root"
     layer_files: tuple[Path, ...] = ()  # each layer's EROFS image as a file (VMs attach them as disks)
     owner: str | None = None  # the tenant whose image it is; None: public
+    # a checkpoint's layers as EROFS files, on top of ``layers`` (core/checkpoints.py); the kind mounts them
+    stack: tuple[Path, ...] = ()
 
 
 OWN_NAMESPACE = "dsec/"  # dsec's own images: a name under it never means Docker Hub's

@@ -79,8 +79,8 @@ class Backend(ABC):
     """
 
     kind: ClassVar[str]
-    # whether ``create`` takes an image whose top layers are EROFS files (a checkpoint's stack), which
-    # the kind mounts itself: what checkpoints, rollbacks and copies of the files need (core/checkpoints.py)
+    # whether ``create`` mounts an image's ``stack`` (a checkpoint's layer files) itself: what
+    # checkpoints, rollbacks and copies of the files need (core/checkpoints.py)
     restackable: ClassVar[bool] = False
     # why the kind cannot mount named volumes (None: it can)
     volumes_unsupported: ClassVar[str | None] = "this kind does not mount them"

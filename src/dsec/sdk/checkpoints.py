@@ -11,7 +11,7 @@ from ..errors import DsecError, InvalidRequest, validation_message
 from ..protocol.checkpoints import CheckpointInfo, CheckpointList, CheckpointRequest, RollbackRequest
 from ..protocol.sandbox import SandboxInfo
 from ..protocol.trajectory import RecordedCall
-from .trajectory import Params, canonical_params, model_result
+from .trajectory import Params, canonical_params, model_result, no_result
 from .transport import Transport
 
 T = TypeVar("T")
@@ -24,10 +24,6 @@ def _checked(model: type[CheckpointRequest] | type[RollbackRequest], body: dict[
         model.model_validate(body)
     except ValueError as e:
         raise InvalidRequest(validation_message(e)) from None
-
-
-def _nothing(_: RecordedCall) -> None:
-    return None
 
 
 class Forked(builtins.list[S]):
@@ -93,7 +89,7 @@ class CheckpointMixin:
         async def live(headers: dict[str, str]) -> None:
             await self._t.request("DELETE", f"/v1/sandboxes/{self.id}/checkpoints/{ref}", headers=headers)
 
-        await self._call("remove_checkpoint", {"checkpoint": ref}, None, live, _nothing)
+        await self._call("remove_checkpoint", {"checkpoint": ref}, None, live, no_result)
 
     async def rollback(self, checkpoint: str | CheckpointInfo) -> None:
         """Put this sandbox back to a checkpoint, in place: same id, its files exactly as they were then.

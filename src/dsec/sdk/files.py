@@ -11,7 +11,7 @@ from typing import Protocol, TypeVar
 
 from ..protocol.sandbox import FileEntry, FileList
 from ..protocol.trajectory import RecordedCall
-from .trajectory import Params, recorded_bytes
+from .trajectory import Params, no_result, recorded_bytes
 from .transport import Transport
 
 T = TypeVar("T")
@@ -58,7 +58,7 @@ class AsyncFiles:
         async def live(headers: dict[str, str]) -> None:
             await self._transport().request("PUT", self._url(), params=params, content=content, headers=headers)
 
-        await self._call("write", params, content, live, _nothing)
+        await self._call("write", params, content, live, no_result)
 
     async def list(self, path: str = "/") -> list[FileEntry]:
         async def live(headers: dict[str, str]) -> list[FileEntry]:
@@ -73,13 +73,13 @@ class AsyncFiles:
         async def live(headers: dict[str, str]) -> None:
             await self._transport().request("DELETE", self._url(), params=params, headers=headers)
 
-        await self._call("remove", {"path": path, "recursive": recursive}, None, live, _nothing)
+        await self._call("remove", {"path": path, "recursive": recursive}, None, live, no_result)
 
     async def mkdir(self, path: str) -> None:
         async def live(headers: dict[str, str]) -> None:
             await self._transport().request("POST", self._url("/mkdir"), params={"path": path}, headers=headers)
 
-        await self._call("mkdir", {"path": path}, None, live, _nothing)
+        await self._call("mkdir", {"path": path}, None, live, no_result)
 
     async def upload_tar(self, path: str, data: bytes) -> None:
         """Unpack a tar archive (bytes) into directory ``path`` inside the sandbox."""
@@ -89,7 +89,7 @@ class AsyncFiles:
             transport = self._transport()
             await transport.request("PUT", url, params={"path": path}, content=data, timeout=900, headers=headers)
 
-        await self._call("upload", {"path": path}, data, live, _nothing)
+        await self._call("upload", {"path": path}, data, live, no_result)
 
     async def download_tar(self, path: str) -> bytes:
         """A tar archive of directory ``path`` inside the sandbox."""
@@ -122,10 +122,6 @@ def _extract(data: bytes, dest: Path) -> None:
     dest.mkdir(parents=True, exist_ok=True)
     with tarfile.open(fileobj=io.BytesIO(data)) as tar:
         tar.extractall(str(dest), filter="data")
-
-
-def _nothing(_: RecordedCall) -> None:
-    return None
 
 
 def _entries(rec: RecordedCall) -> list[FileEntry]:

@@ -209,6 +209,11 @@ def model_result(model: type[M]) -> Callable[[RecordedCall], M]:
     return lambda rec: model.model_validate(rec.result or {})
 
 
+def no_result(_: RecordedCall) -> None:
+    """A call that answers nothing (a write, a removal), read back from the log."""
+    return None
+
+
 class TrajectoryClient:
     """Reading the trajectory log back (a mixin of AsyncClient, so the blocking ``Client`` has it too)."""
 

@@ -64,7 +64,12 @@ def test_sweep_removes_only_the_ended(tmp_path: Path) -> None:
     files = CheckpointFiles(tmp_path)
     for sid in ("sb-live", "sb-gone"):
         files.save(sid, "c1", [], _packed(files, sid, b"x"))
+    assert files.holding == {"sb-live", "sb-gone"}
     assert files.sweep({"sb-live"}) == 1
+    assert files.holding == {"sb-live"}  # a sandbox's end schedules a removal only for these
+    files.remove_all("sb-live")
+    assert files.holding == set()
+    files.save("sb-live", "c1", [], _packed(files, "sb-live", b"x"))
     assert files.stack("sb-live", "c1") and not files.sandbox_dir("sb-gone").exists()
     assert CheckpointFiles(tmp_path / "never").sweep(set()) == 0
 

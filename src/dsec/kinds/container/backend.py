@@ -234,7 +234,7 @@ class ContainerBackend(ContainerFiles, PolicyNetwork, UserNamespaces):
             userns_fd = await self._userns_for(uid_base) if uid_base is not None else None
 
             def mounter() -> None:
-                mount_rootfs(bundle, image.layers, rec.limits.disk, uid_base, userns_fd, worker)
+                mount_rootfs(bundle, image.layers, rec.limits.disk, uid_base, userns_fd, worker, image.stack)
                 bind_volumes(bundle, rec.volumes, userns_fd)
 
             # only the agent keeps the namespace's descriptor for a restarted daemon (rootfs.NS_FD)

@@ -13,9 +13,18 @@ import shutil
 
 from ...proc import run
 
+_answer: str | None = None  # once per process: the function kind's own container backend asks too
+
 
 async def processes_unsupported() -> str:
     """Why this node's container checkpoints keep files only (always a reason: see below)."""
+    global _answer
+    if _answer is None:
+        _answer = await _probe()
+    return _answer
+
+
+async def _probe() -> str:
     exe = shutil.which("criu")
     if exe is None:
         return "CRIU is not installed on this node (Debian package criu)"

@@ -205,10 +205,11 @@ def mount_rootfs(
     uid_base: int | None,
     userns_fd: int | None,
     scratch: bool = False,
+    stack: Sequence[Path] = (),
 ) -> Path:
     """``scratch``: also a ``tmp/`` beside the writable layer, bound at the sandbox's /tmp (function
-    workers, whose /tmp is emptied between users without touching the overlay)."""
-    layers = _mount_stacked(bundle, layers)
+    workers, whose /tmp is emptied between users without touching the overlay). ``stack``: EROFS files
+    (a checkpoint's layers) to mount here, in the sandbox's own namespace, on top of ``layers``."""
     for layer in layers:
         # a layer mount detached under this creation (the layer fetcher was replaced) is an empty
         # directory: a clear error, not a sandbox without its files
@@ -220,6 +221,7 @@ def mount_rootfs(
     rootfs, disk = bundle / "rootfs", bundle / "disk"
     rootfs.mkdir(parents=True)
     disk.mkdir()
+    layers = [*layers, *_mount_stack(bundle, stack)]
     # The writable layer lives on its own tmpfs: its size is the disk limit, its inode count bounded,
     # and its pages are charged to the memory cgroup of whoever writes them.
     inodes = max(16384, min(disk_bytes // 4096, 4 << 20))
@@ -265,17 +267,14 @@ def bind_volumes(bundle: Path, volumes: Sequence[VolumeMount], userns_fd: int | 
         idmapped_bind(Path(volume.source), target, userns_fd, read_only=volume.read_only)
 
 
-def _mount_stacked(bundle: Path, layers: Sequence[Path]) -> list[Path]:
-    """Layers given as EROFS files (a checkpoint's stack, core/checkpoints.py) are mounted here, in the
-    sandbox's own namespace, and go with it; the image's own layers come mounted already."""
+def _mount_stack(bundle: Path, stack: Sequence[Path]) -> list[Path]:
+    """A checkpoint's layer files, each mounted in the bundle (they go with the sandbox's namespace)."""
     mounted = []
-    for i, layer in enumerate(layers):
-        if layer.is_file():
-            target = bundle / f"stack-{i}"
-            target.mkdir(parents=True)
-            mount_layer(layer, target)
-            layer = target
-        mounted.append(layer)
+    for i, layer in enumerate(stack):
+        target = bundle / f"stack-{i}"
+        target.mkdir()
+        mount_layer(layer, target)
+        mounted.append(target)
     return mounted
 
 

@@ -264,8 +264,7 @@ class FunctionBackend(Backend):
         return self.containers.cgroup(worker.rec) if worker is not None else None
 
     async def create(self, rec: SandboxRecord, image: ImageRef) -> None:
-        stacked = any(layer.is_file() for layer in image.layers)  # a checkpoint's layers on top (restackable)
-        if rec.volumes or stacked:
+        if rec.volumes or image.stack:
             # a worker of its own, its mounts made for it, destroyed when the sandbox ends: a pooled worker's
             # mounts were made before any request named a volume or a checkpoint, and an idle one holds none
             worker = await self._new_worker(image, rec.limits, rec.network, rec.owner, rec.volumes)
