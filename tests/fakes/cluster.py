@@ -71,6 +71,7 @@ class FakeNode:
         self.trajectories: dict[str, str] = {}  # id -> sandbox id (a shared log would hold it)
         self.creates = 0
         self.stall = False  # hold every creation until its caller (the gateway) goes away
+        self.status_delay = 0.0  # seconds before answering GET /v1/node (a node slow to answer)
         self.left = 0  # creations whose caller went away while held
         self.files: dict[tuple[str, str], bytes] = {}
         self.release = asyncio.Event()  # a streamed exec waits for it after its first line
@@ -117,6 +118,7 @@ class FakeNode:
 
         @app.get("/v1/node")
         async def node_status() -> Response:
+            await asyncio.sleep(node.status_delay)
             return Response(status(node.name, node.free_cpu).model_dump_json(), media_type="application/json")
 
         @app.post("/v1/sandboxes", status_code=201)
@@ -271,9 +273,14 @@ class Harness:
         await asyncio.gather(asyncio.wait_for(self.task, 10), *(f.stop() for f in self.fakes))
 
 
-async def start(free: dict[str, float], *, interval: float = 0.05, misses: int = 2) -> Harness:
+async def start(
+    free: dict[str, float], *, interval: float = 0.05, misses: int = 2, status_delay: float = 0.0, heard: bool = True
+) -> Harness:
+    """``heard`` False: the gateway has not had the nodes' first answers when this returns (a gateway
+    just started), and its own polls are what bring them."""
     fakes = [FakeNode(name, cpu) for name, cpu in free.items()]
     for f in fakes:
+        f.status_delay = status_delay
         await f.start()
     nodes = NodeSet(TOKEN, interval=interval, misses=misses)
     for f in fakes:
@@ -283,7 +290,10 @@ async def start(free: dict[str, float], *, interval: float = 0.05, misses: int =
     task = asyncio.create_task(srv.serve())
     while not srv.started:  # noqa: ASYNC110
         await asyncio.sleep(0.01)
-    await nodes.check_all()  # the first statuses, without waiting for a poll
+    if heard:
+        await nodes.check_all()  # the first statuses, without waiting for a poll
+    else:
+        nodes.start()
     return Harness(fakes, gateway, srv, task)
 
 

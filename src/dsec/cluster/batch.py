@@ -242,6 +242,7 @@ async def run_batch(gw: Gateway, scope: Scope, receive: Receive, send: Send) -> 
         raise Failure(InvalidRequest, validation_message(e)) from None
     started = time.monotonic()
     demand = Demand.of(req.runs[0].limits)
+    await gw.nodes.first_answers()
     nodes = gw.nodes.candidates(demand)
     if not nodes:
         raise Failure(DaemonUnreachable, "no node of the cluster is healthy now")

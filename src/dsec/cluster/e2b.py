@@ -139,6 +139,7 @@ class E2BGateway:
             else:
                 await self._to_holder(scope, receive, send, parts[1])
             return
+        await self.gw.nodes.first_answers()
         primary = self.gw.nodes.primary()  # templates (snapshots), and what no node offers: any node answers
         http = self.client(primary) if primary is not None else None
         if http is None:

@@ -325,6 +325,8 @@ class Gateway:
         Every node the demand fits (by the last statuses) is tried; of those it does not fit, only
         until one has refused: such a node keeps the creation in its queue up to the queue timeout
         before refusing, and making the caller wait that long once is enough (it retries later)."""
+        if pinned is None:
+            await self.nodes.first_answers()
         order = [pinned] if pinned is not None else self.nodes.candidates(demand)
         if not order:
             raise Failure(DaemonUnreachable, "no node of the cluster is healthy now")
@@ -536,13 +538,16 @@ class Gateway:
         if tid:
             home, knows = await self.directory.trajectory(tid)
             node = home or knows  # a removal must meet the node running its sandbox, which refuses it
-        node = node or self.nodes.primary()
+        if node is None:
+            await self.nodes.first_answers()
+            node = self.nodes.primary()
         if node is None:
             raise Failure(DaemonUnreachable, "no node of the cluster is healthy now")
         content = await body_of(receive)
         await forward(node.http, scope, send, content, lambda sent: unreachable(node, sent))
 
     async def _to_primary(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await self.nodes.first_answers()
         node = self.nodes.primary()
         if node is None:
             raise Failure(DaemonUnreachable, "no node of the cluster is healthy now")

@@ -181,6 +181,20 @@ class NodeSet:
         nodes = sorted(self.healthy(), key=lambda n: n.name) or sorted(self.routable(), key=lambda n: n.name)
         return nodes[0] if nodes else None
 
+    async def first_answers(self) -> None:
+        """Wait (at most one health check's time) for the nodes not heard from yet: a gateway just started
+        has asked them but may not have their answers, and a creation sent then must not be refused for
+        that. Returns at once when every node has answered or been lost."""
+        deadline = time.monotonic() + self.check_timeout + self.interval
+        while any(n.health is Health.starting and not n.retired for n in self.nodes):
+            if time.monotonic() >= deadline:
+                return
+            await asyncio.sleep(0.02)
+
+    @property
+    def check_timeout(self) -> float:
+        return max(self.interval * 2, 1.0)
+
     def candidates(self, demand: Demand) -> list[Node]:
         views = [v for n in self.nodes if (v := n.placement_view()) is not None]
         by_name = {n.name: n for n in self.nodes if n.health is Health.healthy}
@@ -196,7 +210,7 @@ class NodeSet:
     async def check(self, node: Node) -> None:
         try:
             asked_at = time.monotonic()
-            reply = await node.http.request("GET", "/v1/node", timeout=max(self.interval * 2, 1.0))
+            reply = await node.http.request("GET", "/v1/node", timeout=self.check_timeout)
             if reply.status != 200:
                 raise RuntimeError(f"GET /v1/node answered HTTP {reply.status}")
             node.seen(NodeStatus.model_validate_json(reply.content), asked_at)

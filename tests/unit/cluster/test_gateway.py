@@ -283,6 +283,25 @@ async def test_no_healthy_node_is_a_clear_error_not_a_hang(cluster: Harness) -> 
     assert reply.status_code == 503 and reply.json()["error"]["code"] == "daemon_unreachable"
 
 
+async def test_a_creation_sent_before_the_first_health_answers_waits_for_them() -> None:
+    # a gateway just started: its first polls are out but the nodes take 0.3 s to answer
+    h = await start({"a": 8.0, "b": 8.0}, interval=0.2, status_delay=0.3, heard=False)
+    try:
+        assert not h.gateway.nodes.routable()
+        async with httpx.AsyncClient(base_url=h.url, headers=AUTH, timeout=10) as http:
+            reply = await http.post("/v1/sandboxes", json={"image": "x"})
+            assert reply.status_code == 201, reply.text
+            for f in h.fakes:
+                await f.stop()
+            await wait_for(lambda: not h.gateway.nodes.routable())
+            started = time.monotonic()
+            reply = await http.post("/v1/sandboxes", json={"image": "x"})
+        # nodes known to be lost are not waited for
+        assert reply.status_code == 503 and time.monotonic() - started < 0.5
+    finally:
+        await h.close()
+
+
 async def test_nodes_with_one_name_are_told_apart() -> None:
     # no background polls during the test: on a loaded host one slow answer makes a node suspect (not
     # placed on), which is health's business, not naming's, and skewed the spread checked below
