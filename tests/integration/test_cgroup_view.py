@@ -5,8 +5,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import pytest
+
 import dsec
 from dsec.isolation import cgroups
+from dsec.isolation.mounts import MS_REMOUNT, mount
+
+from .conftest import scratch_dir, shut_down, start_daemon
 
 
 def test_the_sandbox_sees_its_own_groups_and_limits(make_sandbox: Callable[..., dsec.Sandbox]) -> None:
@@ -43,3 +48,28 @@ def test_new_cpusets_start_with_the_parents_cpus(make_sandbox: Callable[..., dse
     assert (parent / "cgroup.clone_children").read_text().strip() == "1"
     own = (parent / sb.id / "cpuset.cpus").read_text().strip()
     assert own and own == (parent / "cpuset.cpus").read_text().strip()
+
+
+def _v2_options() -> list[str] | None:
+    with open("/proc/self/mountinfo") as f:
+        return cgroups.cgroup2_options(f.read(), str(cgroups.detect().unified))
+
+
+@pytest.mark.timeout(120)
+def test_the_daemon_keeps_cgroup_moves_free_of_grace_period_waits() -> None:
+    """Each exec joins a cgroup of its own; without favordynmods the first one after a pause waited out an
+    RCU grace period (12-15 ms here), every agent step after its model's answer. A daemon's start
+    remounts the v2 hierarchy so (cgroups.favor_dynamic_moves), keeping its other options."""
+    unified = cgroups.detect().unified
+    options = [o for o in _v2_options() or [] if o != "favordynmods"]
+    mount("cgroup2", unified, "cgroup2", MS_REMOUNT, ",".join(options))  # as a fresh host has it
+    assert "favordynmods" not in (_v2_options() or [])
+    with scratch_dir("dsec-cgopt-") as workdir:
+        d = start_daemon(workdir / "state")
+        try:
+            assert _v2_options() == [*options, "favordynmods"]
+            sb = dsec.Sandbox.create(image="dsec/busybox", client=d.client())
+            assert sb.exec(["true"]).exit_code == 0
+            sb.kill()
+        finally:
+            shut_down(d)

@@ -14,6 +14,7 @@ _libc.umount2.argtypes = [ctypes.c_char_p, ctypes.c_int]
 MS_RDONLY = 1
 MS_NOSUID = 2
 MS_NODEV = 4
+MS_REMOUNT = 32
 MNT_DETACH = 2
 
 
