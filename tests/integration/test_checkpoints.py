@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import secrets
 import subprocess
 import threading
@@ -118,6 +119,63 @@ def test_a_rollback_ends_running_commands_and_keeps_the_sandbox(make_sandbox: Ca
     assert sb.network_status().policy == "full"
 
 
+def _bundle_mounts(daemon: Daemon, sid: str) -> list[str]:
+    """The mounts of the sandbox's bundle, in the mount namespace its init holds them in (rootfs.NS_FD)."""
+    pid = json.loads((daemon.state_dir / "run" / "crun" / sid / "status").read_text())["pid"]
+    table = subprocess.run(
+        ["nsenter", f"--mount=/proc/{pid}/fd/5", "cat", "/proc/self/mountinfo"],
+        capture_output=True,
+        check=True,
+        text=True,
+    ).stdout
+    return sorted(line.split()[4] for line in table.splitlines() if f"/{sid}/" in line.split()[4])
+
+
+def test_a_rollback_in_place_keeps_the_container(make_sandbox: Callable[..., dsec.Sandbox], daemon: Daemon) -> None:
+    """A container's rollback keeps its init, network identity and volumes, and takes its files,
+    processes and shared memory back; nothing of the old roots stays mounted."""
+    client = daemon.client()
+    volume = f"ckpt-{secrets.token_hex(4)}"
+    client.create_volume(volume, size="16Mi")
+    try:
+        _in_place(make_sandbox(network="full", volumes={"/data": volume}), daemon)
+    finally:
+        for info in client.list():
+            if any(v.name == volume for v in info.volumes):
+                dsec.Sandbox.connect(info.id, client=client).kill()
+        client.remove_volume(volume)
+
+
+def _in_place(sb: dsec.Sandbox, daemon: Daemon) -> None:
+    init_started = "cut -d' ' -f22 /proc/1/stat"
+    before = sb.exec(f"{init_started}; hostname -i; echo prepared > /state").stdout
+    c1 = sb.checkpoint()
+    seen = []
+    for i in range(4):
+        sb.exec(f"echo step{i} > /state; echo kept{i} > /data/kept; echo shm > /dev/shm/seg; mkdir /made{i}")
+        sb.exec("sleep 300 >/dev/null 2>&1 &")
+        sb.rollback(c1)
+        after = sb.exec(f"{init_started}; hostname -i; ps -o args | grep -c '^sleep' ; ls /dev/shm; ls -d /made*")
+        assert after.stdout.startswith(before + "0\n"), after  # the same init and address, no sleep left
+        assert sb.exec("cat /state /data/kept").stdout == f"prepared\nkept{i}\n"  # a volume is not rolled back
+        seen.append(_settled_mounts(daemon, sb.id))
+    # each rollback leaves the same mounts: the image's layers, the checkpoint's, the writable layer, the
+    # volume and the root (nothing of the old roots once the background has unmounted them)
+    assert seen[1:] == seen[:-1], seen
+    names = [m.rsplit("/", 1)[1] for m in seen[0]]
+    assert sorted(set(names)) == names and {"rootfs", "disk", "stack-0", "volume-0", "reroot"} <= set(names), names
+
+
+def _settled_mounts(daemon: Daemon, sid: str) -> list[str]:
+    deadline = time.monotonic() + 10
+    while True:
+        now = _bundle_mounts(daemon, sid)
+        if not any("/reroot/" in m for m in now):
+            return now
+        assert time.monotonic() < deadline, now  # the old roots are unmounted in the background
+        time.sleep(0.05)
+
+
 def test_checkpoint_errors(make_sandbox: Callable[..., dsec.Sandbox], daemon: Daemon) -> None:
     sb = make_sandbox(disk="4Mi")
     with pytest.raises(dsec.CheckpointNotFound):
@@ -216,6 +274,41 @@ def test_fork_a_container_from_now_and_from_a_checkpoint(make_sandbox: Callable[
     assert child.exec("cat /work/state").stdout == "child\n"
     for c in [*copies, *from_ckpt]:
         c.kill()
+
+
+@pytest.mark.timeout(300)
+def test_a_fork_takes_its_copies_from_a_warm_pool(make_sandbox: Callable[..., dsec.Sandbox], daemon: Daemon) -> None:
+    """Copies of a container whose image version has a warm pool are its idle sandboxes, put on the
+    copy's files in place; what the pool lacks is made, and each copy is its own all the same."""
+    client = daemon.client()
+    limits = {"memory": "96Mi"}  # a shape of this test's own: no other test's creation is served by the pool
+    client.set_warm_pool("it-fork", "dsec/busybox", 3, limits=limits, network="full")
+    try:
+        parent = make_sandbox(memory="96Mi", network="full")
+        parent.exec("mkdir /work; echo prepared > /work/state")
+        c1 = parent.checkpoint()
+        parent.exec("echo stepped > /work/state")
+        deadline = time.monotonic() + 120
+        while (pool := next(p for p in client.warm_pools() if p.name == "it-fork")).idle < 3:
+            assert time.monotonic() < deadline, pool
+            time.sleep(0.1)
+        copies = parent.fork(4, checkpoint=c1)
+        assert len(copies) == 4 and not copies.failed
+        pool = next(p for p in client.warm_pools() if p.name == "it-fork")
+        assert pool.claims == 3, pool  # the fourth was made
+        assert sum("claim" in c.info().timings for c in copies) == 3
+        for i, c in enumerate(copies):
+            info = c.info()
+            assert info.forked_from == parent.id and info.started_from == "fork" and info.limits.memory == 96 << 20
+            assert c.exec(f"cat /work/state; echo copy-{i} > /work/state").stdout == "prepared\n"
+        assert [c.exec("cat /work/state").stdout for c in copies] == [f"copy-{i}\n" for i in range(4)]
+        assert parent.exec("cat /work/state").stdout == "stepped\n"
+        assert len({c.network_status().address for c in [parent, *copies]}) == 5
+        assert len({c.exec("head -c 16 /dev/urandom | od -An -tx1").stdout for c in copies}) == 4
+        for c in copies:
+            c.kill()
+    finally:
+        client.remove_warm_pool("it-fork")
 
 
 def test_fork_errors(make_sandbox: Callable[..., dsec.Sandbox]) -> None:

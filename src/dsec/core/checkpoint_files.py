@@ -48,6 +48,20 @@ class CheckpointFiles:
             return []
         return sorted(files, key=lambda p: int(p.stem))
 
+    def holds_same(self, sid: str, name: str, layers: list[Path]) -> bool:
+        """Whether ``name`` holds exactly these layer files (links of the same files): the base after a
+        second rollback to one checkpoint."""
+        have = self.stack(sid, name)
+        try:
+            return len(have) == len(layers) and all(os.path.samefile(a, b) for a, b in zip(have, layers, strict=True))
+        except OSError:
+            return False
+
+    def stack_and_base(self, sid: str, name: str) -> tuple[list[Path], bool]:
+        """``name``'s layers, and whether the base holds them already (one call: a rollback's)."""
+        layers = self.stack(sid, name)
+        return layers, self.holds_same(sid, BASE, layers)
+
     def exists(self, sid: str, name: str) -> bool:
         return (self.root / sid / name).is_dir()
 

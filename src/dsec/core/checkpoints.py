@@ -203,18 +203,28 @@ class Checkpoints:
         return rec.info()
 
     async def _start_again(self, rec: SandboxRecord, backend: Backend, cid: str) -> None:
-        """The sandbox stopped and started again at checkpoint ``cid``: a VM restored from its memory, any
-        other kind made again on its image with the checkpoint's layers on top."""
+        """The sandbox back at checkpoint ``cid``: a VM restored from its memory; a container's processes
+        ended and its root put back in place (``Backend.reroot``), keeping its init, network and cgroups;
+        any other sandbox (or a container where that failed) made again on its image with the
+        checkpoint's layers on top."""
         if backend.forks_memory:
             kept = backend.kept(rec, self.files.memory(rec.id, cid))  # its shape, read before it stops
             await backend.destroy(rec)
             await backend.restore(rec, rec, kept)
             return
-        layers = await asyncio.to_thread(self.files.stack, rec.id, cid)
+        layers, based = await asyncio.to_thread(self.files.stack_and_base, rec.id, cid)
         image = await self.image_at(rec, layers)
-        await backend.destroy(rec)
-        await asyncio.to_thread(self.files.save, rec.id, BASE, layers, None)
-        await backend.create(rec, image)
+        try:
+            in_place = await backend.reroot(rec, image)
+        except Exception as e:  # its processes are ended: making it again is as exact
+            log.warning("sandbox %s: rollback in place failed, creating it again: %s", rec.id, e)
+            in_place = False
+        if not in_place:
+            await backend.destroy(rec)
+        if not based:
+            await asyncio.to_thread(self.files.save, rec.id, BASE, layers, None)
+        if not in_place:
+            await backend.create(rec, image)
 
     # ---- fork ------------------------------------------------------------------------------------------
 
@@ -284,7 +294,9 @@ class Checkpoints:
     async def _copy(
         self, parent: SandboxRecord, spec: CreateSandbox, image: ImageRef, layers: list[Path]
     ) -> SandboxRecord:
-        child = await self.lifecycle.create_on(spec, image, owner=parent.owner)
+        child = await self._from_pool(parent, spec, image)
+        if child is None:
+            child = await self.lifecycle.create_on(spec, image, owner=parent.owner)
         try:
             # its own links to the layers it stands on: the parent's checkpoints may go, it stays whole
             await asyncio.to_thread(self.files.save, child.id, BASE, layers, None)
@@ -294,3 +306,22 @@ class Checkpoints:
         child.forked_from = parent.id
         self.sandboxes.store.put(child)
         return child
+
+    async def _from_pool(self, parent: SandboxRecord, spec: CreateSandbox, image: ImageRef) -> SandboxRecord | None:
+        """An idle warm-pool sandbox of the parent's image version, put on the copy's files in place
+        (``Backend.reroot``): no creation at all. None: no idle one (or the kind cannot): make one."""
+        if not self.sandboxes.backends[parent.kind].reroots:
+            return None
+        rec = self.lifecycle.claim(spec, dataclasses.replace(image, stack=()), Caller(parent.owner))
+        if rec is None:
+            return None
+        try:
+            async with self.sandboxes.lock(rec.id):
+                done = await self.sandboxes.backends[rec.kind].reroot(rec, image)
+        except Exception as e:
+            log.warning("sandbox %s from a warm pool could not take a copy's files: %s", rec.id, e)
+            done = False
+        if not done:
+            await self.lifecycle.kill(rec.id)
+            return None
+        return rec

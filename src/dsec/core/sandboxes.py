@@ -11,13 +11,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import signal
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterator
 from typing import Any, TypeVar
 
 from ..errors import DsecError, InvalidState, SandboxGone, SandboxNotFound
 from ..kinds.base import Backend
-from ..protocol.sandbox import TERMINAL_STATES, State
+from ..protocol.sandbox import TERMINAL_STATES, ExecResult, State
 from ..store.records import SandboxRecord
 from ..store.sqlite import SandboxStore
 from ..tenancy import OPERATOR, Caller
@@ -206,17 +207,21 @@ class Sandboxes:
 
     async def checked(self, rec: SandboxRecord, op: Awaitable[T]) -> T:
         """Run an operation; if the sandbox died under it, report that rather than a runtime error."""
+        ended = f"the call was ended by a rollback of sandbox {rec.id}"
         try:
-            return await op
+            result = await op
         except DsecError as e:
             if rec.id in self._resetting:  # its processes were ended by the rollback, on purpose
-                raise InvalidState(f"the call was ended by a rollback of sandbox {rec.id}") from e
+                raise InvalidState(ended) from e
             if not isinstance(e, SandboxGone):
                 raise
             current = self._live.get(rec.id)
             if current is not None and current.state == State.running:
                 self.died(current, str(e))
             raise
+        if rec.id in self._resetting and isinstance(result, ExecResult) and result.signal == signal.SIGKILL:
+            raise InvalidState(ended)  # a rollback in place kills the command, the sandbox stays
+        return result
 
     def died(self, rec: SandboxRecord, why: str) -> None:
         """A sandbox found dead under an operation: ``failed`` at once; what the backend still holds for it

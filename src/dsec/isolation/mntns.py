@@ -51,6 +51,12 @@ def is_mount_namespace(fd: int) -> bool:
         return False
 
 
+def switch_namespace(ns: int) -> None:
+    """Move the calling thread to the mount namespace ``ns``: only on a thread of ``MountNamespaces``,
+    which has a filesystem context of its own and goes back to the host's namespace after each call."""
+    _check(_libc.setns(ns, CLONE_NEWNS), "entering a mount namespace")
+
+
 class MountNamespaces:
     """Runs functions inside mount namespaces other than the daemon's, on a few dedicated threads."""
 

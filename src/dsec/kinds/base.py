@@ -266,6 +266,14 @@ class Backend(ABC):
         """Let a paused sandbox run on."""
         raise InvalidRequest(f"sandboxes of kind {self.kind!r} cannot be paused")
 
+    reroots: ClassVar[bool] = False  # whether ``reroot`` can do it (for some sandboxes of the kind)
+
+    async def reroot(self, rec: SandboxRecord, image: ImageRef) -> bool:
+        """Roll back in place where the kind can: end every process but the sandbox's init and put
+        ``image``'s root filesystem under it, keeping the init, network and cgroups. False: not done
+        (the core stops the sandbox and creates it again on ``image``)."""
+        return False
+
     def checkpoint_support(self) -> CheckpointSupport:
         """What a checkpoint (and a copy) of this kind's sandboxes captures on this node."""
         if self.forks_memory:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import contextlib
 import hashlib
 import itertools
 import json
@@ -24,20 +23,17 @@ import shutil
 import socket
 import tempfile
 import time
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 from ...errors import BackendError, DsecError, KindUnavailable, SandboxGone, StorageFull
 from ...images.store import ImageRef
 from ...isolation import cgroups, seccomp, users
-from ...isolation.idmap import attach, idmapped_tree, make_userns
 from ...isolation.mntns import MountNamespaces
 from ...isolation.mounts import MS_NODEV, MS_NOSUID, is_mountpoint, mount, umount
 from ...isolation.netns import connect_in_netns
 from ...isolation.network.host import Attached
 from ...isolation.rootpath import RootFS
 from ...proc import run
-from ...protocol.checkpoints import CheckpointSupport
 from ...protocol.network import NetworkSpec
 from ...protocol.sandbox import ExecRequest, ExecResult
 from ...store.records import SandboxRecord
@@ -46,12 +42,12 @@ from ..execio import ExecIO
 from ..network import PolicyNetwork
 from . import agent, criu, spec
 from .agent import AgentChannel
+from .checkpointing import ContainerCheckpoints
 from .execution import ExecPlan, run_via_agent, run_via_runtime
 from .files import ContainerFiles
 from .host import install_helpers, no_space, repair_host_devices
 from .rootfs import SandboxRoots, bind_volumes, mount_rootfs
 from .state import ContainerState
-from .userns import UserNamespaces
 
 log = logging.getLogger("dsec.container")
 
@@ -60,7 +56,7 @@ AGENT_READY_TIMEOUT = 10.0
 _names = random.Random(secrets.randbits(128))
 
 
-class ContainerBackend(ContainerFiles, PolicyNetwork, UserNamespaces):
+class ContainerBackend(ContainerCheckpoints, ContainerFiles, PolicyNetwork):
     kind = "container"
     restackable = True
     volumes_unsupported = None  # bound in at create (volumes.py)
@@ -551,39 +547,3 @@ class ContainerBackend(ContainerFiles, PolicyNetwork, UserNamespaces):
             if not await self.alive(rec):
                 raise SandboxGone(f"the container of sandbox {rec.id} is gone")
             raise BackendError(f"cannot {action} sandbox {rec.id}: {out.decode(errors='replace')[-400:]}")
-
-    def checkpoint_support(self) -> CheckpointSupport:
-        return CheckpointSupport(files=True, processes=False, why=f"files only: {self.processes_error}")
-
-    @contextlib.asynccontextmanager
-    async def frozen_upper(self, rec: SandboxRecord) -> AsyncIterator[Path]:
-        """The writable layer, frozen, at a path of the host's mount namespace: the packer (mkfs.erofs)
-        resolves its source to a canonical path, which a view through /proc/PID/fd would not survive."""
-        host = self.sandbox_dir / rec.id  # as seen inside the sandbox's namespace
-        await self._runtime_call(rec, "pause")
-        view = host / "pack-view"
-        base = ContainerState(rec).uid_base
-        try:
-            # the upper holds files owned by the sandbox's host range; a layer must hold the ids the
-            # sandbox sees, which is what an inverse-idmapped view of it shows
-            userns_fd = await make_userns(self._userns_helper(), base, inverse=True) if base is not None else None
-            try:
-                tree = await self.roots.inside(rec.id, idmapped_tree, host / "disk" / "upper", userns_fd)
-            finally:
-                if userns_fd is not None:
-                    os.close(userns_fd)
-            try:
-                view.mkdir(exist_ok=True)
-                await asyncio.to_thread(attach, tree, view)
-            finally:
-                os.close(tree)
-            yield view
-        finally:
-            if view.exists():
-                await asyncio.to_thread(umount, view, lazy=True)
-                with contextlib.suppress(OSError):
-                    view.rmdir()
-            try:
-                await self._runtime_call(rec, "resume")
-            except DsecError as e:
-                log.error("cannot thaw sandbox %s: %s", rec.id, e)

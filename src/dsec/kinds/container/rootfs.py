@@ -98,6 +98,11 @@ class SandboxRoots:
         self.forget(sid)
         self._roots[sid] = _Root(ns, _ns_id(ns), fd)
 
+    def init_of(self, sid: str) -> int | None:
+        """The sandbox's init, where it holds the sandbox's own mount namespace (None: not known)."""
+        root = self._roots.get(sid)
+        return root.init_pid if root is not None else None
+
     def view(self, sid: str, bundle: Path) -> Path:
         """Where the daemon finds the sandbox's bundle with its mounts."""
         root = self._roots.get(sid)
@@ -218,10 +223,25 @@ def mount_rootfs(
                 f"image layer {layer.name[:16]} is no longer mounted (the layer fetcher was "
                 "restarted while this sandbox was created); create it again"
             )
-    rootfs, disk = bundle / "rootfs", bundle / "disk"
+    return mount_overlay(bundle, [], layers, disk_bytes, uid_base, userns_fd, scratch, stack)
+
+
+def mount_overlay(
+    at: Path,
+    mapped_below: Sequence[Path],
+    layers: Sequence[Path],
+    disk_bytes: int,
+    uid_base: int | None,
+    userns_fd: int | None,
+    scratch: bool = False,
+    stack: Sequence[Path] = (),
+) -> Path:
+    """A root in ``at``: ``layers`` and ``stack``'s files over ``mapped_below`` (layers mounted already,
+    as the sandbox sees them: a rollback in place keeps its image's), a new writable layer on top."""
+    rootfs, disk = at / "rootfs", at / "disk"
     rootfs.mkdir(parents=True)
     disk.mkdir()
-    layers = [*layers, *_mount_stack(bundle, stack)]
+    layers = [*layers, *_mount_stack(at, stack)]
     # The writable layer lives on its own tmpfs: its size is the disk limit, its inode count bounded,
     # and its pages are charged to the memory cgroup of whoever writes them.
     inodes = max(16384, min(disk_bytes // 4096, 4 << 20))
@@ -236,13 +256,13 @@ def mount_rootfs(
     lowers = list(layers)
     if userns_fd is not None:
         # each layer shown through the sandbox's id mapping: host root's files are the sandbox root's
-        mapped = []
-        for i, layer in enumerate(layers):
-            target = bundle / f"lower-{i}"
+        lowers = []
+        for i, layer in enumerate(layers, start=len(mapped_below)):
+            target = at / f"lower-{i}"
             target.mkdir()
             idmapped_bind(layer, target, userns_fd)
-            mapped.append(target)
-        lowers = mapped
+            lowers.append(target)
+    lowers = [*mapped_below, *lowers]
     # Named by descriptor: overlayfs shows its options verbatim in the sandbox's /proc/self/mountinfo,
     # and host paths there would tell a sandbox where the daemon keeps its state.
     fds = [os.open(p, os.O_PATH | os.O_DIRECTORY) for p in [*reversed(lowers), disk / "upper", disk / "work"]]
