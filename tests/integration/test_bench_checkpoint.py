@@ -53,13 +53,17 @@ def test_checkpoint_bench_measures_containers_and_functions(work: Path) -> None:
         assert data["kinds"][kind]["status"] == "measured"
         entry = data["kinds"][kind][size]
         assert "error" not in entry and entry["diff"]["bytes"] == diff_bytes
-        assert set(entry["measurements"]) == set(MEASURES)
+        # only containers' copies come from a warm pool (checkpoint_pool.POOLED)
+        pooled = kind == "container"
+        measured = set(MEASURES) - (set() if pooled else {"fork8_pooled_all_answered"})
+        assert set(entry["measurements"]) == measured
         for stats in entry["measurements"].values():
             assert stats["n"] == 2 and 0 < stats["p50_ms"] <= stats["max_ms"] < 60_000
         m = entry["measurements"]
         assert m["rollback_call"]["max_ms"] <= m["rollback_first_exec"]["max_ms"]
         assert m["fork8_call"]["max_ms"] <= m["fork8_all_answered"]["max_ms"]
-        assert set(entry["ratios"]) == set(RATIOS) and all(r > 0 for r in entry["ratios"].values())
+        assert set(entry["ratios"]) == set(RATIOS)
+        assert all(r > 0 for name, r in entry["ratios"].items() if pooled or name != "create8_over_fork8_pooled")
     # the big diff's random bytes are in its checkpoint: packing does not shrink them
     container = data["kinds"]["container"]
     assert container["big"]["checkpoint_bytes"] >= 4 << 20 > container["small"]["checkpoint_bytes"]

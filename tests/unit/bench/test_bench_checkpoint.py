@@ -77,12 +77,22 @@ def test_figures_summarize_each_measure_and_keep_the_samples() -> None:
     assert set(measurements) == set(raw) == {"checkpoint", "snapshot"}  # nothing for what was not measured
     assert measurements["checkpoint"]["n"] == 3 and measurements["checkpoint"]["p50_ms"] == 20.0
     assert raw["snapshot"] == [100.0, 200.0, 300.0]
-    assert ratios == {"snapshot_over_checkpoint": 10.0, "recreate_over_rollback": None, "create8_over_fork8": None}
+    assert ratios == {
+        "snapshot_over_checkpoint": 10.0,
+        "recreate_over_rollback": None,
+        "create8_over_fork8": None,
+        "create8_over_fork8_pooled": None,
+    }
 
 
 def test_ratios_are_the_alternatives_p50_over_ours() -> None:
     ratios = size_entry(20.0, 130.0)["ratios"]
-    assert ratios == {"snapshot_over_checkpoint": 6.5, "recreate_over_rollback": 6.5, "create8_over_fork8": 6.5}
+    assert ratios == {
+        "snapshot_over_checkpoint": 6.5,
+        "recreate_over_rollback": 6.5,
+        "create8_over_fork8": 6.5,
+        "create8_over_fork8_pooled": 6.5,
+    }
     zero = {"checkpoint": {"p50_ms": 0.0}, "snapshot": {"p50_ms": 5.0}}
     assert ck.ratios(zero)["snapshot_over_checkpoint"] is None
 
@@ -95,8 +105,10 @@ def test_judge_meets_the_targets() -> None:
         "container_fork8_big_p50_le_500ms": True,
         "container_rollback_small_ge_5x_recreate": True,
         "container_fork8_small_ge_5x_create8": True,
+        "container_fork8_pooled_small_ge_5x_create8": True,
         "container_rollback_big_ge_5x_recreate": True,
         "container_fork8_big_ge_5x_create8": True,
+        "container_fork8_pooled_big_ge_5x_create8": True,
     }
     rollback = targets["container_rollback_small_p50_le_50ms"]
     assert rollback["value"] == 40.0 and rollback["rollback_call_p50_ms"] == 32.0
@@ -127,7 +139,7 @@ def test_judge_unknowns_are_not_misses() -> None:
     )
     for kinds in nothing:
         targets = ck.judge(kinds)
-        assert len(targets) == 7 and all(t["value"] is None and t["met"] is None for t in targets.values())
+        assert len(targets) == 9 and all(t["value"] is None and t["met"] is None for t in targets.values())
     # the small size measured, the big one failed before any figure
     half: dict[str, Any] = {"status": "failed", "small": size_entry(30.0, 300.0), "big": size_entry(30.0, 300.0)}
     half["big"]["measurements"], half["big"]["ratios"] = {}, {}
