@@ -180,7 +180,7 @@ class Checkpoints:
         return dataclasses.replace(base, stack=tuple(layers))
 
     async def rollback(self, sandbox_id: str, req: RollbackRequest, *, caller: Caller = OPERATOR) -> SandboxInfo:
-        """End every process of the sandbox and start it again on the checkpoint's files. Allowed in: running."""
+        """Put the sandbox back at the checkpoint (``_start_again``), same id. Allowed in: running."""
         rec, _ = self.sandboxes.running(sandbox_id, caller)
         self._supported(rec, "roll back")
         async with self.sandboxes.lock(rec.id):

@@ -93,8 +93,9 @@ class CheckpointMixin:
 
     async def rollback(self, checkpoint: str | CheckpointInfo) -> None:
         """Put this sandbox back to a checkpoint, in place: same id, its files exactly as they were then.
-        Every process in it is ended first (a command running now answers that a rollback ended it) and
-        the sandbox starts again; limits, network policy, volumes and exposed ports stay."""
+        Every process in it is ended first (a command running now answers that a rollback ended it); a
+        container keeps its init, network address and cgroups, a VM has its memory restored, a function
+        sandbox starts again; limits, network policy, volumes and exposed ports stay."""
         ref = checkpoint.id if isinstance(checkpoint, CheckpointInfo) else checkpoint
         body = {"checkpoint": ref}
         _checked(RollbackRequest, body)

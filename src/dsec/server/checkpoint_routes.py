@@ -45,6 +45,7 @@ async def remove_checkpoint(
 
 @router.post("/sandboxes/{sandbox_id}/rollback", response_model=SandboxInfo)
 async def rollback(sandbox_id: str, body: RollbackRequest, mgr: Mgr, caller: CallerDep, seq: Seq = None) -> Response:
-    """End every process of the sandbox and start it again, same id, on the checkpoint's files."""
+    """Put the sandbox back at the checkpoint, same id: its processes ended, its files as they were (a
+    container keeps its init, network and cgroups; a VM's memory is restored; others start again)."""
     info, replayed = await mgr.actions.call(sandbox_id, "rollback", body, seq=seq, caller=caller)
     return _mark(_json(info), replayed)
