@@ -23,15 +23,13 @@ import time
 from pathlib import Path
 from typing import cast
 
-from ..errors import BackendError, CheckpointNotFound, DsecError, InvalidRequest, LimitExceeded
+from ..errors import CheckpointNotFound, DsecError, InvalidRequest, LimitExceeded
 from ..images.store import ImageRef
 from ..kinds.base import Backend
 from ..protocol.checkpoints import MAX_CHECKPOINTS, CheckpointInfo, CheckpointRequest, RollbackRequest
 from ..protocol.sandbox import (
     TERMINAL_STATES,
     CreateSandbox,
-    ErrorBody,
-    ForkFailure,
     ForkRequest,
     ForkResult,
     Kind,
@@ -275,21 +273,7 @@ class Checkpoints:
             if temporary is not None:
                 await asyncio.to_thread(self.files.remove, parent.id, temporary)
         made = [r for r in results if isinstance(r, SandboxRecord)]
-        failed = []
-        for i, r in enumerate(results):
-            if isinstance(r, BaseException) and not isinstance(r, Exception):
-                raise r
-            if isinstance(r, Exception):
-                e = r if isinstance(r, DsecError) else BackendError(f"{type(r).__name__}: {r}")
-                failed.append(ForkFailure(index=i, error=ErrorBody(code=e.code, message=e.message, detail=e.detail)))
-        if not made:
-            first = results[0]
-            raise (
-                first if isinstance(first, DsecError) else BackendError(f"every copy failed: {failed[0].error.message}")
-            )
-        seconds = time.monotonic() - started
-        log.info("sandbox %s forked into %d of %d in %.2fs", parent.id, len(made), req.n, seconds)
-        return ForkResult(sandboxes=[c.info() for c in made], seconds=round(seconds, 3), failed=failed)
+        return forks.outcome(parent, made, results, started)
 
     async def _copy(
         self, parent: SandboxRecord, spec: CreateSandbox, image: ImageRef, layers: list[Path]

@@ -6,10 +6,12 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 from ..errors import BackendError, DsecError, InvalidRequest
-from ..protocol.sandbox import MAX_TTL_S, ForkRequest, ForkResult, State
+from ..kinds.base import Backend
+from ..protocol.sandbox import MAX_TTL_S, ErrorBody, ForkFailure, ForkRequest, ForkResult, State
 from ..store.records import SandboxRecord, new_record
 from ..tenancy import Caller
 from .admission import Claim
@@ -28,7 +30,8 @@ async def fork(
     sandboxes: Sandboxes, sandbox_id: str, req: ForkRequest, caller: Caller, *, kept: Path | None = None
 ) -> ForkResult:
     """``req.n`` new sandboxes restored from one memory snapshot of this one, each with its own copy
-    of its memory and writable layer. All or nothing: if one copy fails, none is kept.
+    of its memory and writable layer. Each copy is made, or fails, on its own (``ForkResult.failed``);
+    only when none could be made is the call an error.
 
     Allowed in: running, paused (the parent is left as it was).
     """
@@ -75,21 +78,41 @@ async def fork(
                 results = await asyncio.gather(
                     *(backend.restore(c, parent, checkpoint) for c in children), return_exceptions=True
                 )
-        failed = [(c, r) for c, r in zip(children, results, strict=True) if isinstance(r, BaseException)]
-        if failed:
-            first = failed[0][1]
-            why = first.message if isinstance(first, DsecError) else f"{type(first).__name__}: {first}"
-            raise BackendError(f"{len(failed)} of {req.n} copies of {parent.id} failed to start: {why}")
     except BaseException as e:
         for claim in claims:  # not yet given to a copy
             sandboxes.admission.cancel(claim)
-        reason = str(e) if isinstance(e, DsecError) else f"{type(e).__name__}: {e}"
-        for child in children:
-            sandboxes.set_state(child, State.failed, f"fork failed: {reason}")
-            with contextlib.suppress(Exception):
-                await backend.destroy(child)
+        await _fail(sandboxes, backend, children, e)
         raise
+    for child, r in zip(children, results, strict=True):
+        if isinstance(r, BaseException):  # this copy alone: the others stand
+            await _fail(sandboxes, backend, [child], r)
+        else:
+            sandboxes.set_state(child, State.running)
+    made = [c for c, r in zip(children, results, strict=True) if not isinstance(r, BaseException)]
+    return outcome(parent, made, results, started)
+
+
+def outcome(parent: SandboxRecord, made: list[SandboxRecord], results: Sequence[object], started: float) -> ForkResult:
+    """A fork's answer: the copies made, and each failed one's error by its place; an error itself only
+    when none was made (or the call was cancelled)."""
+    failed = []
+    for i, r in enumerate(results):
+        if isinstance(r, BaseException) and not isinstance(r, Exception):
+            raise r
+        if isinstance(r, Exception):
+            e = r if isinstance(r, DsecError) else BackendError(f"{type(r).__name__}: {r}")
+            failed.append(ForkFailure(index=i, error=ErrorBody(code=e.code, message=e.message, detail=e.detail)))
+    if not made:
+        first = results[0]
+        raise first if isinstance(first, DsecError) else BackendError(f"every copy failed: {failed[0].error.message}")
+    seconds = time.monotonic() - started
+    log.info("sandbox %s forked into %d of %d in %.2fs", parent.id, len(made), len(results), seconds)
+    return ForkResult(sandboxes=[c.info() for c in made], seconds=round(seconds, 3), failed=failed)
+
+
+async def _fail(sandboxes: Sandboxes, backend: Backend, children: list[SandboxRecord], e: BaseException) -> None:
+    reason = str(e) if isinstance(e, DsecError) else f"{type(e).__name__}: {e}"
     for child in children:
-        sandboxes.set_state(child, State.running)
-    log.info("sandbox %s forked into %d in %.2fs", parent.id, req.n, time.monotonic() - started)
-    return ForkResult(sandboxes=[c.info() for c in children], seconds=round(time.monotonic() - started, 3))
+        sandboxes.set_state(child, State.failed, f"fork failed: {reason}")
+        with contextlib.suppress(Exception):
+            await backend.destroy(child)
