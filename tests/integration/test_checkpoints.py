@@ -214,7 +214,7 @@ def test_checkpoint_errors(make_sandbox: Callable[..., dsec.Sandbox], daemon: Da
 
 
 def test_function_sandboxes_checkpoint_roll_back_and_fork(make_sandbox: Callable[..., dsec.Sandbox]) -> None:
-    fn = make_sandbox(kind="function", image="dsec/busybox")
+    fn = make_sandbox(kind="function", image="dsec/busybox", network="full")
     fn.exec("mkdir -p /work; echo prepared > /work/state; echo scratch > /tmp/scratch")
     c1 = fn.checkpoint()
     fn.exec("echo stepped > /work/state; touch /work/extra")
@@ -224,12 +224,19 @@ def test_function_sandboxes_checkpoint_roll_back_and_fork(make_sandbox: Callable
     assert fn.exec("ls /tmp").stdout == ""
     copies = fn.fork(2, checkpoint=c1)
     assert len(copies) == 2 and not copies.failed
-    for c in copies:
+    for i, c in enumerate(copies):
         assert c.info().kind == "function"
-        assert c.exec("cat /work/state").stdout == "prepared\n"
-        c.exec("echo mine > /work/state")
-        c.kill()
+        assert c.exec(f"cat /work/state; echo copy-{i} > /work/state").stdout == "prepared\n"
+    # each copy its own: writable layer, randomness, clock (the host's), network identity
+    assert [c.exec("cat /work/state").stdout for c in copies] == ["copy-0\n", "copy-1\n"]
     assert fn.exec("cat /work/state").stdout == "prepared\n"
+    assert len({c.exec("head -c 16 /dev/urandom | od -An -tx1").stdout for c in [fn, *copies]}) == 3
+    for c in copies:
+        assert abs(int(c.exec("date +%s").stdout) - time.time()) < 5
+    addresses = {c.network_status().address for c in [fn, *copies]}
+    assert len(addresses) == 3 and None not in addresses, addresses
+    for c in copies:
+        c.kill()
 
 
 def test_fork_a_container_from_now_and_from_a_checkpoint(make_sandbox: Callable[..., dsec.Sandbox]) -> None:
