@@ -115,7 +115,8 @@ def _scratch(bundle: Path) -> Path:
         area.mkdir(exist_ok=True)
         mount("tmpfs", area, "tmpfs", MS_NOSUID | MS_NODEV, "size=64k,nr_inodes=4096,mode=0700")
     for left in area.glob("old-*"):  # a daemon that stopped before its background unmount
-        drop_old(left)
+        if left not in _pending_drops:  # not the one a background task of this daemon unmounts now
+            drop_old(left)
     return area
 
 
@@ -150,9 +151,10 @@ def discard_next(bundle: Path) -> None:
 def _remove_dirs(top: Path) -> None:
     """Remove ``top`` and the empty mount points in it; never a recursive delete, which would go
     through a mount that is still there."""
-    for child in top.iterdir():
-        with contextlib.suppress(OSError):
-            child.rmdir()
+    with contextlib.suppress(FileNotFoundError):
+        for child in top.iterdir():
+            with contextlib.suppress(OSError):
+                child.rmdir()
     with contextlib.suppress(OSError):
         top.rmdir()
 
@@ -250,8 +252,11 @@ def adopt_next(bundle: Path, image_layers: int) -> Path:
 
 def drop_old(old: Path) -> None:
     """Unmount what ``adopt_next`` moved aside, overlay first, and remove the directory."""
-    names = sorted(p.name for p in old.iterdir())
-    for name in sorted(names, key=lambda n: (n != "rootfs", n == "disk")):
+    try:
+        names = [p.name for p in old.iterdir()]
+    except FileNotFoundError:
+        return
+    for name in sorted(names, key=lambda n: (n != "rootfs", n == "disk", n)):
         umount(old / name, lazy=True)
     _remove_dirs(old)
 
@@ -283,6 +288,7 @@ async def reroot(
     finally:
         for fd in fds:
             os.close(fd)
+    _pending_drops.add(old)
     task = asyncio.get_running_loop().create_task(_drop_later(roots, sid, old))
     _dropping.add(task)
     task.add_done_callback(_dropping.discard)
@@ -315,6 +321,7 @@ def _steps(
 
 
 _dropping: set[asyncio.Task[None]] = set()
+_pending_drops: set[Path] = set()  # old roots a background task is unmounting (never two at once)
 
 
 async def _drop_later(roots: SandboxRoots, sid: str, old: Path) -> None:
@@ -322,3 +329,5 @@ async def _drop_later(roots: SandboxRoots, sid: str, old: Path) -> None:
         await roots.inside(sid, drop_old, old)
     except OSError as e:  # the sandbox ended meanwhile: its namespace took the mounts with it
         log.debug("%s: the old root's mounts went with the sandbox (%s)", sid, e)
+    finally:
+        _pending_drops.discard(old)
