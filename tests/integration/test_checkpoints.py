@@ -160,19 +160,22 @@ def _in_place(sb: dsec.Sandbox, daemon: Daemon) -> None:
         assert sb.exec("cat /state /data/kept").stdout == f"prepared\nkept{i}\n"  # a volume is not rolled back
         seen.append(_settled_mounts(daemon, sb.id))
     # each rollback leaves the same mounts: the image's layers, the checkpoint's, the writable layer, the
-    # volume and the root (nothing of the old roots once the background has unmounted them)
+    # volume and the root, and the next rollback's root prepared beside them (nothing of the old roots
+    # once the background has unmounted them)
     assert seen[1:] == seen[:-1], seen
-    names = [m.rsplit("/", 1)[1] for m in seen[0]]
+    names = [m.split(f"/{sb.id}/", 1)[1] for m in seen[0]]
     assert sorted(set(names)) == names and {"rootfs", "disk", "stack-0", "volume-0", "reroot"} <= set(names), names
+    assert {"reroot/next/rootfs", "reroot/next/disk", "reroot/next/stack-0"} <= set(names), names
 
 
 def _settled_mounts(daemon: Daemon, sid: str) -> list[str]:
     deadline = time.monotonic() + 10
     while True:
         now = _bundle_mounts(daemon, sid)
-        if not any("/reroot/" in m for m in now):
+        if not any("/reroot/old-" in m for m in now) and any(m.endswith("/reroot/next/rootfs") for m in now):
             return now
-        assert time.monotonic() < deadline, now  # the old roots are unmounted in the background
+        # the old roots are unmounted in the background, and the next root prepared after them
+        assert time.monotonic() < deadline, now
         time.sleep(0.05)
 
 

@@ -149,8 +149,19 @@ class Checkpoints:
             rec.checkpoints.append(record)
             rec.checkpoints_taken += 1
             self.sandboxes.store.put(rec)
+            if backend.reroots:
+                await self._prepare_rollback(rec, backend, cid)
         log.info("sandbox %s checkpoint %s: %d bytes, held %.1f ms", rec.id, cid, size, held * 1000)
         return _info(rec, record, backend.forks_memory)
+
+    async def _prepare_rollback(self, rec: SandboxRecord, backend: Backend, cid: str) -> None:
+        """A checkpoint is taken to come back to: its root made ready meanwhile, where the kind can. The
+        checkpoint is saved: nothing here may fail the call."""
+        try:
+            layers = await asyncio.to_thread(self.files.stack, rec.id, cid)
+            backend.prepare_reroot(rec, await self.image_at(rec, layers))
+        except (DsecError, OSError) as e:
+            log.info("sandbox %s: no root prepared for checkpoint %s: %s", rec.id, cid, e)
 
     def listed(self, sandbox_id: str, *, caller: Caller = OPERATOR) -> list[CheckpointInfo]:
         rec = self.sandboxes.get(sandbox_id, caller)
@@ -210,13 +221,17 @@ class Checkpoints:
             await backend.destroy(rec)
             await backend.restore(rec, rec, kept)
             return
-        layers, based = await asyncio.to_thread(self.files.stack_and_base, rec.id, cid)
+        # two small directory listings, on the loop: a hop to a thread costs more here, where the
+        # whole rollback takes a few milliseconds
+        layers, based = self.files.stack_and_base(rec.id, cid)
         image = await self.image_at(rec, layers)
         try:
             in_place = await backend.reroot(rec, image)
         except Exception as e:  # its processes are ended: making it again is as exact
             log.warning("sandbox %s: rollback in place failed, creating it again: %s", rec.id, e)
             in_place = False
+        if in_place:  # the next rollback is most often to the same checkpoint (an episode's start)
+            backend.prepare_reroot(rec, image)
         if not in_place:
             await backend.destroy(rec)
         if not based:

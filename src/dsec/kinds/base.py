@@ -274,6 +274,11 @@ class Backend(ABC):
         (the core stops the sandbox and creates it again on ``image``)."""
         return False
 
+    def prepare_reroot(self, rec: SandboxRecord, image: ImageRef) -> None:
+        """A hint that ``reroot`` onto ``image`` may come next (a checkpoint was taken, or the sandbox
+        was rolled back to it): a kind may make that root ready in the background. Never fails."""
+        return None
+
     def checkpoint_support(self) -> CheckpointSupport:
         """What a checkpoint (and a copy) of this kind's sandboxes captures on this node."""
         if self.forks_memory:

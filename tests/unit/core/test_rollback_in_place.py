@@ -28,6 +28,9 @@ class Kind:
             raise self._reroot
         return bool(self._reroot)
 
+    def prepare_reroot(self, rec: SandboxRecord, image: ImageRef) -> None:
+        self.calls.append(f"prepare {len(image.stack)}")
+
     async def destroy(self, rec: SandboxRecord) -> None:
         self.calls.append("destroy")
 
@@ -53,7 +56,7 @@ def _checkpoints(tmp_path: Path) -> tuple[Checkpoints, SandboxRecord]:
 @pytest.mark.parametrize(
     ("answer", "calls"),
     [
-        (True, ["reroot 1"]),
+        (True, ["reroot 1", "prepare 1"]),  # in place: the same root is prepared for the next rollback
         (False, ["reroot 1", "destroy", "create 1"]),
         (BackendError("pivot_root: Invalid argument"), ["reroot 1", "destroy", "create 1"]),
         (RuntimeError("anything else"), ["reroot 1", "destroy", "create 1"]),

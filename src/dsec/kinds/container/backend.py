@@ -78,6 +78,8 @@ class ContainerBackend(ContainerCheckpoints, ContainerFiles, PolicyNetwork):
         self.uid_slots = ctx.uid_slots
         self._userns_fds: dict[int, int] = {}
         self._channels: dict[str, AgentChannel] = {}
+        self._next_roots = {}
+        self._old_roots = {}
         self.roots = SandboxRoots(MountNamespaces.shared())
         self._attach_locks: dict[str, asyncio.Lock] = {}
         # exec cgroups with background processes outlive a daemon restart: names must not repeat
@@ -314,6 +316,7 @@ class ContainerBackend(ContainerCheckpoints, ContainerFiles, PolicyNetwork):
         if chan is not None:
             await chan.aclose()
         self._attach_locks.pop(rec.id, None)
+        self.forget_prepared(rec.id)
         cg = layout.unified_dir(self.cgroup_path(rec))
         # Killing the sandbox's cgroup ends every process of it, as `crun delete --force` would, without
         # starting crun (10-40 ms of a kill here); crun's record of it is only files then (_remove_files).

@@ -52,6 +52,10 @@ _SYS_MOVE_MOUNT = 429
 _SYS_PIVOT_ROOT = 155
 _AT_FDCWD = -100
 _EMPTIED = ("dev/shm", "dev/mqueue")  # memory of the sandbox's that no checkpoint holds
+# What a rollback leaves to the background (unmounting the old root, preparing the next) waits this
+# long: the call that follows a rollback, most often an exec, then does not share the CPU with it
+# (half a millisecond of a ~2 ms exec on a 2-core host, docs/benchmarks.md)
+SETTLE_S = 0.02
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.syscall.restype = ctypes.c_long
@@ -128,9 +132,22 @@ def build_next(
     userns_fd: int | None,
     stack: Sequence[Path],
 ) -> int:
-    """Mount the new root (run in the roots namespace): the image's layers as the sandbox has them
-    already, ``stack``'s files over them, a new writable layer; a detached copy of it is returned, to
-    attach in the container's namespace."""
+    """Mount the new root (``prepare_next``) and open it (``open_next``)."""
+    prepare_next(bundle, image_layers, disk_bytes, uid_base, userns_fd, stack)
+    return open_next(bundle)
+
+
+def prepare_next(
+    bundle: Path,
+    image_layers: Sequence[Path],
+    disk_bytes: int,
+    uid_base: int | None,
+    userns_fd: int | None,
+    stack: Sequence[Path],
+) -> None:
+    """Mount the new root in ``reroot/next`` (run in the roots namespace): the image's layers as the
+    sandbox has them already, ``stack``'s files over them, a new writable layer. Done ahead of a
+    rollback, it waits there unchanged: nothing writes to it until it is the container's root."""
     nxt = _scratch(bundle) / NEXT
     if nxt.exists():
         discard_next(bundle)
@@ -138,7 +155,11 @@ def build_next(
     n = len(image_layers)
     below = [bundle / f"lower-{i}" for i in range(n)] if userns_fd is not None else list(image_layers)
     mount_overlay(nxt, below, [], disk_bytes, uid_base, userns_fd, False, stack)
-    return idmapped_tree(nxt / "rootfs", None, read_only=False)
+
+
+def open_next(bundle: Path) -> int:
+    """A detached copy of the mounted new root, to attach in the container's namespace."""
+    return idmapped_tree(bundle / SCRATCH / NEXT / "rootfs", None, read_only=False)
 
 
 def discard_next(bundle: Path) -> None:
@@ -232,19 +253,22 @@ def adopt_next(bundle: Path, image_layers: int) -> Path:
     pages, which takes a while when it is big."""
     area = bundle / SCRATCH
     nxt, old = area / NEXT, area / f"old-{secrets.token_hex(4)}"
-    old.mkdir()
+    os.mkdir(old)
     shared = {f"lower-{i}" for i in range(image_layers)}
-    for mounted in [bundle / "rootfs", *bundle.glob("lower-*"), *bundle.glob("stack-*"), bundle / "disk"]:
-        if mounted.name not in shared and os.path.ismount(mounted):
-            (old / mounted.name).mkdir()
-            mount(str(mounted), old / mounted.name, "", _MS_MOVE)
-    arriving = {new.name for new in nxt.iterdir()}
-    for gone in [*bundle.glob("lower-*"), *bundle.glob("stack-*")]:
-        if gone.name not in shared and gone.name not in arriving:
+    # one listing each (not pathlib's glob): this runs while the rollback's caller waits
+    layers = sorted(n for n in os.listdir(bundle) if n.startswith(("lower-", "stack-")) and n not in shared)
+    arriving = sorted(os.listdir(nxt))
+    for name in ["rootfs", *layers, "disk"]:
+        if os.path.ismount(bundle / name):
+            os.mkdir(old / name)
+            mount(str(bundle / name), old / name, "", _MS_MOVE)
+    for name in layers:
+        if name not in arriving:
             with contextlib.suppress(OSError):
-                gone.rmdir()
-    for name in sorted(arriving):
-        (bundle / name).mkdir(exist_ok=True)
+                os.rmdir(bundle / name)
+    for name in arriving:
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(bundle / name)
         mount(str(nxt / name), bundle / name, "", _MS_MOVE)
     _remove_dirs(nxt)
     return old
@@ -269,11 +293,12 @@ async def reroot(
     init_pid: int,
     image_layers: int,
     build: Callable[[], int],
-) -> None:
+) -> asyncio.Task[None]:
     """The four steps above, on one thread of the roots namespace (each hop to a thread costs more than
-    most steps); ``build``: ``build_next`` with the new root's layers. A failure leaves no ``next``
-    behind, the container perhaps half moved: the caller stops it and makes it again. The old root's
-    mounts are let go of in the background."""
+    most steps); ``build``: ``build_next`` with the new root's layers (or ``open_next``, where it was
+    prepared). A failure leaves no ``next`` behind, the container perhaps half moved: the caller stops
+    it and makes it again. The old root's mounts are let go of in the background (the task returned),
+    once the call that follows a rollback has had the CPU (``SETTLE_S``)."""
     fds = []
     try:
         for path, flags in (
@@ -292,6 +317,7 @@ async def reroot(
     task = asyncio.get_running_loop().create_task(_drop_later(roots, sid, old))
     _dropping.add(task)
     task.add_done_callback(_dropping.discard)
+    return task
 
 
 def _steps(
@@ -326,7 +352,8 @@ _pending_drops: set[Path] = set()  # old roots a background task is unmounting (
 
 async def _drop_later(roots: SandboxRoots, sid: str, old: Path) -> None:
     try:
-        await roots.inside(sid, drop_old, old)
+        await asyncio.sleep(SETTLE_S)
+        await roots.inside(sid, drop_old, old, own=True)
     except OSError as e:  # the sandbox ended meanwhile: its namespace took the mounts with it
         log.debug("%s: the old root's mounts went with the sandbox (%s)", sid, e)
     finally:

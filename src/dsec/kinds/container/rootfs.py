@@ -151,10 +151,14 @@ class SandboxRoots:
 
         return start
 
-    async def inside(self, sid: str, fn: Callable[..., T], *args: object) -> T:
-        """Run ``fn`` where the sandbox's mounts are (on a thread either way)."""
+    async def inside(self, sid: str, fn: Callable[..., T], *args: object, own: bool = False) -> T:
+        """Run ``fn`` where the sandbox's mounts are (on a thread either way). ``own``: only in a
+        namespace of the sandbox's own, never the host's (work that mounts, for a sandbox that may have
+        ended meanwhile)."""
         root = self._roots.get(sid)
         if root is None:
+            if own:
+                raise OSError(errno.ESRCH, f"sandbox {sid} has no mount namespace of its own (now)")
             return await asyncio.to_thread(fn, *args)
         if root.ns is not None:
             return await self.namespaces.enter(root.ns, fn, *args)
