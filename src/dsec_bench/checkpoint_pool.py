@@ -15,6 +15,8 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dsec import AsyncClient, AsyncSandbox, DsecError
 from dsec.protocol.checkpoints import CheckpointInfo
 
+from .warm import full_pool
+
 POOLED = ("container",)  # the kinds whose copies a warm pool serves
 POOL = "dsec-bench-fork"
 REFILL_WITHIN = 300.0
@@ -35,17 +37,6 @@ async def warm_pool(client: AsyncClient, image: str, kind: str, disk: str, size:
             await client.remove_warm_pool(POOL)
 
 
-async def _claims_when_full(client: AsyncClient, size: int) -> int:
-    deadline = time.monotonic() + REFILL_WITHIN
-    while True:
-        pool = next(p for p in await client.warm_pools() if p.name == POOL)
-        if pool.idle >= size:
-            return pool.claims
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"the warm pool holds {pool.idle} of {size} after {REFILL_WITHIN:g} s: {pool}")
-        await asyncio.sleep(0.1)
-
-
 async def pooled_fork(
     client: AsyncClient,
     sb: AsyncSandbox,
@@ -55,7 +46,7 @@ async def pooled_fork(
 ) -> float:
     """Once the pool is full (untimed): ``fork(n, checkpoint=base)`` → every copy ``answered``; the
     seconds that took. Fails unless all n came from the pool, as the figure would not be what it says."""
-    before = await _claims_when_full(client, n)
+    before = (await full_pool(client, POOL, n, REFILL_WITHIN)).claims
     t0 = time.perf_counter()
     copies = await sb.fork(n, checkpoint=base)
     try:

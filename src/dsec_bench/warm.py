@@ -9,7 +9,7 @@ from collections.abc import Awaitable, Callable
 
 from rich.console import Console
 
-from dsec import AsyncClient, AsyncSandbox
+from dsec import AsyncClient, AsyncSandbox, WarmPoolInfo
 
 from .common import Json, summarize
 
@@ -22,15 +22,16 @@ REFILL_WITHIN = 120.0  # s the pool may take to be full again between two sample
 IDLE_S = 0.5
 
 
-async def _full(client: AsyncClient, size: int) -> None:
-    """Wait (untimed) until the pool is full again, so every measured creation finds an idle sandbox."""
-    deadline = time.monotonic() + REFILL_WITHIN
+async def full_pool(client: AsyncClient, name: str, size: int, within: float = REFILL_WITHIN) -> WarmPoolInfo:
+    """Wait (untimed) until pool ``name`` holds ``size`` idle sandboxes, so that every measured creation
+    finds one; the pool as it is then."""
+    deadline = time.monotonic() + within
     while True:
-        pool = next(p for p in await client.warm_pools() if p.name == POOL)
+        pool = next(p for p in await client.warm_pools() if p.name == name)
         if pool.idle >= size:
-            return
+            return pool
         if time.monotonic() > deadline:
-            raise RuntimeError(f"warm pool {POOL} has {pool.idle} of {size} idle after {REFILL_WITHIN:g} s: {pool}")
+            raise RuntimeError(f"warm pool {name} has {pool.idle} of {size} idle after {within:g} s: {pool}")
         await asyncio.sleep(0.02)
 
 
@@ -49,12 +50,12 @@ async def bench_warm(
     await client.set_warm_pool(POOL, image, POOL_SIZE)
     claims: list[float] = []
     try:
-        await _full(client, POOL_SIZE)
+        await full_pool(client, POOL, POOL_SIZE)
 
         pause = 0.0
 
         async def cycle() -> tuple[float, float]:
-            await _full(client, POOL_SIZE)
+            await full_pool(client, POOL, POOL_SIZE)
             await asyncio.sleep(pause)
             t0 = time.perf_counter()
             sb = await client.create(image=image, labels=labels)
