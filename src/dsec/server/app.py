@@ -20,7 +20,7 @@ from ..web.errors import error_response
 from ..web.idempotency import Idempotency, Memory
 from ..web.limits import BodyLimit
 from .allow import allowed_methods
-from .fast_exec import FastExec
+from .fast_calls import FastCalls
 from .openapi import include_routes
 from .port_proxy import PortProxy
 
@@ -50,7 +50,7 @@ def create_app(manager: SandboxManager, token: str) -> FastAPI:
     app.state.token = token
     errors.install(app, allowed_methods)
     include_routes(app)
-    app.add_middleware(FastExec)  # innermost: everything outside sees it as the exec route
+    app.add_middleware(FastCalls)  # innermost: everything outside sees it as the route it serves
     app.add_middleware(BodyLimit)
     # outside the body limit: its 413s are answers too
     app.add_middleware(Idempotency, error=error_response, memory=remembered)

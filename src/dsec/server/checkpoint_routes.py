@@ -5,12 +5,15 @@ an exec: a rebuild re-applies them, so it takes the same checkpoints and rolls b
 
 from __future__ import annotations
 
-from typing import Annotated
+from collections.abc import MutableMapping
+from typing import Annotated, Any
 
-from fastapi import APIRouter, Path, Response
+from fastapi import APIRouter, Path, Request, Response
 
+from ..core.manager import SandboxManager
 from ..protocol.checkpoints import CHECKPOINT_REF, CheckpointInfo, CheckpointList, CheckpointRequest, RollbackRequest
 from ..protocol.sandbox import SandboxInfo
+from ..tenancy import Caller
 from .auth import CallerDep
 from .routes import _ERRORS, Mgr, Seq, _json, _mark
 
@@ -44,8 +47,22 @@ async def remove_checkpoint(
 
 
 @router.post("/sandboxes/{sandbox_id}/rollback", response_model=SandboxInfo)
-async def rollback(sandbox_id: str, body: RollbackRequest, mgr: Mgr, caller: CallerDep, seq: Seq = None) -> Response:
+async def rollback(
+    sandbox_id: str, body: RollbackRequest, mgr: Mgr, caller: CallerDep, request: Request, seq: Seq = None
+) -> Response:
     """Put the sandbox back at the checkpoint, same id: its processes ended, its files as they were (a
     container keeps its init, network and cgroups; a VM's memory is restored; others start again)."""
+    return await run_rollback(mgr, request.scope, sandbox_id, body, seq, caller)
+
+
+async def run_rollback(
+    mgr: SandboxManager,
+    scope: MutableMapping[str, Any],
+    sandbox_id: str,
+    body: RollbackRequest,
+    seq: int | None,
+    caller: Caller,
+) -> Response:
+    """The rollback route's work once its request is parsed (also done by fast_calls.FastCalls)."""
     info, replayed = await mgr.actions.call(sandbox_id, "rollback", body, seq=seq, caller=caller)
     return _mark(_json(info), replayed)

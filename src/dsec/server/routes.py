@@ -176,7 +176,7 @@ async def run_exec(
     seq: int | None,
     caller: Caller,
 ) -> Response:
-    """The exec route's work once its request is parsed (also done by fast_exec.FastExec)."""
+    """The exec route's work once its request is parsed (also done by fast_calls.FastCalls)."""
     note(scope, command=body.cmd)
     result, replayed = await mgr.actions.call(sandbox_id, "exec", body, seq=seq, caller=caller)
     return _mark(_json(result), replayed)

@@ -1,5 +1,5 @@
-"""The exec route's fast path (server/fast_exec.py) answers every request exactly as the FastAPI route
-does: the same app is asked each request twice, once as served and once with the fast path taken out."""
+"""The fast path of exec and rollback (server/fast_calls.py) answers every request exactly as the FastAPI
+routes do: the same app is asked each request twice, once as served and once with the fast path taken out."""
 
 from __future__ import annotations
 
@@ -12,10 +12,10 @@ import pytest
 from fastapi import FastAPI
 from starlette.testclient import TestClient
 
-from dsec.errors import BackendError, SandboxGone
-from dsec.server import fast_exec, routes
+from dsec.errors import BackendError, CheckpointNotFound, SandboxGone
+from dsec.server import checkpoint_routes, routes
 from dsec.server.app import create_app
-from dsec.server.fast_exec import FastExec, exec_target
+from dsec.server.fast_calls import CALLS, FastCalls, fast_target
 
 from ..conftest import AUTH, IMAGE, TOKEN, ManagerSwitch, new_manager
 
@@ -25,7 +25,7 @@ JSON = {**AUTH, "content-type": "application/json"}
 class Pair:
     def __init__(self, fast: TestClient, plain: TestClient, mgr: Any, backend: Any) -> None:
         self.fast, self.plain, self.mgr, self.backend = fast, plain, mgr, backend
-        self.routes: list[object] = []  # scope["route"] of each exec that reached run_exec
+        self.routes: list[object] = []  # scope["route"] of each exec or rollback that reached the route's work
 
     def both(self, path: str, content: bytes, headers: dict[str, str]) -> tuple[Any, Any]:
         return (
@@ -37,7 +37,7 @@ class Pair:
 def _app(switch: ManagerSwitch, fast: bool) -> FastAPI:
     app = create_app(switch, token=TOKEN)  # type: ignore[arg-type]
     if not fast:  # the middleware stack is built on the first request, from this list
-        app.user_middleware = [m for m in app.user_middleware if m.cls is not FastExec]
+        app.user_middleware = [m for m in app.user_middleware if m.cls is not FastCalls]
     return app
 
 
@@ -48,14 +48,17 @@ def pair(workdir: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Pair]:
     switch.target = mgr
     with TestClient(_app(switch, True)) as fast:
         p = Pair(fast, TestClient(_app(switch, False)), mgr, backend)
-        real = routes.run_exec
-
-        async def spy(mgr: Any, scope: Any, *args: Any) -> Any:
-            p.routes.append(scope.get("route"))
-            return await real(mgr, scope, *args)
-
-        monkeypatch.setattr(routes, "run_exec", spy)
+        for module, name in ((routes, "run_exec"), (checkpoint_routes, "run_rollback")):
+            monkeypatch.setattr(module, name, _spy(p, getattr(module, name)))
         yield p
+
+
+def _spy(p: Pair, real: Any) -> Any:
+    async def spy(mgr: Any, scope: Any, *args: Any) -> Any:
+        p.routes.append(scope.get("route"))
+        return await real(mgr, scope, *args)
+
+    return spy
 
 
 def _sandbox(p: Pair) -> str:
@@ -77,8 +80,8 @@ def test_a_plain_exec_takes_the_fast_path_and_answers_as_the_route(pair: Pair) -
     fast, plain = pair.both(f"/v1/sandboxes/{sid}/exec", body, JSON)
     assert fast.status_code == 200
     _same(fast, plain)
-    assert pair.routes[0] is fast_exec.ROUTE  # served without FastAPI's router
-    assert pair.routes[1] is not fast_exec.ROUTE and getattr(pair.routes[1], "path", "").endswith("/exec")
+    assert pair.routes[0] is CALLS["exec"]  # served without FastAPI's router
+    assert pair.routes[1] is not CALLS["exec"] and getattr(pair.routes[1], "path", "").endswith("/exec")
     assert [r.env for r in pair.backend.execs] == [{"B": "2"}] * 2
     # the audit log cannot tell them apart either
     entries = pair.fast.get("/v1/audit", params={"sandbox": sid}, headers=AUTH).json()["records"]
@@ -138,17 +141,57 @@ def test_a_repeated_idempotency_key_is_answered_from_memory(pair: Pair) -> None:
     assert len(pair.backend.execs) == 1
 
 
+def test_a_rollback_takes_the_fast_path_and_answers_as_the_route(pair: Pair, monkeypatch: pytest.MonkeyPatch) -> None:
+    sid = _sandbox(pair)
+    asked: list[str] = []
+
+    async def rollback(sandbox_id: str, req: Any, *, caller: Any) -> Any:
+        # the core's own rollback is tested on real sandboxes (tests/integration/test_checkpoints.py)
+        asked.append(req.checkpoint)
+        if req.checkpoint == "nope":
+            raise CheckpointNotFound(f"sandbox {sandbox_id} has no checkpoint {req.checkpoint!r}")
+        return pair.mgr.info(sandbox_id, caller=caller)
+
+    monkeypatch.setattr(pair.mgr.checkpoints, "rollback", rollback)
+    fast, plain = pair.both(f"/v1/sandboxes/{sid}/rollback", b'{"checkpoint": "c1"}', JSON)
+    assert fast.status_code == 200 and fast.json()["id"] == sid
+    _same(fast, plain)
+    assert pair.routes[0] is CALLS["rollback"]
+    assert pair.routes[1] is not CALLS["rollback"] and getattr(pair.routes[1], "path", "").endswith("/rollback")
+    for content, headers in [
+        (b'{"checkpoint": "nope"}', JSON),  # the core's refusal
+        (b'{"checkpoint": "no spaces here"}', JSON),  # the model's
+        (b'{"checkpoint": "c1", "surprise": 1}', JSON),
+        (b"{}", JSON),
+        (b"{not json", JSON),
+        (b'{"checkpoint": "c1"}', {"content-type": "application/json"}),  # no token
+        (b'{"checkpoint": "c1"}', {**JSON, "Dsec-Seq": "01"}),
+        (b'{"checkpoint": "c1"}', {**JSON, "Dsec-Seq": "1"}),  # the sandbox has no trajectory
+    ]:
+        _same(*pair.both(f"/v1/sandboxes/{sid}/rollback", content, headers))
+    _same(*pair.both("/v1/sandboxes/sb-nope/rollback", b'{"checkpoint": "c1"}', JSON))
+    assert asked == ["c1", "c1", "nope", "nope"]  # what failed before the core never reached it
+    entries = pair.fast.get("/v1/audit", params={"sandbox": sid}, headers=AUTH).json()["records"]
+    assert {e["route"] for e in entries if e["method"] == "POST" and "rollback" in e["route"]} == {
+        "/v1/sandboxes/{sandbox_id}/rollback"
+    }
+
+
 @pytest.mark.parametrize(
     ("method", "path", "target"),
     [
-        ("POST", "/v1/sandboxes/sb-1/exec", "sb-1"),
+        ("POST", "/v1/sandboxes/sb-1/exec", ("sb-1", "exec")),
+        ("POST", "/v1/sandboxes/sb-1/rollback", ("sb-1", "rollback")),
         ("GET", "/v1/sandboxes/sb-1/exec", None),
         ("POST", "/v1/sandboxes/sb-1/exec/", None),
         ("POST", "/v1/sandboxes/sb-1/exec/stream", None),
+        ("POST", "/v1/sandboxes/sb-1/checkpoints", None),
         ("POST", "/v1/sandboxes//exec", None),
+        ("POST", "/v1/sandboxes//rollback", None),
         ("POST", "/v2/sandboxes/sb-1/exec", None),
-        ("POST", "/v1/sandbox/sb-1/exec", None),
+        ("POST", "/v1/sandbox/sb-1/rollback", None),
     ],
 )
-def test_only_the_exec_route_is_matched(method: str, path: str, target: str | None) -> None:
-    assert exec_target({"type": "http", "method": method, "path": path}) == target
+def test_only_the_fast_routes_are_matched(method: str, path: str, target: tuple[str, str] | None) -> None:
+    found = fast_target({"type": "http", "method": method, "path": path})
+    assert (found and (found[0], found[1].path.rsplit("/", 1)[1])) == (target or None)
