@@ -199,7 +199,7 @@ class Checkpoints:
             timings = dict(rec.timings)
             with self.sandboxes.resetting(rec.id):
                 try:
-                    await self._start_again(rec, backend, found.id)
+                    made_again = await self._start_again(rec, backend, found.id)
                 except BaseException as e:
                     why = e.message if isinstance(e, DsecError) else f"{type(e).__name__}: {e}"
                     self.sandboxes.set_state(rec, State.failed, f"rollback to {found.id} failed: {why}")
@@ -207,20 +207,21 @@ class Checkpoints:
                     raise
                 finally:
                     rec.timings = timings
-            self.sandboxes.store.put(rec)
+            if made_again:  # in place, the record is as it was: no write
+                self.sandboxes.store.put(rec)
         log.info("sandbox %s rolled back to %s in %.1f ms", rec.id, found.id, (time.monotonic() - began) * 1000)
         return rec.info()
 
-    async def _start_again(self, rec: SandboxRecord, backend: Backend, cid: str) -> None:
+    async def _start_again(self, rec: SandboxRecord, backend: Backend, cid: str) -> bool:
         """The sandbox back at checkpoint ``cid``: a VM restored from its memory; a container's processes
         ended and its root put back in place (``Backend.reroot``), keeping its init, network and cgroups;
         any other sandbox (or a container where that failed) made again on its image with the
-        checkpoint's layers on top."""
+        checkpoint's layers on top. Whether it was made again (its record changed)."""
         if backend.forks_memory:
             kept = backend.kept(rec, self.files.memory(rec.id, cid))  # its shape, read before it stops
             await backend.destroy(rec)
             await backend.restore(rec, rec, kept)
-            return
+            return True
         # two small directory listings, on the loop: a hop to a thread costs more here, where the
         # whole rollback takes a few milliseconds
         layers, based = self.files.stack_and_base(rec.id, cid)
@@ -238,6 +239,7 @@ class Checkpoints:
             await asyncio.to_thread(self.files.save, rec.id, BASE, layers, None)
         if not in_place:
             await backend.create(rec, image)
+        return not in_place
 
     # ---- fork ------------------------------------------------------------------------------------------
 

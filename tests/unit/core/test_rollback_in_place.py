@@ -65,8 +65,9 @@ def _checkpoints(tmp_path: Path) -> tuple[Checkpoints, SandboxRecord]:
 async def test_in_place_or_made_again(tmp_path: Path, answer: Any, calls: list[str]) -> None:
     c, rec = _checkpoints(tmp_path)
     kind = Kind(answer)
-    await c._start_again(rec, kind, "c1")  # type: ignore[arg-type]
+    made_again = await c._start_again(rec, kind, "c1")  # type: ignore[arg-type]
     assert kind.calls == calls
+    assert made_again == ("create 1" in calls)  # the core writes the record again only then
     # either way the sandbox now stands on the checkpoint's layers: a next checkpoint stacks on them
     assert [p.read_bytes() for p in c.files.stack("sb-1", BASE)] == [b"layer"]
 
