@@ -171,6 +171,8 @@ class ContainerCheckpoints(UserNamespaces):
         if not prep.begun():  # mounting now costs less than waiting for it
             await prep.stop()
             return False
+        if prep.task.cancelled():  # only stop() and forget_prepared() cancel, on ones no longer listed
+            return False
         try:
             made_of = await prep.task
             return made_of is not None and made_of == _made_of(rec, image)
