@@ -102,16 +102,16 @@ class ContainerCheckpoints(UserNamespaces):
         base = ContainerState(rec).uid_base
         userns_fd = await self._userns_for(base) if base is not None and not ready else None
         try:
-            build = (
-                functools.partial(reroot.open_next, bundle)
+            prepare = (
+                None
                 if ready
                 else functools.partial(
-                    reroot.build_next, bundle, image.layers, rec.limits.disk, base, userns_fd, image.stack
+                    reroot.prepare_next, bundle, image.layers, rec.limits.disk, base, userns_fd, image.stack
                 )
             )
             group = self.cgroup_layout().unified_dir(self.cgroup_path(rec))
             self._old_roots[rec.id] = await reroot.reroot(
-                self.roots, rec.id, bundle, group, pid, len(image.layers), build
+                self.roots, rec.id, bundle, group, pid, len(image.layers), prepare
             )
         finally:
             if userns_fd is not None:

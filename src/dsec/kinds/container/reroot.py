@@ -124,19 +124,6 @@ def _scratch(bundle: Path) -> Path:
     return area
 
 
-def build_next(
-    bundle: Path,
-    image_layers: Sequence[Path],
-    disk_bytes: int,
-    uid_base: int | None,
-    userns_fd: int | None,
-    stack: Sequence[Path],
-) -> int:
-    """Mount the new root (``prepare_next``) and open it (``open_next``)."""
-    prepare_next(bundle, image_layers, disk_bytes, uid_base, userns_fd, stack)
-    return open_next(bundle)
-
-
 def prepare_next(
     bundle: Path,
     image_layers: Sequence[Path],
@@ -163,7 +150,7 @@ def open_next(bundle: Path) -> int:
 
 
 def discard_next(bundle: Path) -> None:
-    """Undo ``build_next`` (a rollback that went the other way)."""
+    """Undo ``prepare_next`` (a rollback that went the other way)."""
     nxt = bundle / SCRATCH / NEXT
     unmount_rootfs(nxt)
     _remove_dirs(nxt)
@@ -292,11 +279,11 @@ async def reroot(
     group: Path,
     init_pid: int,
     image_layers: int,
-    build: Callable[[], int],
+    prepare: Callable[[], None] | None,
 ) -> asyncio.Task[None]:
     """The four steps above, on one thread of the roots namespace (each hop to a thread costs more than
-    most steps); ``build``: ``build_next`` with the new root's layers (or ``open_next``, where it was
-    prepared). A failure leaves no ``next`` behind, the container perhaps half moved: the caller stops
+    most steps); ``prepare``: ``prepare_next`` with the new root's layers, or None where it is mounted
+    already. A failure leaves no ``next`` behind, the container perhaps half moved: the caller stops
     it and makes it again. The old root's mounts are let go of in the background (the task returned),
     once the call that follows a rollback has had the CPU (``SETTLE_S``)."""
     fds = []
@@ -308,7 +295,7 @@ async def reroot(
         ):
             fds.append(os.open(path, flags | os.O_CLOEXEC))
         container, home, proc = fds
-        steps = functools.partial(_steps, group, init_pid, bundle, image_layers, build, container, home, proc)
+        steps = functools.partial(_steps, group, init_pid, bundle, image_layers, prepare, container, home, proc)
         old = await roots.inside(sid, steps)
     finally:
         for fd in fds:
@@ -325,14 +312,16 @@ def _steps(
     init_pid: int,
     bundle: Path,
     image_layers: int,
-    build: Callable[[], int],
+    prepare: Callable[[], None] | None,
     container: int,
     home: int,
     proc: int,
 ) -> Path:
     """(On a thread in the roots namespace ``home``.) ``container``: the container's mount namespace."""
     end_all_but(group, init_pid)
-    tree = build()
+    if prepare is not None:
+        prepare()
+    tree = open_next(bundle)
     try:
         switch_namespace(container)
         swap_root(tree, proc)
